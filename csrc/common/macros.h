@@ -1,0 +1,17 @@
+/// @file macros.h
+/// Portability macros shared by the CPU (.cpp) and CUDA (.cu) translation units.
+#pragma once
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define FASTAMP_HOST_DEVICE __host__ __device__
+#define FASTAMP_DEVICE __device__
+#else
+#define FASTAMP_HOST_DEVICE
+#define FASTAMP_DEVICE
+#endif
+
+#if defined(__CUDACC__)
+#define FASTAMP_RESTRICT __restrict__
+#else
+#define FASTAMP_RESTRICT __restrict__
+#endif

@@ -1,0 +1,58 @@
+/// @file tensor_list.h
+/// Validation and flattening of tensor-list arguments for multi-tensor kernels.
+///
+/// Every op validates *all* of its arguments through these helpers before it writes anything, so a
+/// bad argument leaves parameters, grads and scaler state untouched.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <utility>
+#include <vector>
+
+namespace fastamp {
+
+/// One tensor of a list as the kernels see it: a dense span of `numel` elements at `data`.
+/// Elementwise kernels and order-independent reductions do not care about the logical layout, so any
+/// non-overlapping dense tensor (contiguous, channels_last, transposed...) is used in place.
+struct FlatTensor {
+  void* data;
+  int64_t numel;
+  c10::ScalarType dtype;
+  int64_t index;  ///< position in the caller's list (for per-tensor outputs)
+};
+
+/// A validated tensor list. Empty tensors are dropped from items() but keep their index.
+/// Tensors with gaps in memory (e.g. a strided slice) are staged through a contiguous temporary;
+/// for writable lists, write_back() copies the temporaries back into the caller's tensors.
+class FlatTensorList {
+ public:
+  /// @param op        op name for error messages ("fastamp::grad_stats")
+  /// @param arg       argument name for error messages ("grads")
+  /// @param device    device every tensor must be on
+  /// @param writable  the op writes into these tensors (overlapping views are rejected)
+  /// @param allowed   accepted dtypes
+  static FlatTensorList prepare(at::TensorList tensors, const char* op, const char* arg,
+                                const c10::Device& device, bool writable,
+                                std::initializer_list<c10::ScalarType> allowed);
+
+  const std::vector<FlatTensor>& items() const { return items_; }
+  int64_t list_size() const { return list_size_; }
+  void write_back();
+
+ private:
+  std::vector<FlatTensor> items_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> staged_;  // (caller's tensor, temporary)
+  int64_t list_size_ = 0;
+};
+
+/// Checks a one-element float32 tensor argument that carries a per-step scalar on the device.
+void check_scalar_tensor(const at::Tensor& t, const char* op, const char* arg,
+                         const c10::Device& device, c10::ScalarType dtype);
+
+/// The device an op runs on: that of `anchor` (a scalar tensor argument, so empty lists work too).
+inline c10::Device op_device(const at::Tensor& anchor) { return anchor.device(); }
+
+}  // namespace fastamp

@@ -1,0 +1,121 @@
+// Schemas of the GradScaler ops, and the argument checks shared by their CPU and CUDA kernels.
+#include <torch/library.h>
+
+#include "scaler/scaler_checks.h"
+
+#include <cmath>
+
+namespace fastamp {
+namespace scaler {
+
+StatsPlan check_grad_stats(at::TensorList grads, const at::Tensor& inv_scale, double norm_type) {
+  constexpr const char* op = "fastamp::grad_stats";
+  TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
+  const auto dev = op_device(inv_scale);
+  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat);
+  TORCH_CHECK_VALUE(!std::isnan(norm_type) && norm_type > 0.0, op,
+                    ": norm_type must be a positive number or inf, got ", norm_type);
+  auto list = FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/false,
+                                      FASTAMP_GRAD_DTYPES);
+  return StatsPlan{std::move(list), norm_kind_of(norm_type), static_cast<float>(norm_type)};
+}
+
+FlatTensorList check_unscale(at::TensorList grads, const at::Tensor& found_inf,
+                             const at::Tensor& inv_scale, const at::Tensor& tensor_found_inf) {
+  constexpr const char* op = "fastamp::non_finite_check_and_unscale_";
+  TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
+  const auto dev = op_device(inv_scale);
+  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat);
+  check_scalar_tensor(found_inf, op, "found_inf", dev, at::kFloat);
+  TORCH_CHECK(tensor_found_inf.defined() && tensor_found_inf.device() == dev, op,
+              ": tensor_found_inf must be a tensor on ", dev);
+  TORCH_CHECK_TYPE(tensor_found_inf.scalar_type() == at::kBool, op,
+                   ": tensor_found_inf has dtype ", tensor_found_inf.scalar_type(),
+                   "; expected torch.bool");
+  TORCH_CHECK_VALUE(tensor_found_inf.dim() == 1 &&
+                        tensor_found_inf.numel() == static_cast<int64_t>(grads.size()) &&
+                        tensor_found_inf.is_contiguous(),
+                    op, ": tensor_found_inf must be a contiguous 1-D tensor of len(grads)=",
+                    grads.size(), " elements, got shape ", tensor_found_inf.sizes());
+  return FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
+}
+
+FlatTensorList check_clip_unscale(at::TensorList grads, const at::Tensor& inv_scale,
+                                  const at::Tensor& total_norm, double max_norm) {
+  constexpr const char* op = "fastamp::clip_unscale_";
+  TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
+  const auto dev = op_device(inv_scale);
+  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat);
+  check_scalar_tensor(total_norm, op, "total_norm", dev, at::kFloat);
+  TORCH_CHECK_VALUE(!std::isnan(max_norm) && max_norm >= 0.0, op,
+                    ": max_norm must be a non-negative number, got ", max_norm);
+  return FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
+}
+
+void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                        const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                        double growth_factor, double backoff_factor, int64_t growth_interval,
+                        int64_t hysteresis, double min_scale, double max_scale) {
+  constexpr const char* op = "fastamp::update_scale_";
+  TORCH_CHECK(scale.defined(), op, ": scale is undefined");
+  const auto dev = scale.device();
+  check_scalar_tensor(scale, op, "scale", dev, at::kFloat);
+  check_scalar_tensor(growth_tracker, op, "growth_tracker", dev, at::kInt);
+  check_scalar_tensor(hysteresis_tracker, op, "hysteresis_tracker", dev, at::kInt);
+  check_scalar_tensor(found_inf, op, "found_inf", dev, at::kFloat);
+  TORCH_CHECK_VALUE(std::isfinite(growth_factor) && growth_factor > 0.0, op,
+                    ": growth_factor must be a positive finite number, got ", growth_factor);
+  TORCH_CHECK_VALUE(std::isfinite(backoff_factor) && backoff_factor > 0.0, op,
+                    ": backoff_factor must be a positive finite number, got ", backoff_factor);
+  TORCH_CHECK_VALUE(growth_interval >= 1, op, ": growth_interval must be >= 1, got ",
+                    growth_interval);
+  TORCH_CHECK_VALUE(hysteresis >= 1, op, ": hysteresis must be >= 1, got ", hysteresis);
+  TORCH_CHECK_VALUE(!std::isnan(min_scale) && min_scale >= 0.0, op,
+                    ": min_scale must be >= 0, got ", min_scale);
+  TORCH_CHECK_VALUE(!std::isnan(max_scale) && max_scale >= min_scale, op,
+                    ": max_scale must be >= min_scale (", min_scale, "), got ", max_scale);
+  TORCH_CHECK(scale.data_ptr() != growth_tracker.data_ptr() &&
+                  scale.data_ptr() != hysteresis_tracker.data_ptr() &&
+                  growth_tracker.data_ptr() != hysteresis_tracker.data_ptr(),
+              op, ": scale, growth_tracker and hysteresis_tracker must be distinct tensors");
+}
+
+}  // namespace scaler
+}  // namespace fastamp
+
+TORCH_LIBRARY_FRAGMENT(fastamp, m) {
+  // Fake (meta) kernels live in Python, so torch.compile can trace these ops without running them.
+  m.set_python_module("fastamp.scaler._ops");
+
+  // Read-only gradient statistics. Reads every element of `grads` (float32/16, bfloat16, float64,
+  // mixed; all on inv_scale's device) once and writes nothing into them. Returns, as new tensors on
+  // that device: found_inf (float32 [], 1.0 if any element is inf/NaN), norm_pow_sum (float32 [],
+  // sum over elements of |g * inv_scale|^norm_type, or the max of |g * inv_scale| for norm_type=inf,
+  // accumulated in fp32), and tensor_found_inf (bool [len(grads)], which tensors had inf/NaN).
+  m.def(
+      "grad_stats(Tensor[] grads, Tensor inv_scale, float norm_type=2.0) -> "
+      "(Tensor found_inf, Tensor norm_pow_sum, Tensor tensor_found_inf)");
+
+  // In-place unscale with non-finite check: the job of torch._amp_foreach_non_finite_check_and_unscale_
+  // for mixed dtypes in one call (bfloat16 included on CUDA). Writes grads[i] *= inv_scale; sets
+  // found_inf to 1.0 and tensor_found_inf[i] to true when grads[i] had an inf/NaN *before*
+  // unscaling; never clears either, so several calls accumulate.
+  m.def(
+      "non_finite_check_and_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, "
+      "Tensor(c!) tensor_found_inf) -> ()");
+
+  // Unscale and clip in one write pass: grads[i] = grads[i] * inv_scale * clip_coef, with
+  // clip_coef = min(max_norm / (total_norm + 1e-6), 1) computed on the device from `total_norm`
+  // (the unscaled total norm, e.g. from grad_stats). Reads inv_scale and total_norm; writes grads.
+  m.def(
+      "clip_unscale_(Tensor(a!)[] grads, Tensor inv_scale, Tensor total_norm, float max_norm) -> ()");
+
+  // Device-side dynamic loss-scale update: the job of torch._amp_update_scale_ plus optional
+  // hysteresis and [min_scale, max_scale] bounds. Reads found_inf; updates scale (float32 []),
+  // growth_tracker (int32 []) and hysteresis_tracker (int32 []) in place. With hysteresis=1,
+  // min_scale=0, max_scale=inf it matches PyTorch exactly.
+  m.def(
+      "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
+      "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
+      "int hysteresis, float min_scale, float max_scale) -> ()");
+}

@@ -1,0 +1,37 @@
+/// @file scaler_checks.h
+/// Argument validation of the scaler ops, shared by the CPU and CUDA kernels so both reject bad
+/// input identically, and always before anything is written.
+#pragma once
+
+#include "common/tensor_list.h"
+#include "scaler/scaler_math.h"
+
+#include <ATen/ATen.h>
+
+namespace fastamp {
+namespace scaler {
+
+/// Gradient dtypes every scaler op accepts, mixed freely within one list.
+#define FASTAMP_GRAD_DTYPES {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble}
+
+struct StatsPlan {
+  FlatTensorList grads;
+  NormKind kind;
+  float p;
+};
+
+StatsPlan check_grad_stats(at::TensorList grads, const at::Tensor& inv_scale, double norm_type);
+
+FlatTensorList check_unscale(at::TensorList grads, const at::Tensor& found_inf,
+                             const at::Tensor& inv_scale, const at::Tensor& tensor_found_inf);
+
+FlatTensorList check_clip_unscale(at::TensorList grads, const at::Tensor& inv_scale,
+                                  const at::Tensor& total_norm, double max_norm);
+
+void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                        const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                        double growth_factor, double backoff_factor, int64_t growth_interval,
+                        int64_t hysteresis, double min_scale, double max_scale);
+
+}  // namespace scaler
+}  // namespace fastamp

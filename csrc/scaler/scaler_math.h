@@ -1,0 +1,126 @@
+/// @file scaler_math.h
+/// Element and scalar math of the GradScaler ops, written once and compiled into both the CPU
+/// kernels and the CUDA kernels. CPU tests of this math therefore cover the CUDA arithmetic too.
+#pragma once
+
+#include "common/macros.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace fastamp {
+namespace scaler {
+
+/// Which norm the read-only stats pass accumulates.
+enum class NormKind : int32_t {
+  kL2 = 0,   ///< sum of squares
+  kInf = 1,  ///< max of |x|
+  kL1 = 2,   ///< sum of |x|
+  kLp = 3,   ///< sum of |x|^p
+};
+
+inline NormKind norm_kind_of(double p) {
+  if (std::isinf(p)) return NormKind::kInf;
+  if (p == 2.0) return NormKind::kL2;
+  if (p == 1.0) return NormKind::kL1;
+  return NormKind::kLp;
+}
+
+/// 0 for finite v, NaN for +-inf and NaN. Summing these is a branch-free, vectorisable
+/// non-finite test (no -ffast-math anywhere in this project, so v - v is not folded to 0).
+template <typename T>
+FASTAMP_HOST_DEVICE inline T nonfinite_probe(T v) {
+  return v - v;
+}
+
+template <typename T>
+FASTAMP_HOST_DEVICE inline bool is_finite(T v) {
+  return nonfinite_probe(v) == T(0);
+}
+
+/// The unscaled value, computed exactly as torch._amp_foreach_non_finite_check_and_unscale_ does:
+/// one multiply by the fp32 reciprocal of the scale, in the op-math type (fp32 for half types).
+template <typename opmath_t>
+FASTAMP_HOST_DEVICE inline opmath_t unscale(opmath_t v, float inv_scale) {
+  return v * inv_scale;
+}
+
+/// One element's contribution to the norm accumulator.
+template <NormKind K>
+FASTAMP_HOST_DEVICE inline float norm_term(float u, float p) {
+  if constexpr (K == NormKind::kL2) {
+    (void)p;
+    return u * u;
+  } else if constexpr (K == NormKind::kL1 || K == NormKind::kInf) {
+    (void)p;
+    return std::fabs(u);
+  } else {
+    return std::pow(std::fabs(u), p);
+  }
+}
+
+/// Combines two accumulators: a sum, or a NaN-propagating max for the inf-norm.
+template <NormKind K>
+FASTAMP_HOST_DEVICE inline float norm_combine(float a, float b) {
+  if constexpr (K == NormKind::kInf) {
+    return (a > b || a != a) ? a : b;
+  } else {
+    return a + b;
+  }
+}
+
+/// Clip coefficient of torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6), clamped
+/// to at most 1. A NaN norm gives a NaN coefficient, as torch.clamp does.
+FASTAMP_HOST_DEVICE inline float clip_coef(float total_norm, float max_norm) {
+  const float c = max_norm / (total_norm + 1e-6f);
+  return c > 1.0f ? 1.0f : c;
+}
+
+/// Unscale and clip one value in registers: (v * inv_scale) * coef, the two roundings of the
+/// unscale_ + clip_grad_norm_ recipe for fp32, but a single rounding to the storage type.
+template <typename opmath_t>
+FASTAMP_HOST_DEVICE inline opmath_t unscale_clip(opmath_t v, float inv_scale, float coef) {
+  return (v * inv_scale) * coef;
+}
+
+/// Dynamic loss-scale update.
+///
+/// With hysteresis == 1, min_scale == 0 and max_scale == inf this is exactly torch._amp_update_scale_:
+///   overflow:    scale *= backoff_factor, growth_tracker = 0
+///   otherwise:   ++growth_tracker; when it reaches growth_interval, scale *= growth_factor unless that
+///                overflows fp32, and growth_tracker = 0.
+/// Hysteresis (as in Megatron-LM): each overflow decrements hysteresis_tracker and the scale backs
+/// off only once it is <= 0; a growth resets it to `hysteresis`. The scale is clamped to
+/// [min_scale, max_scale] and never becomes inf.
+FASTAMP_HOST_DEVICE inline void update_scale(float* scale, int32_t* growth_tracker,
+                                             int32_t* hysteresis_tracker, float found_inf,
+                                             double growth_factor, double backoff_factor,
+                                             int64_t growth_interval, int64_t hysteresis,
+                                             double min_scale, double max_scale) {
+  if (found_inf != 0.0f) {
+    *growth_tracker = 0;
+    *hysteresis_tracker = *hysteresis_tracker - 1;
+    if (*hysteresis_tracker <= 0) {
+      // float * double, rounded to float: the same arithmetic as PyTorch's kernel.
+      float s = static_cast<float>(static_cast<double>(*scale) * backoff_factor);
+      if (static_cast<double>(s) < min_scale) s = static_cast<float>(min_scale);
+      *scale = s;
+      *hysteresis_tracker = 0;
+    }
+  } else {
+    const int32_t successful = *growth_tracker + 1;
+    if (successful == growth_interval) {
+      const float grown = static_cast<float>(static_cast<double>(*scale) * growth_factor);
+      if (!std::isinf(grown)) {
+        *scale = static_cast<double>(grown) > max_scale ? static_cast<float>(max_scale) : grown;
+      }
+      *growth_tracker = 0;
+      *hysteresis_tracker = static_cast<int32_t>(hysteresis);
+    } else {
+      *growth_tracker = successful;
+    }
+  }
+}
+
+}  // namespace scaler
+}  // namespace fastamp

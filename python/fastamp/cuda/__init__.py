@@ -1,0 +1,5 @@
+"""CUDA-specific aliases kept for scripts written against ``torch.cuda.amp``."""
+
+from fastamp.cuda import amp
+
+__all__ = ["amp"]

@@ -1,0 +1,6 @@
+"""Loss scaling for mixed-precision training: :class:`GradScaler` and its fused ops."""
+
+from fastamp.scaler import _ops as ops
+from fastamp.scaler.grad_scaler import GradScaler, OptState
+
+__all__ = ["GradScaler", "OptState", "ops"]

@@ -1,0 +1,129 @@
+"""Typed Python wrappers and fake (meta) kernels of the ``fastamp`` scaler ops.
+
+The C++ schemas (csrc/scaler/ops.cpp) point torch at this module for their fake kernels
+(``set_python_module``), so ``torch.compile`` can trace the ops on FakeTensors without running them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+import fastamp._library  # noqa: F401  (loads the operator library)
+
+__all__ = [
+    "grad_stats",
+    "non_finite_check_and_unscale_",
+    "clip_unscale_",
+    "update_scale_",
+]
+
+_ops = torch.ops.fastamp
+
+
+def grad_stats(
+    grads: Sequence[Tensor], inv_scale: Tensor, norm_type: float = 2.0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Read-only pass over ``grads``: ``(found_inf, norm_pow_sum, tensor_found_inf)``.
+
+    ``found_inf`` is a float32 scalar tensor (1.0 when any element is inf/NaN), ``norm_pow_sum`` the
+    fp32 sum of ``|g * inv_scale| ** norm_type`` over all elements (the max for ``norm_type=inf``),
+    ``tensor_found_inf`` a bool tensor flagging which grads held inf/NaN. Nothing is written into
+    ``grads``, and nothing syncs with the host. Grads may mix float32, float16, bfloat16 and float64.
+    """
+    return _ops.grad_stats(list(grads), inv_scale, float(norm_type))
+
+
+def non_finite_check_and_unscale_(
+    grads: Sequence[Tensor],
+    found_inf: Tensor,
+    inv_scale: Tensor,
+    tensor_found_inf: Tensor | None = None,
+) -> Tensor:
+    """``grads[i] *= inv_scale`` in place, flagging inf/NaN: ``torch._amp_foreach_non_finite_check_and_unscale_``.
+
+    Differs from PyTorch's op in that one call takes mixed dtypes (bfloat16 included, on CUDA too)
+    and it also reports *which* tensors were non-finite in ``tensor_found_inf`` (allocated when
+    None and returned).
+    """
+    grads = list(grads)
+    if tensor_found_inf is None:
+        tensor_found_inf = torch.zeros(len(grads), dtype=torch.bool, device=inv_scale.device)
+    _ops.non_finite_check_and_unscale_(grads, found_inf, inv_scale, tensor_found_inf)
+    return tensor_found_inf
+
+
+def clip_unscale_(
+    grads: Sequence[Tensor], inv_scale: Tensor, total_norm: Tensor, max_norm: float
+) -> None:
+    """``grads[i] *= inv_scale * min(max_norm / (total_norm + 1e-6), 1)`` in one write pass."""
+    _ops.clip_unscale_(list(grads), inv_scale, total_norm, float(max_norm))
+
+
+def update_scale_(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int = 1,
+    min_scale: float = 0.0,
+    max_scale: float = math.inf,
+) -> None:
+    """Device-side loss-scale update (``torch._amp_update_scale_`` plus hysteresis and bounds)."""
+    _ops.update_scale_(
+        scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        float(growth_factor),
+        float(backoff_factor),
+        int(growth_interval),
+        int(hysteresis),
+        float(min_scale),
+        float(max_scale),
+    )
+
+
+# --- fake kernels (shapes/dtypes/devices only) ---------------------------------------------------
+
+
+@torch.library.register_fake("fastamp::grad_stats")
+def _grad_stats_fake(grads, inv_scale, norm_type=2.0):
+    dev = inv_scale.device
+    return (
+        inv_scale.new_empty((), dtype=torch.float32, device=dev),
+        inv_scale.new_empty((), dtype=torch.float32, device=dev),
+        inv_scale.new_empty((len(grads),), dtype=torch.bool, device=dev),
+    )
+
+
+@torch.library.register_fake("fastamp::non_finite_check_and_unscale_")
+def _unscale_fake(grads, found_inf, inv_scale, tensor_found_inf):
+    return None
+
+
+@torch.library.register_fake("fastamp::clip_unscale_")
+def _clip_unscale_fake(grads, inv_scale, total_norm, max_norm):
+    return None
+
+
+@torch.library.register_fake("fastamp::update_scale_")
+def _update_scale_fake(
+    scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+    min_scale,
+    max_scale,
+):
+    return None

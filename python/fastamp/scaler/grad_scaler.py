@@ -1,0 +1,516 @@
+"""``fastamp.GradScaler``: a drop-in ``torch.amp.GradScaler`` backed by fused C++/CUDA ops.
+
+It *is* a ``torch.amp.GradScaler`` (a subclass), with the same constructor, methods, per-optimizer
+state machine, exceptions and ``state_dict``; scripts and libraries that type-check the scaler
+accept it unchanged. What changes underneath:
+
+* unscaling takes every grad of a device in one multi-tensor launch, whatever the dtypes (PyTorch
+  launches once per dtype, and its CUDA kernel has no bfloat16);
+* the inf/NaN check for optimizers that unscale themselves (``fused=True``) is a read-only pass
+  (PyTorch multiplies every grad by 1.0 and writes it back);
+* ``step`` reads the inf flags back with one host sync in total (PyTorch: one per device);
+* :meth:`clip_grad_norm_` replaces ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``: one read-only
+  stats pass (inf check + norm) and one write pass (unscale and clip together);
+* the scale update runs on the device with optional hysteresis and bounds;
+* diagnostics: :meth:`last_step_skipped` (a device tensor, no sync) and :meth:`overflow_report`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+from fastamp.scaler import _ops
+
+__all__ = ["GradScaler", "OptState", "OverflowReport"]
+
+
+@dataclass
+class OverflowReport:
+    """Which parameters had inf/NaN grads at the most recent overflow.
+
+    ``update`` is the index of the :meth:`GradScaler.update` call (0-based) whose step overflowed, or
+    None when no overflow has been seen; ``parameters`` holds parameter names when a model was
+    given, else ``"param_groups[g][i]"`` labels of the optimizer.
+    """
+
+    update: int | None
+    parameters: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.update is not None
+
+    def __str__(self) -> str:
+        if self.update is None:
+            return "no overflow recorded"
+        names = ", ".join(self.parameters) if self.parameters else "(none: inf/NaN came from outside the grads)"
+        return f"overflow at update #{self.update}: non-finite grads in {names}"
+
+
+class _Diag:
+    """Per-optimizer, device-resident record of the last overflow (updated without host syncs)."""
+
+    __slots__ = ("keys", "labels", "flags", "update")
+
+    def __init__(self, keys: tuple[int, ...], labels: list[str], flags: Tensor, update: Tensor):
+        self.keys = keys
+        self.labels = labels
+        self.flags = flags
+        self.update = update
+
+
+class GradScaler(torch.amp.GradScaler):
+    """Drop-in replacement for :class:`torch.amp.GradScaler`.
+
+    Args:
+        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: as in PyTorch.
+        hysteresis: number of overflows tolerated before the scale backs off (Megatron-LM's
+            hysteresis); reset by each growth. ``1`` (default) is PyTorch's behaviour.
+        min_scale: the scale never backs off below this (default: no bound, as PyTorch).
+        max_scale: the scale never grows above this (default: no bound, as PyTorch; the scale
+            never grows to inf either way).
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+    ) -> None:
+        super().__init__(
+            device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
+        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
+            raise ValueError(f"GradScaler: hysteresis must be an int >= 1, got {hysteresis!r}")
+        lo = 0.0 if min_scale is None else float(min_scale)
+        hi = math.inf if max_scale is None else float(max_scale)
+        if not (lo >= 0.0) or math.isinf(lo):
+            raise ValueError(f"GradScaler: min_scale must be a finite number >= 0, got {min_scale!r}")
+        if not (hi >= lo):
+            raise ValueError(
+                f"GradScaler: max_scale must be >= min_scale ({lo}), got {max_scale!r}"
+            )
+        if self._enabled and not (lo <= init_scale <= hi):
+            raise ValueError(
+                f"GradScaler: init_scale={init_scale} is outside [min_scale, max_scale] = [{lo}, {hi}]"
+            )
+        self._hysteresis = hysteresis
+        self._min_scale = lo
+        self._max_scale = hi
+        self._init_hysteresis_tracker = hysteresis
+        self._hysteresis_tracker: Tensor | None = None
+        self._last_skipped: Tensor | None = None
+        self._update_count: Tensor | None = None
+        self._diag: dict[int, _Diag] = {}
+        self._warned_small_scale = False
+
+    # ------------------------------------------------------------------ lazy state
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full(
+            (), self._init_hysteresis_tracker, dtype=torch.int32, device=dev
+        )
+        self._update_count = torch.zeros((), dtype=torch.int64, device=dev)
+
+    def _ensure_aux(self) -> tuple[Tensor, Tensor]:
+        # States loaded through __setstate__/load_state_dict before scale() have scale but may lack
+        # the auxiliary tensors; create them next to the scale.
+        assert self._scale is not None
+        if self._hysteresis_tracker is None:
+            self._hysteresis_tracker = torch.full(
+                (), self._init_hysteresis_tracker, dtype=torch.int32, device=self._scale.device
+            )
+        if self._update_count is None:
+            self._update_count = torch.zeros((), dtype=torch.int64, device=self._scale.device)
+        return self._hysteresis_tracker, self._update_count
+
+    # ------------------------------------------------------------------ grads
+    @staticmethod
+    def _collect_grads(
+        optimizer: torch.optim.Optimizer, allow_fp16: bool
+    ) -> dict[torch.device, tuple[list[Tensor], list[int], list[str]]]:
+        """Grads of the optimizer grouped by device (all dtypes together), validated first."""
+        per_device: dict[torch.device, tuple[list[Tensor], list[int], list[str]]] = {}
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                if not isinstance(param, torch.Tensor):
+                    raise AssertionError(
+                        f"expected param to be torch.Tensor, got {type(param).__name__}"
+                    )
+                if param.grad is None:
+                    continue
+                if (not allow_fp16) and param.grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if param.grad.is_sparse:
+                    # Duplicate indices of scaled fp16 values may overflow only once summed, so
+                    # check the coalesced values (as PyTorch does).
+                    if param.grad.dtype is torch.float16:
+                        param.grad = param.grad.coalesce()
+                    grad = param.grad._values()
+                else:
+                    grad = param.grad
+                entry = per_device.setdefault(grad.device, ([], [], []))
+                entry[0].append(grad)
+                entry[1].append(id(param))
+                entry[2].append(f"param_groups[{g}][{i}]")
+        return per_device
+
+    def _record_flags(
+        self,
+        optimizer: torch.optim.Optimizer,
+        per_device: dict[torch.device, tuple[list[Tensor], list[int], list[str]]],
+        flags: dict[torch.device, Tensor],
+    ) -> None:
+        state = self._per_optimizer_states[id(optimizer)]
+        state["fastamp_flags"] = [(per_device[d][1], per_device[d][2], flags[d]) for d in flags]
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: Tensor,
+        found_inf: Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, Tensor]:
+        per_device = self._collect_grads(optimizer, allow_fp16)
+        found: dict[torch.device, Tensor] = {}
+        flags: dict[torch.device, Tensor] = {}
+        with torch.no_grad():
+            for dev, (grads, _, _) in per_device.items():
+                f = found_inf.to(device=dev, non_blocking=True, copy=True)
+                inv = inv_scale if inv_scale.device == dev else inv_scale.to(dev, non_blocking=True)
+                flags[dev] = _ops.non_finite_check_and_unscale_(grads, f, inv)
+                found[dev] = f
+        self._record_flags(optimizer, per_device, flags)
+        return found
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # For optimizers that unscale inside their own kernel (fused=True): a read-only inf/NaN
+        # check. PyTorch unscales by 1.0 here, rewriting every grad to itself.
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        per_device = self._collect_grads(optimizer, allow_fp16=True)
+        one = torch.ones((), dtype=torch.float32, device=scale.device)
+        found: dict[torch.device, Tensor] = {}
+        flags: dict[torch.device, Tensor] = {}
+        with torch.no_grad():
+            for dev, (grads, _, _) in per_device.items():
+                inv = one if one.device == dev else one.to(dev, non_blocking=True)
+                found[dev], _, flags[dev] = _ops.grad_stats(grads, inv)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        self._record_flags(optimizer, per_device, flags)
+        return found
+
+    def clip_grad_norm_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+    ) -> Tensor:
+        """Unscale and clip the optimizer's grads; return the total norm of the *unscaled* grads.
+
+        Equivalent to ``scaler.unscale_(optimizer)`` followed by
+        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)``, but in two passes over the
+        grads instead of four or more: a read-only pass finds inf/NaN and accumulates the norm (fp32,
+        even for half grads), then one write pass multiplies by ``inv_scale * clip_coef``. The norm is
+        returned as a device tensor: nothing syncs with the host. On a step with inf/NaN grads the
+        norm is inf/NaN and the following :meth:`step` is skipped, as with PyTorch's recipe.
+
+        Counts as this iteration's ``unscale_`` for ``optimizer`` (calling ``unscale_`` afterwards
+        raises, as a second ``unscale_`` would). If ``unscale_`` was already called, only clips.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (max_norm >= 0):
+            raise ValueError(
+                f"clip_grad_norm_: max_norm must be a non-negative number, got {max_norm!r}"
+            )
+        norm_type = float(norm_type)
+        if not (norm_type > 0):
+            raise ValueError(
+                f"clip_grad_norm_: norm_type must be a positive number or inf, got {norm_type!r}"
+            )
+        if not self._enabled:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+        scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("clip_grad_norm_() is being called after step().")
+        already_unscaled = state["stage"] is OptState.UNSCALED
+        per_device = self._collect_grads(optimizer, allow_fp16=already_unscaled)
+
+        if already_unscaled:
+            inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
+        else:
+            inv_scale = scale.double().reciprocal().float()
+        found: dict[torch.device, Tensor] = {}
+        flags: dict[torch.device, Tensor] = {}
+        pow_sums: list[Tensor] = []
+        invs: dict[torch.device, Tensor] = {}
+        with torch.no_grad():
+            for dev, (grads, _, _) in per_device.items():
+                invs[dev] = inv_scale if inv_scale.device == dev else inv_scale.to(dev, non_blocking=True)
+                found[dev], pow_sum, flags[dev] = _ops.grad_stats(grads, invs[dev], norm_type)
+                pow_sums.append(pow_sum.to(scale.device, non_blocking=True))
+            if not pow_sums:
+                total_norm = torch.zeros((), dtype=torch.float32, device=scale.device)
+            else:
+                total = pow_sums[0]
+                for p in pow_sums[1:]:
+                    total = torch.maximum(total, p) if math.isinf(norm_type) else total + p
+                if math.isinf(norm_type) or norm_type == 1.0:
+                    total_norm = total
+                elif norm_type == 2.0:
+                    total_norm = total.sqrt()
+                else:
+                    total_norm = total.pow(1.0 / norm_type)
+            for dev, (grads, _, _) in per_device.items():
+                tn = total_norm if total_norm.device == dev else total_norm.to(dev, non_blocking=True)
+                _ops.clip_unscale_(grads, invs[dev], tn, float(max_norm))
+
+        if already_unscaled:
+            # Keep the inf checks of the earlier unscale_: they saw the grads before clipping.
+            prev = state["found_inf_per_device"]
+            for dev, f in found.items():
+                if dev in prev:
+                    prev[dev] = torch.maximum(prev[dev], f)
+                else:
+                    prev[dev] = f
+        else:
+            state["found_inf_per_device"] = found
+            self._record_flags(optimizer, per_device, flags)
+            state["stage"] = OptState.UNSCALED
+        return total_norm
+
+    # ------------------------------------------------------------------ step / update
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> float | None:
+        found = self._sum_found(optimizer_state)
+        # One host sync for every device (PyTorch: one .item() per device); the scale rides along
+        # so the "scale below 1" warning costs nothing extra.
+        found_val, scale_val = torch.stack([found, self._scale.to(found.device)]).tolist()
+        self._maybe_warn_scale(scale_val)
+        if not found_val:
+            return optimizer.step(*args, **kwargs)
+        return None
+
+    def _sum_found(self, optimizer_state: dict[str, Any]) -> Tensor:
+        assert self._scale is not None
+        values = list(optimizer_state["found_inf_per_device"].values())
+        total = values[0].to(self._scale.device, non_blocking=True)
+        for v in values[1:]:
+            total = total + v.to(self._scale.device, non_blocking=True)
+        return total
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        retval = super().step(optimizer, *args, **kwargs)
+        if self._enabled:
+            state = self._per_optimizer_states[id(optimizer)]
+            if state["found_inf_per_device"]:
+                self._last_skipped = self._sum_found(state) > 0
+        return retval
+
+    def update(self, new_scale: float | Tensor | None = None) -> None:
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            super().update(new_scale)
+            return
+        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        hysteresis_tracker, update_count = self._ensure_aux()
+        found_infs = [
+            f.to(device=scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for f in state["found_inf_per_device"].values()
+        ]
+        if len(found_infs) == 0:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        found = found_infs[0]
+        for f in found_infs[1:]:
+            found = found + f
+        _ops.update_scale_(
+            scale,
+            growth_tracker,
+            hysteresis_tracker,
+            found,
+            self._growth_factor,
+            self._backoff_factor,
+            self._growth_interval,
+            self._hysteresis,
+            self._min_scale,
+            self._max_scale,
+        )
+        self._record_overflow(update_count)
+        update_count.add_(1)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _record_overflow(self, update_count: Tensor) -> None:
+        """Keeps, per optimizer, the flags of its last overflowing step; device ops only."""
+        for opt_id, state in self._per_optimizer_states.items():
+            entries = state.get("fastamp_flags")
+            if not entries or not state["found_inf_per_device"]:
+                continue
+            dev = update_count.device
+            keys = tuple(k for ids, _, _ in entries for k in ids)
+            labels = [lab for _, labs, _ in entries for lab in labs]
+            flags = [f.to(dev, non_blocking=True) for _, _, f in entries]
+            cur = flags[0] if len(flags) == 1 else torch.cat(flags)
+            overflowed = self._sum_found(state) > 0
+            rec = self._diag.get(opt_id)
+            if rec is None or rec.keys != keys:
+                rec = _Diag(keys, labels, torch.zeros_like(cur), torch.full_like(update_count, -1))
+                self._diag[opt_id] = rec
+            rec.flags = torch.where(overflowed, cur, rec.flags)
+            rec.update = torch.where(overflowed, update_count, rec.update)
+
+    # ------------------------------------------------------------------ diagnostics
+    def last_step_skipped(self) -> Tensor:
+        """A device bool tensor: did the most recent :meth:`step` skip ``optimizer.step()``?
+
+        Reading it does not sync until you turn it into a Python bool. False before any step and
+        when the scaler is disabled.
+        """
+        if self._last_skipped is not None:
+            return self._last_skipped
+        dev = self._scale.device if self._scale is not None else torch.device("cpu")
+        return torch.zeros((), dtype=torch.bool, device=dev)
+
+    def overflow_report(self, model: torch.nn.Module | None = None) -> OverflowReport:
+        """Names the parameters whose grads were inf/NaN at the most recent overflow.
+
+        Pass the model to get parameter names (``"encoder.layer.0.weight"``); otherwise parameters
+        are labelled by their place in the optimizer (``"param_groups[0][3]"``). This syncs with the
+        device (it is a diagnostic, meant for after a NaN loss, not for every step).
+        """
+        names: dict[int, str] = {}
+        if model is not None:
+            names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        best: tuple[int, list[str]] | None = None
+        for rec in self._diag.values():
+            upd = int(rec.update.item())
+            if upd < 0:
+                continue
+            bad = rec.flags.tolist()
+            params = [names.get(k, lab) for k, lab, b in zip(rec.keys, rec.labels, bad) if b]
+            if best is None or upd > best[0]:
+                best = (upd, params)
+            elif upd == best[0]:
+                best[1].extend(params)
+        if best is None:
+            return OverflowReport(None, [])
+        return OverflowReport(best[0], best[1])
+
+    def _maybe_warn_scale(self, scale_val: float) -> None:
+        if scale_val < 1.0 and not self._warned_small_scale:
+            self._warned_small_scale = True
+            warnings.warn(
+                f"fastamp.GradScaler: the loss scale fell to {scale_val:g} (< 1). Gradients overflow "
+                "even unscaled: the loss or some activations are inf/NaN on their own. Check the "
+                "data and the learning rate; overflow_report() names the parameters involved. "
+                "bf16-pretrained models often overflow in fp16: prefer bf16 autocast for them.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def get_scale(self) -> float:
+        value = super().get_scale()
+        if self._enabled:
+            self._maybe_warn_scale(value)
+        return value
+
+    # ------------------------------------------------------------------ state
+    def _get_hysteresis_tracker(self) -> int:
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    def _has_extras(self) -> bool:
+        return self._hysteresis != 1 or self._min_scale != 0.0 or not math.isinf(self._max_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        """PyTorch's five entries; plus the hysteresis/bounds entries only when they are in use,
+        so the dict of a default-configured scaler is exactly PyTorch's."""
+        out = super().state_dict()
+        if self._enabled and self._has_extras():
+            out["hysteresis"] = self._hysteresis
+            out["_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            out["min_scale"] = self._min_scale
+            out["max_scale"] = self._max_scale
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Accepts dicts from ``torch.amp.GradScaler`` and from ``fastamp.GradScaler``."""
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        missing = [
+            k
+            for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+            if k not in state_dict
+        ]
+        if missing:
+            raise KeyError(
+                f"GradScaler.load_state_dict: the state dict lacks {missing}; expected the dict "
+                "returned by GradScaler.state_dict() (torch.amp or fastamp)"
+            )
+        super().load_state_dict(state_dict)
+        if "hysteresis" in state_dict:
+            self._hysteresis = int(state_dict["hysteresis"])
+            self._min_scale = float(state_dict.get("min_scale", 0.0))
+            self._max_scale = float(state_dict.get("max_scale", math.inf))
+        tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+        self._init_hysteresis_tracker = tracker
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(tracker)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        if self._enabled:
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+        state["_hysteresis_tracker"] = None
+        state["_last_skipped"] = None
+        state["_update_count"] = None
+        state["_diag"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        defaults = {
+            "_hysteresis": 1,
+            "_min_scale": 0.0,
+            "_max_scale": math.inf,
+            "_init_hysteresis_tracker": state.get("_hysteresis", 1),
+            "_hysteresis_tracker": None,
+            "_last_skipped": None,
+            "_update_count": None,
+            "_diag": {},
+            "_warned_small_scale": False,
+        }
+        for k, v in defaults.items():
+            state.setdefault(k, v)
+        super().__setstate__(state)
