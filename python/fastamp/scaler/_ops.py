@@ -24,6 +24,19 @@ __all__ = [
 _ops = torch.ops.fastamp
 
 
+def _dense(grads: Sequence[Tensor], op: str) -> list[Tensor]:
+    # Sparse tensors would be routed by the dispatcher to a Sparse* backend that has no kernel;
+    # say what to do instead of "could not run ... with arguments from the SparseCPU backend".
+    grads = list(grads)
+    for i, g in enumerate(grads):
+        if isinstance(g, Tensor) and g.layout != torch.strided:
+            raise RuntimeError(
+                f"fastamp::{op}: grads[{i}] has layout {g.layout}; expected a dense (strided) "
+                "tensor. For sparse grads pass grad.coalesce()._values()"
+            )
+    return grads
+
+
 def grad_stats(
     grads: Sequence[Tensor], inv_scale: Tensor, norm_type: float = 2.0
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -34,7 +47,7 @@ def grad_stats(
     ``tensor_found_inf`` a bool tensor flagging which grads held inf/NaN. Nothing is written into
     ``grads``, and nothing syncs with the host. Grads may mix float32, float16, bfloat16 and float64.
     """
-    return _ops.grad_stats(list(grads), inv_scale, float(norm_type))
+    return _ops.grad_stats(_dense(grads, "grad_stats"), inv_scale, float(norm_type))
 
 
 def non_finite_check_and_unscale_(
@@ -49,7 +62,7 @@ def non_finite_check_and_unscale_(
     and it also reports *which* tensors were non-finite in ``tensor_found_inf`` (allocated when
     None and returned).
     """
-    grads = list(grads)
+    grads = _dense(grads, "non_finite_check_and_unscale_")
     if tensor_found_inf is None:
         tensor_found_inf = torch.zeros(len(grads), dtype=torch.bool, device=inv_scale.device)
     _ops.non_finite_check_and_unscale_(grads, found_inf, inv_scale, tensor_found_inf)
@@ -60,7 +73,7 @@ def clip_unscale_(
     grads: Sequence[Tensor], inv_scale: Tensor, total_norm: Tensor, max_norm: float
 ) -> None:
     """``grads[i] *= inv_scale * min(max_norm / (total_norm + 1e-6), 1)`` in one write pass."""
-    _ops.clip_unscale_(list(grads), inv_scale, total_norm, float(max_norm))
+    _ops.clip_unscale_(_dense(grads, "clip_unscale_"), inv_scale, total_norm, float(max_norm))
 
 
 def update_scale_(
@@ -93,8 +106,20 @@ def update_scale_(
 # --- fake kernels (shapes/dtypes/devices only) ---------------------------------------------------
 
 
+def _fake_check_devices(op: str, grads, anchor: Tensor) -> None:
+    # The real kernels check this too; doing it in the fake kernels makes torch.compile (and the
+    # meta device) report the same error at trace time.
+    for i, g in enumerate(grads):
+        if g.device != anchor.device:
+            raise RuntimeError(
+                f"fastamp::{op}: grads[{i}] is on {g.device} but the op runs on {anchor.device} "
+                "(the device of its scalar tensors); group tensors by device"
+            )
+
+
 @torch.library.register_fake("fastamp::grad_stats")
 def _grad_stats_fake(grads, inv_scale, norm_type=2.0):
+    _fake_check_devices("grad_stats", grads, inv_scale)
     dev = inv_scale.device
     return (
         inv_scale.new_empty((), dtype=torch.float32, device=dev),
@@ -105,11 +130,13 @@ def _grad_stats_fake(grads, inv_scale, norm_type=2.0):
 
 @torch.library.register_fake("fastamp::non_finite_check_and_unscale_")
 def _unscale_fake(grads, found_inf, inv_scale, tensor_found_inf):
+    _fake_check_devices("non_finite_check_and_unscale_", grads, inv_scale)
     return None
 
 
 @torch.library.register_fake("fastamp::clip_unscale_")
 def _clip_unscale_fake(grads, inv_scale, total_norm, max_norm):
+    _fake_check_devices("clip_unscale_", grads, inv_scale)
     return None
 
 

@@ -394,7 +394,8 @@ class GradScaler(torch.amp.GradScaler):
         """
         if self._last_skipped is not None:
             return self._last_skipped
-        dev = self._scale.device if self._scale is not None else torch.device("cpu")
+        scale = getattr(self, "_scale", None)
+        dev = scale.device if scale is not None else torch.device("cpu")
         return torch.zeros((), dtype=torch.bool, device=dev)
 
     def overflow_report(self, model: torch.nn.Module | None = None) -> OverflowReport:

@@ -1,0 +1,331 @@
+/// @file multi_tensor_apply_cuda.cuh
+/// CUDA driver of the multi-tensor-apply engine: runs a per-chunk functor over the chunks that
+/// plan_chunks() (multi_tensor_apply.h) cuts a tensor list into, one CUDA block per chunk.
+///
+/// Tensor addresses, sizes and dtypes travel in the kernel's arguments, so one launch covers many
+/// tensors with no host-to-device copy and no allocation. Each tensor carries a dtype tag and the
+/// kernel dispatches on it per block (a branch uniform within the block), so a list that mixes
+/// float32, float16, bfloat16 and float64 still takes one launch per argument-struct fill, not one
+/// per dtype. When the argument struct is full (too many tensors or blocks) the driver launches
+/// and continues with the rest, carrying over a tensor that is split across two launches.
+///
+/// Each block also learns the ordinal of its chunk in the whole plan (MtaBlock::chunk_id), the
+/// index the CPU driver uses for the same chunk: a reduction that writes one partial per chunk and
+/// combines partials in chunk order is deterministic, and matches the CPU chunking exactly.
+///
+/// Usage: an op is a trivially copyable functor with
+///   template <typename T> __device__ void apply(const fastamp::MtaBlock<Depth>& blk) const;
+/// called by all kMtaThreads threads of a block, with T the dtype of the block's list-0 tensor.
+/// mta_read / mta_update run a per-element lambda over a chunk with 16-byte vector accesses.
+#pragma once
+
+#include "common/multi_tensor_apply.h"
+
+#include <c10/core/ScalarType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace fastamp {
+
+/// Threads per block of every multi-tensor-apply launch. A constant (not a launch parameter) so
+/// that the per-thread element order, and hence every reduction, depends on the sizes only.
+constexpr int kMtaThreads = 512;
+
+/// Vectors each thread loads before it computes on any, so several 16-byte loads are in flight.
+constexpr int kMtaIlp = 4;
+
+/// Blocks per launch. With 512 threads and 64 Ki-element chunks a launch covers up to 20M
+/// elements; more blocks would need per-block bytes that the tensor table needs more.
+constexpr int kMtaMaxBlocks = 320;
+
+/// Kernel-argument bytes the metadata may use. Kernel parameters are limited to 4 KiB on every
+/// driver we support (the 32 KiB limit needs driver 12.1+, which CUDA minor-version compatibility
+/// does not guarantee), and the op functor needs the rest.
+constexpr int kMtaMetaBytes = 3840;
+constexpr int kMtaParamBytes = 4096;
+
+/// Tensors per launch for `Depth` parallel lists: what is left of the budget after the per-block
+/// maps, divided by the per-tensor bytes (Depth addresses and dtype tags, numel, list index).
+template <int Depth>
+constexpr int mta_max_tensors() {
+  constexpr int kPerBlock = 4 + 1;  // block_chunk (int32) + block_slot (uint8)
+  constexpr int kPerTensor = Depth * (8 + 1) + 8 + 4;
+  constexpr int n = (kMtaMetaBytes - 16 - kPerBlock * kMtaMaxBlocks) / kPerTensor;
+  return n > 255 ? 255 : n;  // block_slot is a uint8
+}
+
+/// Kernel-argument metadata of one launch. Largest members first, so there is no inner padding.
+template <int Depth>
+struct MtaMeta {
+  static constexpr int kMaxTensors = mta_max_tensors<Depth>();
+  void* data[Depth][kMaxTensors];
+  int64_t numel[kMaxTensors];
+  int64_t first_chunk;  ///< plan ordinal of this launch's block 0 (blocks are consecutive chunks)
+  int32_t index[kMaxTensors];  ///< position of the tensor in the caller's list
+  int32_t block_chunk[kMtaMaxBlocks];  ///< chunk index within its tensor
+  uint8_t dtype[Depth][kMaxTensors];   ///< c10::ScalarType
+  uint8_t block_slot[kMtaMaxBlocks];   ///< tensor slot in this launch
+};
+
+/// What one block works on: chunk `[start, start + len)` of the tensors at `data[d]`.
+template <int Depth>
+struct MtaBlock {
+  void* data[Depth];
+  c10::ScalarType dtype[Depth];
+  int64_t start;     ///< first element of the chunk (64-bit: tensors may exceed 2^31 elements)
+  int len;           ///< elements in the chunk, 1..kChunkElems
+  int64_t index;     ///< position of the tensor in the caller's list
+  int64_t chunk_id;  ///< ordinal of the chunk in plan_chunks() order, for per-chunk partials
+
+  template <typename T>
+  __device__ __forceinline__ T* ptr(int d) const {
+    return static_cast<T*>(data[d]) + start;
+  }
+};
+
+namespace detail {
+
+template <int Depth, typename Op>
+__global__ void __launch_bounds__(kMtaThreads)
+    multi_tensor_apply_kernel(const MtaMeta<Depth> meta, const Op op) {
+  const int slot = meta.block_slot[blockIdx.x];
+  MtaBlock<Depth> blk;
+#pragma unroll
+  for (int d = 0; d < Depth; ++d) {
+    blk.data[d] = meta.data[d][slot];
+    blk.dtype[d] = static_cast<c10::ScalarType>(meta.dtype[d][slot]);
+  }
+  blk.start = static_cast<int64_t>(meta.block_chunk[blockIdx.x]) * kChunkElems;
+  const int64_t left = meta.numel[slot] - blk.start;
+  blk.len = static_cast<int>(left < kChunkElems ? left : kChunkElems);
+  blk.index = meta.index[slot];
+  blk.chunk_id = meta.first_chunk + blockIdx.x;
+  // The tag is the same for every thread of the block, so this switch never diverges.
+  switch (blk.dtype[0]) {
+    case c10::ScalarType::Float:
+      op.template apply<float>(blk);
+      break;
+    case c10::ScalarType::Half:
+      op.template apply<c10::Half>(blk);
+      break;
+    case c10::ScalarType::BFloat16:
+      op.template apply<c10::BFloat16>(blk);
+      break;
+    case c10::ScalarType::Double:
+      op.template apply<double>(blk);
+      break;
+    default:
+      break;  // unreachable: the driver rejects other dtypes before launching
+  }
+}
+
+inline bool mta_supported_dtype(c10::ScalarType t) {
+  return t == c10::ScalarType::Float || t == c10::ScalarType::Half ||
+         t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Double;
+}
+
+}  // namespace detail
+
+/// Runs `op` over every chunk of `Depth` parallel tensor lists (item i of every list has the same
+/// numel; list 0's dtype selects the kernel instantiation) on the current stream of `device`.
+/// Launches nothing when the lists hold no elements. Never synchronises with the host.
+template <int Depth, typename Op>
+void cuda_multi_tensor_apply(const std::array<const std::vector<FlatTensor>*, Depth>& lists,
+                             const c10::Device& device, const Op& op) {
+  static_assert(Depth >= 1, "at least one tensor list");
+  static_assert(std::is_trivially_copyable_v<Op>, "the op is passed by value as a kernel argument");
+  static_assert(sizeof(MtaMeta<Depth>) <= kMtaMetaBytes, "metadata exceeds its kernel-arg budget");
+  static_assert(sizeof(MtaMeta<Depth>) + sizeof(Op) <= kMtaParamBytes,
+                "metadata + op exceed the 4 KiB kernel-argument limit; make the op smaller");
+  constexpr int kMaxTensors = MtaMeta<Depth>::kMaxTensors;
+
+  const std::vector<FlatTensor>& items = *lists[0];
+  for (int d = 0; d < Depth; ++d) {
+    const auto& l = *lists[static_cast<size_t>(d)];
+    TORCH_INTERNAL_ASSERT(l.size() == items.size(), "multi_tensor_apply: list ", d, " has ",
+                          l.size(), " non-empty tensors, list 0 has ", items.size());
+    for (size_t i = 0; i < l.size(); ++i) {
+      TORCH_INTERNAL_ASSERT(l[i].numel == items[i].numel,
+                            "multi_tensor_apply: numel mismatch between lists at item ", i);
+      TORCH_INTERNAL_ASSERT(detail::mta_supported_dtype(l[i].dtype),
+                            "multi_tensor_apply: unsupported dtype ", l[i].dtype);
+    }
+  }
+  const std::vector<Chunk> chunks = plan_chunks(items, kChunkElems);
+  if (chunks.empty()) return;
+
+  TORCH_INTERNAL_ASSERT(device.is_cuda(), "multi_tensor_apply: ", device, " is not a CUDA device");
+  c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
+
+  MtaMeta<Depth> meta;
+  int ntensors = 0;
+  int nblocks = 0;
+  int32_t cur_item = -1;
+  meta.first_chunk = 0;
+  auto launch = [&] {
+    detail::multi_tensor_apply_kernel<Depth, Op><<<nblocks, kMtaThreads, 0, stream>>>(meta, op);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const Chunk& ch = chunks[c];
+    bool new_tensor = ch.item != cur_item;
+    if (nblocks == kMtaMaxBlocks || (new_tensor && ntensors == kMaxTensors)) {
+      // nblocks > 0 here: every tensor in the table owns at least one block. Kernel arguments are
+      // copied at launch, so the table can be refilled at once; a tensor cut by the flush is
+      // entered again as slot 0 of the next launch.
+      launch();
+      ntensors = 0;
+      nblocks = 0;
+      meta.first_chunk = static_cast<int64_t>(c);
+      new_tensor = true;
+    }
+    if (new_tensor) {
+      for (int d = 0; d < Depth; ++d) {
+        const FlatTensor& t = (*lists[static_cast<size_t>(d)])[static_cast<size_t>(ch.item)];
+        meta.data[d][ntensors] = t.data;
+        meta.dtype[d][ntensors] = static_cast<uint8_t>(t.dtype);
+      }
+      const FlatTensor& t = items[static_cast<size_t>(ch.item)];
+      TORCH_INTERNAL_ASSERT(t.index <= std::numeric_limits<int32_t>::max());
+      meta.numel[ntensors] = t.numel;
+      meta.index[ntensors] = static_cast<int32_t>(t.index);
+      ++ntensors;
+      cur_item = ch.item;
+    }
+    const int64_t chunk_in_tensor = ch.start / kChunkElems;
+    TORCH_CHECK(chunk_in_tensor <= std::numeric_limits<int32_t>::max(),
+                "multi_tensor_apply: a tensor of ", items[static_cast<size_t>(ch.item)].numel,
+                " elements exceeds the supported 2^47");
+    meta.block_slot[nblocks] = static_cast<uint8_t>(ntensors - 1);
+    meta.block_chunk[nblocks] = static_cast<int32_t>(chunk_in_tensor);
+    ++nblocks;
+  }
+  launch();  // the loop ran at least once, so nblocks >= 1
+}
+
+/// Single-list form of cuda_multi_tensor_apply.
+template <typename Op>
+void cuda_multi_tensor_apply(const std::vector<FlatTensor>& items, const c10::Device& device,
+                             const Op& op) {
+  cuda_multi_tensor_apply<1, Op>({&items}, device, op);
+}
+
+// --- per-chunk helpers, called by all threads of a block -------------------------------------
+
+/// Elements of T per 16-byte vector.
+template <typename T>
+constexpr int kMtaVec = 16 / static_cast<int>(sizeof(T));
+
+template <typename T>
+struct alignas(16) MtaVec {
+  T v[kMtaVec<T>];
+};
+
+namespace detail {
+
+/// Thread t owns vector slots t, t + kMtaThreads, ... of the chunk (slot i = elements
+/// [i*V, i*V + V)), visited in increasing order and, within a slot, element by element. The order
+/// is the same whether a slot is read with one 16-byte load (aligned, full) or element by element
+/// (misaligned base, or the chunk's ragged end), so reductions do not depend on alignment.
+template <bool kWrite, typename T, typename F>
+__device__ __forceinline__ void mta_chunk_loop(T* p, int n, F& f) {
+  constexpr int V = kMtaVec<T>;
+  const bool aligned = (reinterpret_cast<uintptr_t>(p) % 16) == 0;
+  const int nvec = (n + V - 1) / V;
+  for (int base = static_cast<int>(threadIdx.x); base < nvec; base += kMtaThreads * kMtaIlp) {
+    MtaVec<T> r[kMtaIlp];
+    int valid[kMtaIlp];
+#pragma unroll
+    for (int k = 0; k < kMtaIlp; ++k) {
+      const int i = base + k * kMtaThreads;
+      const int left = n - i * V;
+      valid[k] = left <= 0 ? 0 : (left < V ? left : V);
+      if (aligned && valid[k] == V) {
+        r[k] = reinterpret_cast<const MtaVec<T>*>(p)[i];
+      } else {
+        for (int j = 0; j < valid[k]; ++j) r[k].v[j] = p[i * V + j];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kMtaIlp; ++k) {
+      const int i = base + k * kMtaThreads;
+      if (valid[k] == V) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          if constexpr (kWrite) {
+            r[k].v[j] = f(r[k].v[j]);
+          } else {
+            f(r[k].v[j]);
+          }
+        }
+        if constexpr (kWrite) {
+          if (aligned) {
+            reinterpret_cast<MtaVec<T>*>(p)[i] = r[k];
+          } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) p[i * V + j] = r[k].v[j];
+          }
+        }
+      } else {
+        for (int j = 0; j < valid[k]; ++j) {
+          if constexpr (kWrite) {
+            p[i * V + j] = f(r[k].v[j]);
+          } else {
+            f(r[k].v[j]);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+/// Calls f(x) for each element x of the chunk [p, p + n) owned by this thread (see
+/// detail::mta_chunk_loop for the fixed order). Reads with 16-byte loads where p is 16-byte aligned.
+template <typename T, typename F>
+__device__ __forceinline__ void mta_read(const T* p, int n, F&& f) {
+  detail::mta_chunk_loop<false>(const_cast<T*>(p), n, f);
+}
+
+/// Replaces each element x of the chunk [p, p + n) owned by this thread with f(x), with 16-byte
+/// loads and stores where p is 16-byte aligned.
+template <typename T, typename F>
+__device__ __forceinline__ void mta_update(T* p, int n, F&& f) {
+  detail::mta_chunk_loop<true>(p, n, f);
+}
+
+/// Reduces one value per thread over a block of `Threads` threads with `combine`, in a fixed
+/// tree order (deterministic). The result is valid in thread 0 only. Every thread of the block
+/// must call it, at most once per kernel (its shared scratch is not guarded for reuse).
+template <int Threads, typename T, typename F>
+__device__ __forceinline__ T mta_block_reduce(T v, F combine, T identity) {
+  static_assert(Threads % 32 == 0 && Threads <= 1024, "whole warps, at most 1024 threads");
+  constexpr int kWarps = Threads / 32;
+  __shared__ T warp_vals[kWarps];
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) v = combine(v, __shfl_down_sync(0xffffffffu, v, off));
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  if (lane == 0) warp_vals[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < kWarps ? warp_vals[lane] : identity;
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) v = combine(v, __shfl_down_sync(0xffffffffu, v, off));
+  }
+  return v;
+}
+
+}  // namespace fastamp

@@ -1,0 +1,21 @@
+"""Reference implementations and input makers shared by fastamp's tests and benchmarks."""
+
+from fastamp.testing.reference import (
+    clip_unscale_ref,
+    grad_stats_ref,
+    make_grads,
+    transformer_like_shapes,
+    unscale_ref,
+    update_scale_ref,
+)
+from fastamp.testing.syncs import count_host_syncs
+
+__all__ = [
+    "clip_unscale_ref",
+    "count_host_syncs",
+    "grad_stats_ref",
+    "make_grads",
+    "transformer_like_shapes",
+    "unscale_ref",
+    "update_scale_ref",
+]

@@ -1,0 +1,128 @@
+"""Float64 reference implementations of the scaler ops, and random gradient makers.
+
+The references are deliberately naive (per-tensor torch ops in float64) so that they share no code
+and no summation order with the kernels they check.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def make_grads(
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[torch.dtype] | torch.dtype,
+    device: str | torch.device = "cpu",
+    *,
+    seed: int = 0,
+    scale: float = 1.0,
+    non_contiguous: Sequence[bool] | bool = False,
+) -> list[Tensor]:
+    """Random normal grads (never zeros), optionally as non-contiguous strided views."""
+    gen = torch.Generator().manual_seed(seed)
+    if isinstance(dtypes, torch.dtype):
+        dtypes = [dtypes] * len(shapes)
+    if isinstance(non_contiguous, bool):
+        non_contiguous = [non_contiguous] * len(shapes)
+    out = []
+    for shape, dtype, nc in zip(shapes, dtypes, non_contiguous):
+        if nc:
+            # Every other column of a wider tensor: a view with gaps between rows' elements.
+            big = torch.randn(*shape[:-1], shape[-1] * 2, generator=gen, dtype=torch.float64) if shape else torch.randn((), generator=gen, dtype=torch.float64)
+            base = (big * scale).to(dtype).to(device)
+            t = base[..., ::2] if shape else base
+        else:
+            t = (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+        out.append(t)
+    return out
+
+
+def transformer_like_shapes(n_params: int, hidden: int = 1024, vocab: int = 32000) -> list[tuple[int, ...]]:
+    """Parameter shapes of a GPT-style stack whose total size is about ``n_params``.
+
+    Per layer: QKV and output projections, a 4x MLP, two LayerNorms (weights and biases); plus an
+    embedding table: many large matrices and many tiny vectors, as in real models.
+    """
+    shapes: list[tuple[int, ...]] = [(vocab, hidden)]
+    per_layer = [
+        (3 * hidden, hidden), (3 * hidden,), (hidden, hidden), (hidden,),
+        (4 * hidden, hidden), (4 * hidden,), (hidden, 4 * hidden), (hidden,),
+        (hidden,), (hidden,), (hidden,), (hidden,),
+    ]
+    layer_size = sum(math.prod(s) for s in per_layer)
+    total = vocab * hidden
+    while total + layer_size <= n_params or len(shapes) == 1:
+        shapes.extend(per_layer)
+        total += layer_size
+    return shapes
+
+
+def _pow_sum(u: Tensor, norm_type: float) -> Tensor:
+    a = u.abs()
+    if math.isinf(norm_type):
+        return a.max() if a.numel() else torch.zeros((), dtype=torch.float64)
+    if norm_type == 2.0:
+        return (a * a).sum()
+    return a.pow(norm_type).sum()
+
+
+def grad_stats_ref(
+    grads: Sequence[Tensor], inv_scale: float, norm_type: float = 2.0
+) -> tuple[float, float, list[bool]]:
+    """(found_inf, sum |g*inv_scale|^p or max, per-tensor non-finite flags), in float64."""
+    flags = [bool((~torch.isfinite(g)).any()) for g in grads]
+    parts = [_pow_sum(g.detach().cpu().double() * inv_scale, norm_type) for g in grads]
+    if not parts:
+        total = 0.0
+    elif math.isinf(norm_type):
+        total = float(torch.stack(parts).max()) if not any(torch.isnan(p) for p in parts) else math.nan
+    else:
+        total = float(torch.stack(parts).sum())
+    return (1.0 if any(flags) else 0.0), total, flags
+
+
+def unscale_ref(grads: Sequence[Tensor], inv_scale: float) -> list[Tensor]:
+    """grads * inv_scale computed in float64 and rounded once to each grad's dtype."""
+    return [(g.detach().cpu().double() * inv_scale).to(g.dtype) for g in grads]
+
+
+def clip_unscale_ref(grads: Sequence[Tensor], inv_scale: float, total_norm: float, max_norm: float) -> list[Tensor]:
+    coef = max_norm / (total_norm + 1e-6)
+    coef = coef if (coef != coef or coef <= 1.0) else 1.0
+    return [(g.detach().cpu().double() * inv_scale * coef).to(g.dtype) for g in grads]
+
+
+def update_scale_ref(
+    scale: float,
+    growth_tracker: int,
+    hysteresis_tracker: int,
+    found_inf: bool,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int = 1,
+    min_scale: float = 0.0,
+    max_scale: float = math.inf,
+) -> tuple[float, int, int]:
+    """Python transcription of the documented update rule (PyTorch's when hysteresis=1, no bounds)."""
+    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
+    if found_inf:
+        growth_tracker = 0
+        hysteresis_tracker -= 1
+        if hysteresis_tracker <= 0:
+            scale = max(f32(scale * backoff_factor), f32(min_scale)) if min_scale > 0 else f32(scale * backoff_factor)
+            hysteresis_tracker = 0
+    else:
+        if growth_tracker + 1 == growth_interval:
+            grown = f32(scale * growth_factor)
+            if not math.isinf(grown):
+                scale = min(grown, f32(max_scale)) if not math.isinf(max_scale) else grown
+            growth_tracker = 0
+            hysteresis_tracker = hysteresis
+        else:
+            growth_tracker += 1
+    return scale, growth_tracker, hysteresis_tracker

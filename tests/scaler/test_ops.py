@@ -1,0 +1,351 @@
+"""The scaler ops against float64 references, on fresh random inputs with inf/NaN injected."""
+
+import math
+
+import pytest
+import torch
+
+import fastamp
+from fastamp.scaler import ops
+from fastamp.testing import (
+    clip_unscale_ref,
+    grad_stats_ref,
+    make_grads,
+    unscale_ref,
+    update_scale_ref,
+)
+
+GRAD_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+SHAPES = [(1000,), (33, 17), (65536 + 3,), (5,), (2, 3, 4), (200_001,)]
+# Relative tolerance of an fp32-accumulated sum over ~300k terms.
+NORM_RTOL = 1e-5
+
+
+def _mixed(device, seed, dtypes=None, non_contiguous=False, scale=1.0):
+    dtypes = dtypes or [GRAD_DTYPES[i % len(GRAD_DTYPES)] for i in range(len(SHAPES))]
+    return make_grads(SHAPES, dtypes, device, seed=seed, scale=scale, non_contiguous=non_contiguous)
+
+
+def _inject(grads, which, value, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for i in which:
+        flat = grads[i].view(-1) if grads[i].is_contiguous() else None
+        idx = int(torch.randint(grads[i].numel(), (1,), generator=gen))
+        if flat is not None:
+            flat[idx] = value
+        else:
+            grads[i].reshape(-1)  # view may not exist: write through a multi-index
+            pos = torch.unravel_index(torch.tensor(idx), grads[i].shape)
+            grads[i][tuple(int(p) for p in pos)] = value
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
+def test_grad_stats_matches_float64(device, dtype, norm_type):
+    grads = make_grads(SHAPES, dtype, device, seed=1, scale=3.0)
+    before = [g.clone() for g in grads]
+    inv = 1.0 / 1024.0
+    found, pow_sum, flags = ops.grad_stats(grads, torch.tensor(inv, device=device), norm_type)
+    ref_found, ref_sum, ref_flags = grad_stats_ref(grads, inv, norm_type)
+    assert found.dtype == torch.float32 and found.shape == () and found.device.type == device
+    assert float(found) == ref_found == 0.0
+    assert flags.tolist() == ref_flags
+    assert math.isclose(float(pow_sum), ref_sum, rel_tol=NORM_RTOL if norm_type != 3.0 else 1e-4)
+    assert ref_sum > 0
+    for g, b in zip(grads, before):  # read-only: nothing written
+        assert torch.equal(g, b)
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+def test_grad_stats_mixed_dtypes_with_nonfinite(device, value):
+    grads = _mixed(device, seed=2)
+    _inject(grads, [1, 4], value, seed=3)
+    found, pow_sum, flags = ops.grad_stats(grads, torch.tensor(0.25, device=device))
+    ref_found, ref_sum, ref_flags = grad_stats_ref(grads, 0.25)
+    assert float(found) == 1.0
+    assert flags.tolist() == ref_flags == [i in (1, 4) for i in range(len(SHAPES))]
+    if math.isnan(value):
+        assert math.isnan(float(pow_sum)) and math.isnan(ref_sum)
+    else:
+        assert float(pow_sum) == math.inf == ref_sum
+
+
+def test_grad_stats_mixed_finite_matches(device):
+    grads = _mixed(device, seed=4)
+    found, pow_sum, flags = ops.grad_stats(grads, torch.tensor(0.5, device=device))
+    _, ref_sum, _ = grad_stats_ref(grads, 0.5)
+    assert float(found) == 0.0 and not flags.any()
+    assert math.isclose(float(pow_sum), ref_sum, rel_tol=NORM_RTOL)
+
+
+def test_grad_stats_norm_is_of_unscaled_values_without_overflow(device):
+    # Scaled fp16 grads near the top of the fp16 range: squares overflow fp16 but not fp32.
+    grads = make_grads([(4096,)], torch.float16, device, seed=5, scale=8000.0)
+    _, pow_sum, _ = ops.grad_stats(grads, torch.tensor(1.0 / 65536, device=device))
+    _, ref_sum, _ = grad_stats_ref(grads, 1.0 / 65536)
+    assert math.isfinite(float(pow_sum))
+    assert math.isclose(float(pow_sum), ref_sum, rel_tol=NORM_RTOL)
+
+
+def test_grad_stats_is_deterministic(device):
+    grads = _mixed(device, seed=6)
+    inv = torch.tensor(0.125, device=device)
+    first = ops.grad_stats(grads, inv)[1]
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        assert torch.equal(ops.grad_stats(grads, inv)[1], first)
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+def test_unscale_matches_float64_and_torch(device, dtype):
+    grads = make_grads(SHAPES, dtype, device, seed=7, scale=1000.0)
+    inv = 1.0 / 3000.0  # not a power of two: the rounding is exercised
+    inv_t = torch.tensor(inv, dtype=torch.float32, device=device)
+    inv32 = float(inv_t)
+    expected = unscale_ref(grads, inv32)
+    theirs = [g.clone() for g in grads]
+    found = torch.zeros((), device=device)
+    flags = ops.non_finite_check_and_unscale_(grads, found, inv_t)
+    assert float(found) == 0.0 and not flags.any()
+    for g, e in zip(grads, expected):
+        # fp32/fp64: one correctly rounded multiply; half types: fp32 multiply then one rounding.
+        tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3}.get(dtype, 0.0)
+        torch.testing.assert_close(g.cpu(), e, rtol=tol, atol=0)
+    if device == "cpu" or dtype != torch.bfloat16:  # PyTorch's CUDA kernel lacks bf16
+        f2 = torch.zeros((), device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(theirs, f2, inv_t)
+        for g, t in zip(grads, theirs):
+            assert torch.equal(g, t), "must be bitwise identical to PyTorch's kernel"
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_unscale_flags_nonfinite_and_accumulates(device, value):
+    grads = _mixed(device, seed=8)
+    _inject(grads, [3], value, seed=9)
+    found = torch.zeros((), device=device)
+    flags = ops.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5, device=device))
+    assert float(found) == 1.0
+    assert flags.tolist() == [i == 3 for i in range(len(SHAPES))]
+    # A second, clean call never clears what the first one found.
+    clean = make_grads([(10,)], torch.float32, device, seed=10)
+    ops.non_finite_check_and_unscale_(clean, found, torch.tensor(0.5, device=device))
+    assert float(found) == 1.0
+
+
+def test_unscale_non_contiguous_and_empty(device):
+    shapes = [(7, 9), (0,), (3, 0, 2), (64, 130)]
+    grads = make_grads(shapes, torch.float32, device, seed=11, non_contiguous=[True, False, False, True])
+    assert not grads[0].is_contiguous() and not grads[3].is_contiguous()
+    base3 = grads[3]._base
+    base_before = base3.clone()
+    expected = unscale_ref(grads, 0.5)
+    found = torch.zeros((), device=device)
+    flags = ops.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5, device=device))
+    for g, e in zip(grads, expected):
+        assert torch.equal(g.cpu(), e)
+    assert flags.tolist() == [False] * 4
+    # Elements of the base tensor outside the view are untouched.
+    assert torch.equal(base3[..., 1::2], base_before[..., 1::2])
+    # Channels-last (dense, non-contiguous) is used in place.
+    cl = torch.randn(2, 3, 4, 5, device=device).to(memory_format=torch.channels_last)
+    exp = cl * 0.25
+    ops.non_finite_check_and_unscale_([cl], found, torch.tensor(0.25, device=device))
+    assert torch.equal(cl, exp) and cl.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_empty_list(device):
+    inv = torch.tensor(0.5, device=device)
+    found, pow_sum, flags = ops.grad_stats([], inv)
+    assert float(found) == 0.0 and float(pow_sum) == 0.0 and flags.numel() == 0
+    f = torch.zeros((), device=device)
+    ops.non_finite_check_and_unscale_([], f, inv)
+    ops.clip_unscale_([], inv, torch.tensor(1.0, device=device), 1.0)
+    assert float(f) == 0.0
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_clip_unscale_matches_float64(device, dtype, max_norm):
+    grads = make_grads(SHAPES, dtype, device, seed=12, scale=512.0)
+    inv = torch.tensor(1.0 / 512.0, device=device)
+    found, pow_sum, _ = ops.grad_stats(grads, inv)
+    total = pow_sum.sqrt()
+    expected = clip_unscale_ref(grads, float(inv), float(total), max_norm)
+    ops.clip_unscale_(grads, inv, total, max_norm)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-7}.get(dtype, 1e-7)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g.cpu(), e, rtol=tol, atol=1e-6)
+    if max_norm == 0.5:
+        new_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+        assert math.isclose(new_norm, 0.5, rel_tol=1e-2)
+
+
+def test_clip_unscale_fp32_bitwise_equals_torch_recipe(device):
+    grads = make_grads(SHAPES, torch.float32, device, seed=13, scale=100.0)
+    theirs = [g.clone() for g in grads]
+    inv = torch.tensor(1.0 / 300.0, device=device)
+    found = torch.zeros((), device=device)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found, inv)
+    total = torch.nn.utils.clip_grad_norm_(
+        [torch.nn.Parameter(torch.empty(0))] if False else _as_params(theirs), 1.0
+    )
+    ops.clip_unscale_(grads, inv, total, 1.0)
+    for g, t in zip(grads, theirs):
+        assert torch.equal(g, t)
+
+
+def _as_params(grads):
+    params = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.empty_like(g))
+        p.grad = g
+        params.append(p)
+    return params
+
+
+@pytest.mark.parametrize("hysteresis", [1, 3])
+@pytest.mark.parametrize("bounds", [(0.0, math.inf), (4.0, 2.0**18)])
+def test_update_scale_trajectory_matches_reference(device, hysteresis, bounds):
+    lo, hi = bounds
+    gen = torch.Generator().manual_seed(14 + hysteresis)
+    pattern = (torch.rand(300, generator=gen) < 0.3).tolist()
+    scale = torch.tensor(2.0**16 if hi > 2.0**16 else hi, device=device)
+    gt = torch.zeros((), dtype=torch.int32, device=device)
+    ht = torch.full((), hysteresis, dtype=torch.int32, device=device)
+    ref = (float(scale), 0, hysteresis)
+    for step, inf in enumerate(pattern):
+        found = torch.tensor(1.0 if inf else 0.0, device=device)
+        ops.update_scale_(scale, gt, ht, found, 2.0, 0.5, 3, hysteresis, lo, hi)
+        ref = update_scale_ref(*ref, inf, 2.0, 0.5, 3, hysteresis, lo, hi)
+        assert (float(scale), int(gt), int(ht)) == ref, f"step {step}"
+        assert lo <= float(scale) <= hi
+
+
+def test_update_scale_matches_torch_exactly(device):
+    gen = torch.Generator().manual_seed(15)
+    pattern = (torch.rand(500, generator=gen) < 0.2).tolist()
+    ours = (torch.tensor(1024.0, device=device), torch.zeros((), dtype=torch.int32, device=device))
+    ht = torch.ones((), dtype=torch.int32, device=device)
+    theirs = (ours[0].clone(), ours[1].clone())
+    for inf in pattern:
+        found = torch.tensor(float(inf), device=device)
+        ops.update_scale_(ours[0], ours[1], ht, found, 1.7, 0.37, 2)
+        torch._amp_update_scale_(theirs[0], theirs[1], found, 1.7, 0.37, 2)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+
+
+def test_update_scale_never_grows_to_inf(device):
+    scale = torch.tensor(3.0e38, device=device)
+    gt = torch.zeros((), dtype=torch.int32, device=device)
+    ht = torch.ones((), dtype=torch.int32, device=device)
+    ops.update_scale_(scale, gt, ht, torch.zeros((), device=device), 2.0, 0.5, 1)
+    assert float(scale) == pytest.approx(3.0e38) and int(gt) == 0
+
+
+# --- bad input: clear errors, nothing written ----------------------------------------------------
+
+
+def test_errors_name_the_argument_and_write_nothing(device):
+    good = make_grads([(10,), (20,)], torch.float32, device, seed=16)
+    snapshot = [g.clone() for g in good]
+    inv = torch.tensor(0.5, device=device)
+    found = torch.zeros((), device=device)
+    with pytest.raises(TypeError, match=r"grads\[2\] has dtype Long"):
+        ops.non_finite_check_and_unscale_(good + [torch.ones(3, dtype=torch.long, device=device)], found, inv)
+    with pytest.raises(TypeError, match="inv_scale has dtype Double"):
+        ops.non_finite_check_and_unscale_(good, found, inv.double())
+    with pytest.raises(ValueError, match="inv_scale has 2 elements"):
+        ops.grad_stats(good, torch.ones(2, device=device))
+    with pytest.raises(RuntimeError, match=r"grads\[1\] is a view whose elements overlap"):
+        ops.non_finite_check_and_unscale_([good[0], torch.ones(1, device=device).expand(5)], found, inv)
+    with pytest.raises(RuntimeError, match=r"grads\[0\] has layout"):
+        ops.grad_stats([torch.ones(3, device=device).to_sparse()], inv)
+    with pytest.raises(ValueError, match="norm_type must be a positive"):
+        ops.grad_stats(good, inv, -1.0)
+    with pytest.raises(ValueError, match="max_norm must be a non-negative"):
+        ops.clip_unscale_(good, inv, torch.tensor(1.0, device=device), -1.0)
+    with pytest.raises(ValueError, match="growth_interval must be >= 1"):
+        ops.update_scale_(torch.tensor(1.0, device=device), torch.zeros((), dtype=torch.int32, device=device),
+                          torch.ones((), dtype=torch.int32, device=device), found, 2.0, 0.5, 0)
+    with pytest.raises(TypeError, match="growth_tracker has dtype Float"):
+        ops.update_scale_(torch.tensor(1.0, device=device), torch.zeros((), device=device),
+                          torch.ones((), dtype=torch.int32, device=device), found, 2.0, 0.5, 1)
+    with pytest.raises(ValueError, match="tensor_found_inf must be a contiguous 1-D tensor of len"):
+        ops.non_finite_check_and_unscale_(good, found, inv, torch.zeros(5, dtype=torch.bool, device=device))
+    assert float(found) == 0.0
+    for g, s in zip(good, snapshot):
+        assert torch.equal(g, s)
+
+
+def test_device_mismatch_is_rejected():
+    if not torch.cuda.is_available():
+        # Use the meta device to play "another device" without a GPU.
+        g = [torch.ones(3), torch.ones(3, device="meta")]
+    else:
+        g = [torch.ones(3), torch.ones(3, device="cuda")]
+    with pytest.raises(RuntimeError, match=r"grads\[1\] is on"):
+        ops.grad_stats(g, torch.tensor(1.0))
+
+
+@pytest.mark.slow
+def test_more_than_2_pow_31_elements():
+    n = 2**31 + 1000
+    g = torch.full((n,), 2.0, dtype=torch.bfloat16)
+    g[-1] = math.inf
+    found, pow_sum, flags = ops.grad_stats([g], torch.tensor(0.5))
+    assert float(found) == 1.0 and flags.tolist() == [True]
+    g[-1] = 3.0
+    found, pow_sum, _ = ops.grad_stats([g], torch.tensor(0.5))
+    assert float(found) == 0.0
+    assert math.isclose(float(pow_sum), (n - 1) * 1.0 + 2.25, rel_tol=1e-3)
+
+
+# --- opcheck ------------------------------------------------------------------------------------
+
+
+def _opcheck(op, args, kwargs=None):
+    torch.library.opcheck(op, args, kwargs or {})
+
+
+def test_opcheck_grad_stats(device):
+    grads = _mixed(device, seed=17)
+    _opcheck(torch.ops.fastamp.grad_stats.default, (grads, torch.tensor(0.5, device=device)), {"norm_type": 2.0})
+    _inject(grads, [0], math.inf)
+    _opcheck(torch.ops.fastamp.grad_stats.default, (grads, torch.tensor(0.5, device=device), math.inf))
+
+
+def test_opcheck_unscale(device):
+    grads = _mixed(device, seed=18)
+    _inject(grads, [2], math.nan)
+    _opcheck(
+        torch.ops.fastamp.non_finite_check_and_unscale_.default,
+        (grads, torch.zeros((), device=device), torch.tensor(0.5, device=device),
+         torch.zeros(len(grads), dtype=torch.bool, device=device)),
+    )
+
+
+def test_opcheck_clip_unscale(device):
+    grads = _mixed(device, seed=19)
+    _opcheck(
+        torch.ops.fastamp.clip_unscale_.default,
+        (grads, torch.tensor(0.5, device=device), torch.tensor(3.0, device=device), 1.0),
+    )
+
+
+def test_opcheck_update_scale(device):
+    args = (
+        torch.tensor(1024.0, device=device),
+        torch.tensor(2, dtype=torch.int32, device=device),
+        torch.tensor(1, dtype=torch.int32, device=device),
+        torch.tensor(0.0, device=device),
+        2.0, 0.5, 3, 1, 0.0, math.inf,
+    )
+    _opcheck(torch.ops.fastamp.update_scale_.default, args)
+
+
+def test_every_op_has_kernels_for_the_built_backends():
+    info = fastamp.build_info()
+    for op, keys in info["ops"].items():
+        assert "CPU" in keys, op
+        if info["with_cuda"]:
+            assert "CUDA" in keys, op
