@@ -41,12 +41,18 @@ def make_grads(
     return out
 
 
-def transformer_like_shapes(n_params: int, hidden: int = 1024, vocab: int = 32000) -> list[tuple[int, ...]]:
+def transformer_like_shapes(n_params: int, hidden: int | None = None, vocab: int = 32000) -> list[tuple[int, ...]]:
     """Parameter shapes of a GPT-style stack whose total size is about ``n_params``.
 
     Per layer: QKV and output projections, a 4x MLP, two LayerNorms (weights and biases); plus an
-    embedding table: many large matrices and many tiny vectors, as in real models.
+    embedding table: many large matrices and many tiny vectors, as in real models. The hidden size
+    grows with the model (the embedding stays about a quarter of it or less).
     """
+    if hidden is None:
+        hidden = 256
+        for h in (512, 768, 1024, 1536, 2048, 4096):
+            if vocab * h * 4 <= n_params:
+                hidden = h
     shapes: list[tuple[int, ...]] = [(vocab, hidden)]
     per_layer = [
         (3 * hidden, hidden), (3 * hidden,), (hidden, hidden), (hidden,),

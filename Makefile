@@ -1,0 +1,45 @@
+# Two commands do all the set-up on a fresh machine:
+#   make demo   - build fastamp in .venv and train fastamp vs torch side by side
+#   make test   - build fastamp in .venv and run the test suite (what CI runs)
+# TORCH_SPEC picks the torch to build against (default: the CPU 2.13.0 wheel; use torch==2.14.1 for CUDA).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+PYTEST_ARGS ?=
+
+.PHONY: demo test bench cuda-build lint clean
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" cmake ninja numpy pytest expecttest hypothesis
+	touch $@
+
+$(VENV)/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake -type f 2>/dev/null)
+	FASTAMP_CUDA=$(or $(FASTAMP_CUDA),AUTO) FASTAMP_WERROR=ON $(PIP) install -q --no-build-isolation --no-deps -e . -Cbuild-dir=build/$(notdir $(VENV))
+	touch $@
+
+demo: $(VENV)/.built
+	$(PY) examples/demo.py
+
+test: $(VENV)/.built
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(VENV)/.built
+	$(PY) benchmarks/scaler/bench_grad_scaler.py
+
+# The CUDA flavour: torch 2.14.1 (CUDA 13.0) + nvcc; builds the CUDA kernels (no GPU needed) and
+# checks every op has a CUDA kernel registered.
+cuda-build:
+	$(MAKE) $(VENV)-cuda/.built VENV=$(VENV)-cuda TORCH_SPEC=torch==2.14.1 FASTAMP_CUDA=ON
+	$(VENV)-cuda/bin/python .ci/check_cuda_build.py
+
+lint:
+	$(PY) -m pip install -q ruff
+	$(PY) -m ruff check python tests benchmarks examples
+
+clean:
+	rm -rf build $(VENV) $(VENV)-cuda
