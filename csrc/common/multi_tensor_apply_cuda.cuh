@@ -44,13 +44,14 @@ constexpr int kMtaThreads = 512;
 /// Vectors each thread loads before it computes on any, so several 16-byte loads are in flight.
 constexpr int kMtaIlp = 4;
 
-/// Blocks per launch. With 512 threads and 64 Ki-element chunks a launch covers up to 20M
-/// elements; more blocks would need per-block bytes that the tensor table needs more.
+/// Blocks (chunks) per launch, as in PyTorch's and apex's drivers: at 5 argument bytes per block
+/// this leaves room for about 100 tensors per launch, so lists of many small tensors (biases,
+/// norms) still need few launches, while a launch of large tensors covers 20M elements.
 constexpr int kMtaMaxBlocks = 320;
 
 /// Kernel-argument bytes the metadata may use. Kernel parameters are limited to 4 KiB on every
-/// driver we support (the 32 KiB limit needs driver 12.1+, which CUDA minor-version compatibility
-/// does not guarantee), and the op functor needs the rest.
+/// driver we support (32 KiB needs a CUDA 12.1+ driver, which CUDA minor-version compatibility
+/// does not guarantee for a 12.x runtime), and the op functor needs the rest.
 constexpr int kMtaMetaBytes = 3840;
 constexpr int kMtaParamBytes = 4096;
 
@@ -71,7 +72,7 @@ struct MtaMeta {
   void* data[Depth][kMaxTensors];
   int64_t numel[kMaxTensors];
   int64_t first_chunk;  ///< plan ordinal of this launch's block 0 (blocks are consecutive chunks)
-  int32_t index[kMaxTensors];  ///< position of the tensor in the caller's list
+  int32_t index[kMaxTensors];          ///< position of the tensor in the caller's list
   int32_t block_chunk[kMtaMaxBlocks];  ///< chunk index within its tensor
   uint8_t dtype[Depth][kMaxTensors];   ///< c10::ScalarType
   uint8_t block_slot[kMtaMaxBlocks];   ///< tensor slot in this launch
@@ -134,19 +135,13 @@ inline bool mta_supported_dtype(c10::ScalarType t) {
          t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Double;
 }
 
-}  // namespace detail
-
-/// Runs `op` over every chunk of `Depth` parallel tensor lists (item i of every list has the same
-/// numel; list 0's dtype selects the kernel instantiation) on the current stream of `device`.
-/// Launches nothing when the lists hold no elements. Never synchronises with the host.
-template <int Depth, typename Op>
-void cuda_multi_tensor_apply(const std::array<const std::vector<FlatTensor>*, Depth>& lists,
-                             const c10::Device& device, const Op& op) {
+/// Host half of the driver: validates `lists`, then cuts their chunks into kernel-argument tables
+/// and calls emit(meta, nblocks) for each table in plan order. It makes no CUDA call, so the
+/// packing can be tested on machines without a GPU. Everything is checked before the first emit.
+template <int Depth, typename Emit>
+void mta_pack(const std::array<const std::vector<FlatTensor>*, Depth>& lists, Emit&& emit) {
   static_assert(Depth >= 1, "at least one tensor list");
-  static_assert(std::is_trivially_copyable_v<Op>, "the op is passed by value as a kernel argument");
   static_assert(sizeof(MtaMeta<Depth>) <= kMtaMetaBytes, "metadata exceeds its kernel-arg budget");
-  static_assert(sizeof(MtaMeta<Depth>) + sizeof(Op) <= kMtaParamBytes,
-                "metadata + op exceed the 4 KiB kernel-argument limit; make the op smaller");
   constexpr int kMaxTensors = MtaMeta<Depth>::kMaxTensors;
 
   const std::vector<FlatTensor>& items = *lists[0];
@@ -157,34 +152,32 @@ void cuda_multi_tensor_apply(const std::array<const std::vector<FlatTensor>*, De
     for (size_t i = 0; i < l.size(); ++i) {
       TORCH_INTERNAL_ASSERT(l[i].numel == items[i].numel,
                             "multi_tensor_apply: numel mismatch between lists at item ", i);
-      TORCH_INTERNAL_ASSERT(detail::mta_supported_dtype(l[i].dtype),
+      TORCH_INTERNAL_ASSERT(mta_supported_dtype(l[i].dtype),
                             "multi_tensor_apply: unsupported dtype ", l[i].dtype);
     }
+  }
+  for (const FlatTensor& t : items) {
+    TORCH_INTERNAL_ASSERT(t.index >= 0 && t.index <= std::numeric_limits<int32_t>::max());
+    // block_chunk is an int32: 2^31 chunks of 64 Ki elements, i.e. 2^47 elements per tensor.
+    TORCH_CHECK((t.numel - 1) / kChunkElems <= std::numeric_limits<int32_t>::max(),
+                "multi_tensor_apply: a tensor of ", t.numel,
+                " elements exceeds the supported 2^47 elements");
   }
   const std::vector<Chunk> chunks = plan_chunks(items, kChunkElems);
   if (chunks.empty()) return;
 
-  TORCH_INTERNAL_ASSERT(device.is_cuda(), "multi_tensor_apply: ", device, " is not a CUDA device");
-  c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
-
-  MtaMeta<Depth> meta;
+  MtaMeta<Depth> meta{};  // zeroed: the unused tail of the table is copied to the device too
   int ntensors = 0;
   int nblocks = 0;
   int32_t cur_item = -1;
-  meta.first_chunk = 0;
-  auto launch = [&] {
-    detail::multi_tensor_apply_kernel<Depth, Op><<<nblocks, kMtaThreads, 0, stream>>>(meta, op);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
   for (size_t c = 0; c < chunks.size(); ++c) {
     const Chunk& ch = chunks[c];
     bool new_tensor = ch.item != cur_item;
     if (nblocks == kMtaMaxBlocks || (new_tensor && ntensors == kMaxTensors)) {
       // nblocks > 0 here: every tensor in the table owns at least one block. Kernel arguments are
       // copied at launch, so the table can be refilled at once; a tensor cut by the flush is
-      // entered again as slot 0 of the next launch.
-      launch();
+      // entered again as slot 0 of the next table.
+      emit(static_cast<const MtaMeta<Depth>&>(meta), nblocks);
       ntensors = 0;
       nblocks = 0;
       meta.first_chunk = static_cast<int64_t>(c);
@@ -197,21 +190,36 @@ void cuda_multi_tensor_apply(const std::array<const std::vector<FlatTensor>*, De
         meta.dtype[d][ntensors] = static_cast<uint8_t>(t.dtype);
       }
       const FlatTensor& t = items[static_cast<size_t>(ch.item)];
-      TORCH_INTERNAL_ASSERT(t.index <= std::numeric_limits<int32_t>::max());
       meta.numel[ntensors] = t.numel;
       meta.index[ntensors] = static_cast<int32_t>(t.index);
       ++ntensors;
       cur_item = ch.item;
     }
-    const int64_t chunk_in_tensor = ch.start / kChunkElems;
-    TORCH_CHECK(chunk_in_tensor <= std::numeric_limits<int32_t>::max(),
-                "multi_tensor_apply: a tensor of ", items[static_cast<size_t>(ch.item)].numel,
-                " elements exceeds the supported 2^47");
     meta.block_slot[nblocks] = static_cast<uint8_t>(ntensors - 1);
-    meta.block_chunk[nblocks] = static_cast<int32_t>(chunk_in_tensor);
+    meta.block_chunk[nblocks] = static_cast<int32_t>(ch.start / kChunkElems);
     ++nblocks;
   }
-  launch();  // the loop ran at least once, so nblocks >= 1
+  emit(static_cast<const MtaMeta<Depth>&>(meta), nblocks);  // the loop ran, so nblocks >= 1
+}
+
+}  // namespace detail
+
+/// Runs `op` over every chunk of `Depth` parallel tensor lists (item i of every list has the same
+/// numel; list 0's dtype selects the kernel instantiation) on the current stream of `device`.
+/// Launches nothing when the lists hold no elements. Never synchronises with the host.
+template <int Depth, typename Op>
+void cuda_multi_tensor_apply(const std::array<const std::vector<FlatTensor>*, Depth>& lists,
+                             const c10::Device& device, const Op& op) {
+  static_assert(std::is_trivially_copyable_v<Op>, "the op is passed by value as a kernel argument");
+  static_assert(sizeof(MtaMeta<Depth>) + sizeof(Op) <= kMtaParamBytes,
+                "metadata + op exceed the 4 KiB kernel-argument limit; make the op smaller");
+  TORCH_INTERNAL_ASSERT(device.is_cuda(), "multi_tensor_apply: ", device, " is not a CUDA device");
+  c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
+  detail::mta_pack<Depth>(lists, [&](const MtaMeta<Depth>& meta, int nblocks) {
+    detail::multi_tensor_apply_kernel<Depth, Op><<<nblocks, kMtaThreads, 0, stream>>>(meta, op);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 /// Single-list form of cuda_multi_tensor_apply.
@@ -232,21 +240,32 @@ struct alignas(16) MtaVec {
   T v[kMtaVec<T>];
 };
 
+// mta_chunk_loop is also compiled for the host, whose compiler does not know `#pragma unroll`.
+#if defined(__CUDA_ARCH__)
+#define FASTAMP_MTA_UNROLL _Pragma("unroll")
+#else
+#define FASTAMP_MTA_UNROLL
+#endif
+
 namespace detail {
 
 /// Thread t owns vector slots t, t + kMtaThreads, ... of the chunk (slot i = elements
 /// [i*V, i*V + V)), visited in increasing order and, within a slot, element by element. The order
 /// is the same whether a slot is read with one 16-byte load (aligned, full) or element by element
 /// (misaligned base, or the chunk's ragged end), so reductions do not depend on alignment.
+/// Every loop over j is unrolled with a predicate instead of a variable bound: a variable index
+/// into r[] would move it from registers to local memory.
+/// Host-callable with an explicit `tid` so that tests can check coverage and order without a GPU.
 template <bool kWrite, typename T, typename F>
-__device__ __forceinline__ void mta_chunk_loop(T* p, int n, F& f) {
+__host__ __device__ __forceinline__ void mta_chunk_loop(std::conditional_t<kWrite, T*, const T*> p,
+                                                        int n, F& f, int tid) {
   constexpr int V = kMtaVec<T>;
   const bool aligned = (reinterpret_cast<uintptr_t>(p) % 16) == 0;
   const int nvec = (n + V - 1) / V;
-  for (int base = static_cast<int>(threadIdx.x); base < nvec; base += kMtaThreads * kMtaIlp) {
+  for (int base = tid; base < nvec; base += kMtaThreads * kMtaIlp) {
     MtaVec<T> r[kMtaIlp];
     int valid[kMtaIlp];
-#pragma unroll
+    FASTAMP_MTA_UNROLL
     for (int k = 0; k < kMtaIlp; ++k) {
       const int i = base + k * kMtaThreads;
       const int left = n - i * V;
@@ -254,35 +273,32 @@ __device__ __forceinline__ void mta_chunk_loop(T* p, int n, F& f) {
       if (aligned && valid[k] == V) {
         r[k] = reinterpret_cast<const MtaVec<T>*>(p)[i];
       } else {
-        for (int j = 0; j < valid[k]; ++j) r[k].v[j] = p[i * V + j];
+        FASTAMP_MTA_UNROLL
+        for (int j = 0; j < V; ++j) {
+          if (j < valid[k]) r[k].v[j] = p[i * V + j];
+        }
       }
     }
-#pragma unroll
+    FASTAMP_MTA_UNROLL
     for (int k = 0; k < kMtaIlp; ++k) {
       const int i = base + k * kMtaThreads;
-      if (valid[k] == V) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
+      FASTAMP_MTA_UNROLL
+      for (int j = 0; j < V; ++j) {
+        if (j < valid[k]) {
           if constexpr (kWrite) {
             r[k].v[j] = f(r[k].v[j]);
           } else {
             f(r[k].v[j]);
           }
         }
-        if constexpr (kWrite) {
-          if (aligned) {
-            reinterpret_cast<MtaVec<T>*>(p)[i] = r[k];
-          } else {
-#pragma unroll
-            for (int j = 0; j < V; ++j) p[i * V + j] = r[k].v[j];
-          }
-        }
-      } else {
-        for (int j = 0; j < valid[k]; ++j) {
-          if constexpr (kWrite) {
-            p[i * V + j] = f(r[k].v[j]);
-          } else {
-            f(r[k].v[j]);
+      }
+      if constexpr (kWrite) {
+        if (aligned && valid[k] == V) {
+          reinterpret_cast<MtaVec<T>*>(p)[i] = r[k];
+        } else {
+          FASTAMP_MTA_UNROLL
+          for (int j = 0; j < V; ++j) {
+            if (j < valid[k]) p[i * V + j] = r[k].v[j];
           }
         }
       }
@@ -293,18 +309,31 @@ __device__ __forceinline__ void mta_chunk_loop(T* p, int n, F& f) {
 }  // namespace detail
 
 /// Calls f(x) for each element x of the chunk [p, p + n) owned by this thread (see
-/// detail::mta_chunk_loop for the fixed order). Reads with 16-byte loads where p is 16-byte aligned.
+/// detail::mta_chunk_loop for the fixed order). Reads with 16-byte loads where p is 16-byte
+/// aligned.
 template <typename T, typename F>
 __device__ __forceinline__ void mta_read(const T* p, int n, F&& f) {
-  detail::mta_chunk_loop<false>(const_cast<T*>(p), n, f);
+  detail::mta_chunk_loop<false, T>(p, n, f, static_cast<int>(threadIdx.x));
 }
 
 /// Replaces each element x of the chunk [p, p + n) owned by this thread with f(x), with 16-byte
 /// loads and stores where p is 16-byte aligned.
 template <typename T, typename F>
 __device__ __forceinline__ void mta_update(T* p, int n, F&& f) {
-  detail::mta_chunk_loop<true>(p, n, f);
+  detail::mta_chunk_loop<true, T>(p, n, f, static_cast<int>(threadIdx.x));
 }
+
+namespace detail {
+
+// One scratch array per (size, type), not one per combine lambda: every instantiation of a kernel
+// that reduces shares it.
+template <int N, typename T>
+__device__ __forceinline__ T* mta_reduce_scratch() {
+  __shared__ T vals[N];
+  return vals;
+}
+
+}  // namespace detail
 
 /// Reduces one value per thread over a block of `Threads` threads with `combine`, in a fixed
 /// tree order (deterministic). The result is valid in thread 0 only. Every thread of the block
@@ -313,7 +342,7 @@ template <int Threads, typename T, typename F>
 __device__ __forceinline__ T mta_block_reduce(T v, F combine, T identity) {
   static_assert(Threads % 32 == 0 && Threads <= 1024, "whole warps, at most 1024 threads");
   constexpr int kWarps = Threads / 32;
-  __shared__ T warp_vals[kWarps];
+  T* warp_vals = detail::mta_reduce_scratch<kWarps, T>();
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) v = combine(v, __shfl_down_sync(0xffffffffu, v, off));
   const int lane = static_cast<int>(threadIdx.x) & 31;

@@ -1,98 +1,44 @@
 // CPU kernels of the GradScaler ops. The element math comes from scaler_math.h (shared with CUDA);
-// this file only arranges it into chunked, vectorisable loops driven by multi_tensor_apply_cpu.h.
+// the per-chunk loops live in scaler_cpu_kernels.inc, compiled per instruction set; this file
+// validates, plans chunks, runs them in parallel and combines per-chunk results in chunk order.
 #include <torch/library.h>
 
 #include "common/multi_tensor_apply_cpu.h"
 #include "scaler/scaler_checks.h"
+#include "scaler/scaler_cpu_kernels.h"
 #include "scaler/scaler_math.h"
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace fastamp {
 namespace scaler {
 namespace {
 
-// Lanes of independent accumulators. A fixed lane count keeps the summation order independent of
-// the compiler's vector width (bitwise reproducible) while letting it vectorise the lane loop.
-constexpr int kLanes = 16;
-
-template <typename T>
-using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
-template <typename T, NormKind K>
-void stats_chunk(const T* FASTAMP_RESTRICT x, int64_t n, float inv_scale, float p, float* acc_out,
-                 bool* nonfinite_out) {
-  using acc_t = opmath_t<T>;
-  float acc[kLanes];
-  acc_t probe[kLanes];
-  for (int j = 0; j < kLanes; ++j) {
-    acc[j] = 0.0f;
-    probe[j] = acc_t(0);
-  }
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const acc_t v = static_cast<acc_t>(x[i + j]);
-      probe[j] += nonfinite_probe(v);
-      const float u = static_cast<float>(unscale(v, inv_scale));
-      acc[j] = norm_combine<K>(acc[j], norm_term<K>(u, p));
-    }
-  }
-  for (int j = 0; i < n; ++i, ++j) {
-    const acc_t v = static_cast<acc_t>(x[i]);
-    probe[j] += nonfinite_probe(v);
-    const float u = static_cast<float>(unscale(v, inv_scale));
-    acc[j] = norm_combine<K>(acc[j], norm_term<K>(u, p));
-  }
-  float total = acc[0];
-  acc_t probe_total = probe[0];
-  for (int j = 1; j < kLanes; ++j) {
-    total = norm_combine<K>(total, acc[j]);
-    probe_total += probe[j];
-  }
-  *acc_out = total;
-  *nonfinite_out = probe_total != acc_t(0);
-}
-
-template <typename T>
-bool unscale_chunk(T* FASTAMP_RESTRICT x, int64_t n, float inv_scale) {
-  using acc_t = opmath_t<T>;
-  acc_t probe[kLanes];
-  for (int j = 0; j < kLanes; ++j) probe[j] = acc_t(0);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const acc_t v = static_cast<acc_t>(x[i + j]);
-      probe[j] += nonfinite_probe(v);
-      x[i + j] = static_cast<T>(unscale(v, inv_scale));
-    }
-  }
-  for (int j = 0; i < n; ++i, ++j) {
-    const acc_t v = static_cast<acc_t>(x[i]);
-    probe[j] += nonfinite_probe(v);
-    x[i] = static_cast<T>(unscale(v, inv_scale));
-  }
-  acc_t probe_total = acc_t(0);
-  for (int j = 0; j < kLanes; ++j) probe_total += probe[j];
-  return probe_total != acc_t(0);
-}
-
-template <typename T>
-void clip_unscale_chunk(T* FASTAMP_RESTRICT x, int64_t n, float inv_scale, float coef) {
-  using acc_t = opmath_t<T>;
-  for (int64_t i = 0; i < n; ++i) {
-    x[i] = static_cast<T>(unscale_clip(static_cast<acc_t>(x[i]), inv_scale, coef));
-  }
-}
-
 template <NormKind K>
 float combine_partials(const std::vector<float>& partials) {
   float total = 0.0f;
   for (float v : partials) total = norm_combine<K>(total, v);
   return total;
+}
+
+inline char* chunk_base(const FlatTensor& t, const Chunk& ch) {
+  return static_cast<char*>(t.data) + ch.start * static_cast<int64_t>(c10::elementSize(t.dtype));
+}
+
+// Sets tensor_found_inf[i] for tensors with a non-finite chunk; returns whether any had one.
+bool scatter_flags(const std::vector<FlatTensor>& items, const std::vector<Chunk>& chunks,
+                   const std::vector<uint8_t>& chunk_bad, at::Tensor& tensor_found_inf) {
+  bool* flags = tensor_found_inf.data_ptr<bool>();
+  bool any = false;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if (chunk_bad[c]) {
+      flags[items[static_cast<size_t>(chunks[c].item)].index] = true;
+      any = true;
+    }
+  }
+  return any;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList grads,
@@ -102,55 +48,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList gra
   const auto opts = inv_scale.options();
   at::Tensor found_inf = at::zeros({}, opts.dtype(at::kFloat));
   at::Tensor pow_sum = at::zeros({}, opts.dtype(at::kFloat));
-  at::Tensor tensor_found_inf =
-      at::zeros({plan.grads.list_size()}, opts.dtype(at::kBool));
+  at::Tensor tensor_found_inf = at::zeros({plan.grads.list_size()}, opts.dtype(at::kBool));
 
   const auto& items = plan.grads.items();
   const auto chunks = plan_chunks(items);
   std::vector<float> partials(chunks.size(), 0.0f);
   std::vector<uint8_t> chunk_bad(chunks.size(), 0);
-  const float inv = inv_scale.item<float>();  // a CPU tensor: reading it is not a device sync
+  const float inv = *inv_scale.data_ptr<float>();  // a CPU tensor: no device sync
   const float p = plan.p;
-  const NormKind kind = plan.kind;
-
+  const int32_t kind = static_cast<int32_t>(plan.kind);
+  const CpuKernels& k = cpu_kernels();
   cpu_for_each_chunk(chunks, [&](int64_t c, const Chunk& ch) {
     const FlatTensor& t = items[static_cast<size_t>(ch.item)];
     bool bad = false;
-    FASTAMP_DISPATCH_GRAD_TYPES(t.dtype, "fastamp::grad_stats", [&] {
-      const scalar_t* x = static_cast<const scalar_t*>(t.data) + ch.start;
-      switch (kind) {
-        case NormKind::kL2:
-          stats_chunk<scalar_t, NormKind::kL2>(x, ch.len, inv, p, &partials[c], &bad);
-          break;
-        case NormKind::kInf:
-          stats_chunk<scalar_t, NormKind::kInf>(x, ch.len, inv, p, &partials[c], &bad);
-          break;
-        case NormKind::kL1:
-          stats_chunk<scalar_t, NormKind::kL1>(x, ch.len, inv, p, &partials[c], &bad);
-          break;
-        case NormKind::kLp:
-          stats_chunk<scalar_t, NormKind::kLp>(x, ch.len, inv, p, &partials[c], &bad);
-          break;
-      }
-    });
+    k.stats(t.dtype, kind, chunk_base(t, ch), ch.len, inv, p, &partials[static_cast<size_t>(c)],
+            &bad);
     chunk_bad[static_cast<size_t>(c)] = bad ? 1 : 0;
   });
-
-  float total = 0.0f;
-  switch (kind) {
-    case NormKind::kInf: total = combine_partials<NormKind::kInf>(partials); break;
-    default: total = combine_partials<NormKind::kL2>(partials); break;
-  }
-  bool* flags = tensor_found_inf.data_ptr<bool>();
-  bool any = false;
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    if (chunk_bad[c]) {
-      flags[items[static_cast<size_t>(chunks[c].item)].index] = true;
-      any = true;
-    }
-  }
-  found_inf.fill_(any ? 1.0f : 0.0f);
-  pow_sum.fill_(total);
+  const float total = plan.kind == NormKind::kInf ? combine_partials<NormKind::kInf>(partials)
+                                                  : combine_partials<NormKind::kL2>(partials);
+  const bool any = scatter_flags(items, chunks, chunk_bad, tensor_found_inf);
+  *found_inf.data_ptr<float>() = any ? 1.0f : 0.0f;
+  *pow_sum.data_ptr<float>() = total;
   return {found_inf, pow_sum, tensor_found_inf};
 }
 
@@ -160,27 +79,16 @@ void non_finite_check_and_unscale_cpu(at::TensorList grads, at::Tensor& found_in
   const auto& items = list.items();
   const auto chunks = plan_chunks(items);
   std::vector<uint8_t> chunk_bad(chunks.size(), 0);
-  const float inv = inv_scale.item<float>();
-
+  const float inv = *inv_scale.data_ptr<float>();
+  const CpuKernels& k = cpu_kernels();
   cpu_for_each_chunk(chunks, [&](int64_t c, const Chunk& ch) {
     const FlatTensor& t = items[static_cast<size_t>(ch.item)];
-    bool bad = false;
-    FASTAMP_DISPATCH_GRAD_TYPES(t.dtype, "fastamp::non_finite_check_and_unscale_", [&] {
-      bad = unscale_chunk(static_cast<scalar_t*>(t.data) + ch.start, ch.len, inv);
-    });
-    chunk_bad[static_cast<size_t>(c)] = bad ? 1 : 0;
+    chunk_bad[static_cast<size_t>(c)] = k.unscale(t.dtype, chunk_base(t, ch), ch.len, inv) ? 1 : 0;
   });
   list.write_back();
-
-  bool* flags = tensor_found_inf.data_ptr<bool>();
-  bool any = false;
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    if (chunk_bad[c]) {
-      flags[items[static_cast<size_t>(chunks[c].item)].index] = true;
-      any = true;
-    }
+  if (scatter_flags(items, chunks, chunk_bad, tensor_found_inf)) {
+    *found_inf.data_ptr<float>() = 1.0f;
   }
-  if (any) *found_inf.data_ptr<float>() = 1.0f;
 }
 
 void clip_unscale_cpu(at::TensorList grads, const at::Tensor& inv_scale,
@@ -188,13 +96,12 @@ void clip_unscale_cpu(at::TensorList grads, const at::Tensor& inv_scale,
   FlatTensorList list = check_clip_unscale(grads, inv_scale, total_norm, max_norm);
   const auto& items = list.items();
   const auto chunks = plan_chunks(items);
-  const float inv = inv_scale.item<float>();
-  const float coef = clip_coef(total_norm.item<float>(), static_cast<float>(max_norm));
+  const float inv = *inv_scale.data_ptr<float>();
+  const float coef = clip_coef(*total_norm.data_ptr<float>(), static_cast<float>(max_norm));
+  const CpuKernels& k = cpu_kernels();
   cpu_for_each_chunk(chunks, [&](int64_t, const Chunk& ch) {
     const FlatTensor& t = items[static_cast<size_t>(ch.item)];
-    FASTAMP_DISPATCH_GRAD_TYPES(t.dtype, "fastamp::clip_unscale_", [&] {
-      clip_unscale_chunk(static_cast<scalar_t*>(t.data) + ch.start, ch.len, inv, coef);
-    });
+    k.clip_unscale(t.dtype, chunk_base(t, ch), ch.len, inv, coef);
   });
   list.write_back();
 }
@@ -211,6 +118,23 @@ void update_scale_cpu(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor&
 }
 
 }  // namespace
+
+const CpuKernels& cpu_kernels() {
+  static const CpuKernels& chosen = []() -> const CpuKernels& {
+    const char* force = std::getenv("FASTAMP_CPU_CAPABILITY");
+    const bool want_default = force != nullptr && std::strcmp(force, "default") == 0;
+#if defined(__x86_64__) || defined(_M_X64)
+    if (!want_default && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+      return cpu_kernels_avx2();
+    }
+#endif
+    (void)want_default;
+    return cpu_kernels_default();
+  }();
+  return chosen;
+}
+
 }  // namespace scaler
 }  // namespace fastamp
 

@@ -8,8 +8,16 @@
 #include <cmath>
 #include <cstdint>
 
+// The CPU kernels are compiled once per instruction set (see scaler_cpu_kernels.h). An inline
+// namespace per build gives each copy of these inline functions its own symbols, so the linker can
+// never pick an AVX2-compiled copy for the baseline kernels (an ODR trap otherwise).
+#ifndef FASTAMP_CPU_NS
+#define FASTAMP_CPU_NS cap_default
+#endif
+
 namespace fastamp {
 namespace scaler {
+inline namespace FASTAMP_CPU_NS {
 
 /// Which norm the read-only stats pass accumulates.
 enum class NormKind : int32_t {
@@ -122,5 +130,6 @@ FASTAMP_HOST_DEVICE inline void update_scale(float* scale, int32_t* growth_track
   }
 }
 
+}  // namespace FASTAMP_CPU_NS
 }  // namespace scaler
 }  // namespace fastamp

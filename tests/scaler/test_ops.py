@@ -34,7 +34,6 @@ def _inject(grads, which, value, seed=0):
         if flat is not None:
             flat[idx] = value
         else:
-            grads[i].reshape(-1)  # view may not exist: write through a multi-index
             pos = torch.unravel_index(torch.tensor(idx), grads[i].shape)
             grads[i][tuple(int(p) for p in pos)] = value
 

@@ -1,0 +1,241 @@
+// CUDA kernels of the GradScaler ops. The element math comes from scaler_math.h (shared with the
+// CPU kernels); this file arranges it into per-chunk functors run by multi_tensor_apply_cuda.cuh.
+// Every per-step scalar (inv_scale, total_norm, found_inf, scale) is read and written on the device
+// through pointers, so none of these ops synchronises with the host.
+#include <torch/library.h>
+
+#include "common/multi_tensor_apply_cuda.cuh"
+#include "scaler/scaler_checks.h"
+#include "scaler/scaler_math.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <tuple>
+#include <type_traits>
+
+namespace fastamp {
+namespace scaler {
+namespace {
+
+// Same op-math types as the CPU kernels: half types compute in fp32, double stays double.
+template <typename T>
+using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+constexpr int kFinalizeThreads = 512;
+
+// Inf-norm partials combine by max, every other norm by sum (the partials are already |x|^p).
+template <NormKind K>
+constexpr NormKind kCombineKind = K == NormKind::kInf ? NormKind::kInf : NormKind::kL2;
+
+// Marks tensor `index` and the whole list as non-finite. Every writer stores the same values, so
+// concurrent plain stores from many threads and blocks are benign; nothing ever clears them.
+__device__ __forceinline__ void flag_nonfinite(float* found_inf, bool* tensor_found_inf,
+                                               int64_t index) {
+  *found_inf = 1.0f;
+  tensor_found_inf[index] = true;
+}
+
+// Read-only pass. Each block writes its chunk's norm partial to its own slot instead of an atomic
+// add, so that combine_partials_kernel can sum them in a fixed order: the norm then does not
+// depend on block scheduling.
+template <NormKind K>
+struct StatsOp {
+  const float* inv_scale;
+  float p;
+  float* partials;  // one slot per chunk of the plan
+  float* found_inf;
+  bool* tensor_found_inf;
+
+  template <typename T>
+  __device__ void apply(const MtaBlock<1>& blk) const {
+    using acc_t = opmath_t<T>;
+    const float inv = *inv_scale;
+    const float pw = p;
+    float acc = 0.0f;
+    acc_t probe = acc_t(0);
+    mta_read(blk.ptr<T>(0), blk.len, [&](T x) {
+      const acc_t v = static_cast<acc_t>(x);
+      probe += nonfinite_probe(v);
+      const float u = static_cast<float>(unscale(v, inv));
+      acc = norm_combine<K>(acc, norm_term<K>(u, pw));
+    });
+    if (probe != acc_t(0)) flag_nonfinite(found_inf, tensor_found_inf, blk.index);
+    const float total = mta_block_reduce<kMtaThreads>(
+        acc, [](float a, float b) { return norm_combine<kCombineKind<K>>(a, b); }, 0.0f);
+    if (threadIdx.x == 0) partials[blk.chunk_id] = total;
+  }
+};
+
+// Combines the per-chunk partials in a fixed order (a fixed thread-to-partial assignment, then a
+// fixed tree), so the norm is bitwise reproducible for given sizes.
+template <NormKind K>
+__global__ void __launch_bounds__(kFinalizeThreads)
+    combine_partials_kernel(const float* partials, int64_t n, float* out) {
+  float acc = 0.0f;
+  for (int64_t i = threadIdx.x; i < n; i += kFinalizeThreads) {
+    acc = norm_combine<K>(acc, partials[i]);
+  }
+  acc = mta_block_reduce<kFinalizeThreads>(
+      acc, [](float a, float b) { return norm_combine<K>(a, b); }, 0.0f);
+  if (threadIdx.x == 0) *out = acc;
+}
+
+// The non-finite test looks at the input, before unscaling, as PyTorch's kernel does, so found_inf
+// means "backward produced an inf/NaN" on both backends.
+struct UnscaleOp {
+  const float* inv_scale;
+  float* found_inf;
+  bool* tensor_found_inf;
+
+  template <typename T>
+  __device__ void apply(const MtaBlock<1>& blk) const {
+    using acc_t = opmath_t<T>;
+    const float inv = *inv_scale;
+    acc_t probe = acc_t(0);
+    mta_update(blk.ptr<T>(0), blk.len, [&](T x) {
+      const acc_t v = static_cast<acc_t>(x);
+      probe += nonfinite_probe(v);
+      return static_cast<T>(unscale(v, inv));
+    });
+    if (probe != acc_t(0)) flag_nonfinite(found_inf, tensor_found_inf, blk.index);
+  }
+};
+
+struct ClipUnscaleOp {
+  const float* inv_scale;
+  const float* total_norm;
+  float max_norm;
+
+  template <typename T>
+  __device__ void apply(const MtaBlock<1>& blk) const {
+    using acc_t = opmath_t<T>;
+    const float inv = *inv_scale;
+    // Each block derives the coefficient itself: one extra division per block is cheaper than a
+    // separate launch, and it is the same IEEE division as the CPU's clip_coef.
+    const float coef = clip_coef(*total_norm, max_norm);
+    mta_update(blk.ptr<T>(0), blk.len,
+               [&](T x) { return static_cast<T>(unscale_clip(static_cast<acc_t>(x), inv, coef)); });
+  }
+};
+
+__global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
+                                    int32_t* hysteresis_tracker, const float* found_inf,
+                                    double growth_factor, double backoff_factor,
+                                    int64_t growth_interval, int64_t hysteresis, double min_scale,
+                                    double max_scale) {
+  update_scale(scale, growth_tracker, hysteresis_tracker, *found_inf, growth_factor, backoff_factor,
+               growth_interval, hysteresis, min_scale, max_scale);
+}
+
+template <NormKind K>
+void launch_grad_stats(const std::vector<FlatTensor>& items, const c10::Device& device,
+                       const StatsOp<K>& op, int64_t nchunks, float* norm_out) {
+  cuda_multi_tensor_apply(items, device, op);
+  constexpr NormKind C = kCombineKind<K>;
+  combine_partials_kernel<C><<<1, kFinalizeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      op.partials, nchunks, norm_out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads,
+                                                               const at::Tensor& inv_scale,
+                                                               double norm_type) {
+  StatsPlan plan = check_grad_stats(grads, inv_scale, norm_type);
+  const c10::Device device = inv_scale.device();
+  TORCH_CHECK(device.is_cuda(), "fastamp::grad_stats: inv_scale is on ", device,
+              "; expected a CUDA device");
+  c10::cuda::CUDAGuard guard(device);
+  const auto opts = inv_scale.options();
+  at::Tensor found_inf = at::zeros({}, opts.dtype(at::kFloat));
+  at::Tensor pow_sum = at::zeros({}, opts.dtype(at::kFloat));
+  at::Tensor tensor_found_inf = at::zeros({plan.grads.list_size()}, opts.dtype(at::kBool));
+
+  const auto& items = plan.grads.items();
+  int64_t nchunks = 0;
+  for (const auto& t : items) nchunks += (t.numel + kChunkElems - 1) / kChunkElems;
+  if (nchunks == 0) return {found_inf, pow_sum, tensor_found_inf};
+
+  // Every slot is written by exactly one block before the finalize kernel reads it.
+  at::Tensor partials = at::empty({nchunks}, opts.dtype(at::kFloat));
+  float* part = partials.data_ptr<float>();
+  const float* inv = inv_scale.data_ptr<float>();
+  float* found = found_inf.data_ptr<float>();
+  bool* flags = tensor_found_inf.data_ptr<bool>();
+  float* norm_out = pow_sum.data_ptr<float>();
+  switch (plan.kind) {
+    case NormKind::kL2:
+      launch_grad_stats(items, device, StatsOp<NormKind::kL2>{inv, plan.p, part, found, flags},
+                        nchunks, norm_out);
+      break;
+    case NormKind::kInf:
+      launch_grad_stats(items, device, StatsOp<NormKind::kInf>{inv, plan.p, part, found, flags},
+                        nchunks, norm_out);
+      break;
+    case NormKind::kL1:
+      launch_grad_stats(items, device, StatsOp<NormKind::kL1>{inv, plan.p, part, found, flags},
+                        nchunks, norm_out);
+      break;
+    case NormKind::kLp:
+      launch_grad_stats(items, device, StatsOp<NormKind::kLp>{inv, plan.p, part, found, flags},
+                        nchunks, norm_out);
+      break;
+  }
+  return {found_inf, pow_sum, tensor_found_inf};
+}
+
+void non_finite_check_and_unscale_cuda(at::TensorList grads, at::Tensor& found_inf,
+                                       const at::Tensor& inv_scale, at::Tensor& tensor_found_inf) {
+  FlatTensorList list = check_unscale(grads, found_inf, inv_scale, tensor_found_inf);
+  const c10::Device device = inv_scale.device();
+  TORCH_CHECK(device.is_cuda(), "fastamp::non_finite_check_and_unscale_: inv_scale is on ", device,
+              "; expected a CUDA device");
+  c10::cuda::CUDAGuard guard(device);
+  cuda_multi_tensor_apply(list.items(), device,
+                          UnscaleOp{inv_scale.data_ptr<float>(), found_inf.data_ptr<float>(),
+                                    tensor_found_inf.data_ptr<bool>()});
+  // Copies staged (non-dense) grads back, stream-ordered after the kernel.
+  list.write_back();
+}
+
+void clip_unscale_cuda(at::TensorList grads, const at::Tensor& inv_scale,
+                       const at::Tensor& total_norm, double max_norm) {
+  FlatTensorList list = check_clip_unscale(grads, inv_scale, total_norm, max_norm);
+  const c10::Device device = inv_scale.device();
+  TORCH_CHECK(device.is_cuda(), "fastamp::clip_unscale_: inv_scale is on ", device,
+              "; expected a CUDA device");
+  c10::cuda::CUDAGuard guard(device);
+  cuda_multi_tensor_apply(list.items(), device,
+                          ClipUnscaleOp{inv_scale.data_ptr<float>(), total_norm.data_ptr<float>(),
+                                        static_cast<float>(max_norm)});
+  list.write_back();
+}
+
+void update_scale_cuda(at::Tensor& scale, at::Tensor& growth_tracker,
+                       at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                       double growth_factor, double backoff_factor, int64_t growth_interval,
+                       int64_t hysteresis, double min_scale, double max_scale) {
+  check_update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+                     backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+  const c10::Device device = scale.device();
+  TORCH_CHECK(device.is_cuda(), "fastamp::update_scale_: scale is on ", device,
+              "; expected a CUDA device");
+  c10::cuda::CUDAGuard guard(device);
+  update_scale_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+      hysteresis_tracker.data_ptr<int32_t>(), found_inf.data_ptr<float>(), growth_factor,
+      backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+}  // namespace scaler
+}  // namespace fastamp
+
+TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
+  m.impl("grad_stats", &fastamp::scaler::grad_stats_cuda);
+  m.impl("non_finite_check_and_unscale_", &fastamp::scaler::non_finite_check_and_unscale_cuda);
+  m.impl("clip_unscale_", &fastamp::scaler::clip_unscale_cuda);
+  m.impl("update_scale_", &fastamp::scaler::update_scale_cuda);
+}
