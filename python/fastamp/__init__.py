@@ -3,12 +3,11 @@
 Replace ``torch.amp.GradScaler`` with :class:`fastamp.GradScaler`; nothing else in the script changes.
 """
 
+from fastamp import cuda  # noqa: E402  (fastamp.cuda.amp.GradScaler for old scripts)
 from fastamp._library import build_info
 from fastamp.scaler import GradScaler, OptState
 from fastamp.scaler import ops as scaler_ops
 from fastamp.scaler.grad_scaler import OverflowReport
-
-from fastamp import cuda  # noqa: E402  (fastamp.cuda.amp.GradScaler for old scripts)
 
 __version__ = "0.1.0"
 
