@@ -10,8 +10,3 @@
 #define FASTAMP_DEVICE
 #endif
 
-#if defined(__CUDACC__)
-#define FASTAMP_RESTRICT __restrict__
-#else
-#define FASTAMP_RESTRICT __restrict__
-#endif

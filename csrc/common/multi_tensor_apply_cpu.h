@@ -1,11 +1,10 @@
 /// @file multi_tensor_apply_cpu.h
-/// CPU driver: runs a per-chunk functor over the planned chunks with at::parallel_for, and
-/// dispatches each chunk on its own dtype, so one call handles lists of mixed dtypes.
+/// CPU driver: runs a per-chunk functor over the planned chunks with at::parallel_for. The functor
+/// dispatches each chunk on its tensor's dtype, so one call handles lists of mixed dtypes.
 #pragma once
 
 #include "common/multi_tensor_apply.h"
 
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <vector>
@@ -22,7 +21,3 @@ void cpu_for_each_chunk(const std::vector<Chunk>& chunks, const F& f) {
 }
 
 }  // namespace fastamp
-
-/// Dispatch over the floating dtypes fastamp accepts for gradients.
-#define FASTAMP_DISPATCH_GRAD_TYPES(TYPE, NAME, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)

@@ -53,11 +53,11 @@ FlatTensorList FlatTensorList::prepare(at::TensorList tensors, const char* op, c
     at::Tensor src = t;
     if (!t.is_non_overlapping_and_dense()) {
       src = t.contiguous();
-      if (writable) out.staged_.emplace_back(t, src);
+      // Read-only lists keep the temporary alive only; writable ones also copy it back.
+      out.staged_.emplace_back(writable ? t : at::Tensor(), src);
     }
     out.items_.push_back(FlatTensor{src.data_ptr(), src.numel(), src.scalar_type(),
                                     static_cast<int64_t>(i)});
-    if (src.data_ptr() != t.data_ptr() && !writable) out.staged_.emplace_back(at::Tensor(), src);
   }
   return out;
 }

@@ -52,7 +52,4 @@ class FlatTensorList {
 void check_scalar_tensor(const at::Tensor& t, const char* op, const char* arg,
                          const c10::Device& device, c10::ScalarType dtype);
 
-/// The device an op runs on: that of `anchor` (a scalar tensor argument, so empty lists work too).
-inline c10::Device op_device(const at::Tensor& anchor) { return anchor.device(); }
-
 }  // namespace fastamp

@@ -11,7 +11,7 @@ namespace scaler {
 StatsPlan check_grad_stats(at::TensorList grads, const at::Tensor& inv_scale, double norm_type) {
   constexpr const char* op = "fastamp::grad_stats";
   TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
-  const auto dev = op_device(inv_scale);
+  const auto dev = inv_scale.device();  // its scalar tensors place an op, so [] works too
   check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat);
   TORCH_CHECK_VALUE(!std::isnan(norm_type) && norm_type > 0.0, op,
                     ": norm_type must be a positive number or inf, got ", norm_type);
@@ -24,7 +24,7 @@ FlatTensorList check_unscale(at::TensorList grads, const at::Tensor& found_inf,
                              const at::Tensor& inv_scale, const at::Tensor& tensor_found_inf) {
   constexpr const char* op = "fastamp::non_finite_check_and_unscale_";
   TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
-  const auto dev = op_device(inv_scale);
+  const auto dev = inv_scale.device();  // its scalar tensors place an op, so [] works too
   check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat);
   check_scalar_tensor(found_inf, op, "found_inf", dev, at::kFloat);
   TORCH_CHECK(tensor_found_inf.defined() && tensor_found_inf.device() == dev, op,
@@ -44,7 +44,7 @@ FlatTensorList check_clip_unscale(at::TensorList grads, const at::Tensor& inv_sc
                                   const at::Tensor& total_norm, double max_norm) {
   constexpr const char* op = "fastamp::clip_unscale_";
   TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
-  const auto dev = op_device(inv_scale);
+  const auto dev = inv_scale.device();  // its scalar tensors place an op, so [] works too
   check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat);
   check_scalar_tensor(total_norm, op, "total_norm", dev, at::kFloat);
   TORCH_CHECK_VALUE(!std::isnan(max_norm) && max_norm >= 0.0, op,

@@ -164,24 +164,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList gr
   float* found = found_inf.data_ptr<float>();
   bool* flags = tensor_found_inf.data_ptr<bool>();
   float* norm_out = pow_sum.data_ptr<float>();
-  switch (plan.kind) {
-    case NormKind::kL2:
-      launch_grad_stats(items, device, StatsOp<NormKind::kL2>{inv, plan.p, part, found, flags},
-                        nchunks, norm_out);
-      break;
-    case NormKind::kInf:
-      launch_grad_stats(items, device, StatsOp<NormKind::kInf>{inv, plan.p, part, found, flags},
-                        nchunks, norm_out);
-      break;
-    case NormKind::kL1:
-      launch_grad_stats(items, device, StatsOp<NormKind::kL1>{inv, plan.p, part, found, flags},
-                        nchunks, norm_out);
-      break;
-    case NormKind::kLp:
-      launch_grad_stats(items, device, StatsOp<NormKind::kLp>{inv, plan.p, part, found, flags},
-                        nchunks, norm_out);
-      break;
-  }
+  visit_norm_kind(plan.kind, [&](auto k) {
+    constexpr NormKind K = decltype(k)::value;
+    launch_grad_stats(items, device, StatsOp<K>{inv, plan.p, part, found, flags}, nchunks,
+                      norm_out);
+  });
   return {found_inf, pow_sum, tensor_found_inf};
 }
 

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 // The CPU kernels are compiled once per instruction set (see scaler_cpu_kernels.h). An inline
 // namespace per build gives each copy of these inline functions its own symbols, so the linker can
@@ -26,6 +27,18 @@ enum class NormKind : int32_t {
   kL1 = 2,   ///< sum of |x|
   kLp = 3,   ///< sum of |x|^p
 };
+
+/// Calls f(std::integral_constant<NormKind, K>{}) for the runtime kind, so kernels are templated
+/// on the norm (no per-element branch) without each backend spelling out the switch.
+template <typename F>
+inline void visit_norm_kind(NormKind kind, F&& f) {
+  switch (kind) {
+    case NormKind::kL2: f(std::integral_constant<NormKind, NormKind::kL2>{}); break;
+    case NormKind::kInf: f(std::integral_constant<NormKind, NormKind::kInf>{}); break;
+    case NormKind::kL1: f(std::integral_constant<NormKind, NormKind::kL1>{}); break;
+    case NormKind::kLp: f(std::integral_constant<NormKind, NormKind::kLp>{}); break;
+  }
+}
 
 inline NormKind norm_kind_of(double p) {
   if (std::isinf(p)) return NormKind::kInf;

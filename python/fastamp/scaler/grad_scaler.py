@@ -21,7 +21,7 @@ import math
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -54,16 +54,31 @@ class OverflowReport:
         return f"overflow at update #{self.update}: non-finite grads in {names}"
 
 
+class _DeviceGrads(NamedTuple):
+    """An optimizer's grads on one device, with each one's parameter id and (group, index)."""
+
+    grads: list[Tensor]
+    param_ids: list[int]
+    places: list[tuple[int, int]]
+
+
 class _Diag:
     """Per-optimizer, device-resident record of the last overflow (updated without host syncs)."""
 
-    __slots__ = ("keys", "labels", "flags", "update")
+    __slots__ = ("keys", "places", "flags", "update")
 
-    def __init__(self, keys: tuple[int, ...], labels: list[str], flags: Tensor, update: Tensor):
+    def __init__(
+        self, keys: tuple[int, ...], places: list[tuple[int, int]], flags: Tensor, update: Tensor
+    ):
         self.keys = keys
-        self.labels = labels
+        self.places = places
         self.flags = flags
         self.update = update
+
+
+def _to(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``, without a copy when it is already there (no sync either way)."""
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -147,9 +162,9 @@ class GradScaler(torch.amp.GradScaler):
     @staticmethod
     def _collect_grads(
         optimizer: torch.optim.Optimizer, allow_fp16: bool
-    ) -> dict[torch.device, tuple[list[Tensor], list[int], list[str]]]:
+    ) -> dict[torch.device, _DeviceGrads]:
         """Grads of the optimizer grouped by device (all dtypes together), validated first."""
-        per_device: dict[torch.device, tuple[list[Tensor], list[int], list[str]]] = {}
+        per_device: dict[torch.device, _DeviceGrads] = {}
         for g, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
                 if not isinstance(param, torch.Tensor):
@@ -168,20 +183,20 @@ class GradScaler(torch.amp.GradScaler):
                     grad = param.grad._values()
                 else:
                     grad = param.grad
-                entry = per_device.setdefault(grad.device, ([], [], []))
-                entry[0].append(grad)
-                entry[1].append(id(param))
-                entry[2].append(f"param_groups[{g}][{i}]")
+                entry = per_device.setdefault(grad.device, _DeviceGrads([], [], []))
+                entry.grads.append(grad)
+                entry.param_ids.append(id(param))
+                entry.places.append((g, i))
         return per_device
 
     def _record_flags(
         self,
         optimizer: torch.optim.Optimizer,
-        per_device: dict[torch.device, tuple[list[Tensor], list[int], list[str]]],
+        per_device: dict[torch.device, _DeviceGrads],
         flags: dict[torch.device, Tensor],
     ) -> None:
         state = self._per_optimizer_states[id(optimizer)]
-        state["fastamp_flags"] = [(per_device[d][1], per_device[d][2], flags[d]) for d in flags]
+        state["fastamp_flags"] = [(per_device[d], flags[d]) for d in flags]
 
     def _unscale_grads_(
         self,
@@ -194,10 +209,9 @@ class GradScaler(torch.amp.GradScaler):
         found: dict[torch.device, Tensor] = {}
         flags: dict[torch.device, Tensor] = {}
         with torch.no_grad():
-            for dev, (grads, _, _) in per_device.items():
+            for dev, entry in per_device.items():
                 f = found_inf.to(device=dev, non_blocking=True, copy=True)
-                inv = inv_scale if inv_scale.device == dev else inv_scale.to(dev, non_blocking=True)
-                flags[dev] = _ops.non_finite_check_and_unscale_(grads, f, inv)
+                flags[dev] = _ops.non_finite_check_and_unscale_(entry.grads, f, _to(inv_scale, dev))
                 found[dev] = f
         self._record_flags(optimizer, per_device, flags)
         return found
@@ -211,9 +225,8 @@ class GradScaler(torch.amp.GradScaler):
         found: dict[torch.device, Tensor] = {}
         flags: dict[torch.device, Tensor] = {}
         with torch.no_grad():
-            for dev, (grads, _, _) in per_device.items():
-                inv = one if one.device == dev else one.to(dev, non_blocking=True)
-                found[dev], _, flags[dev] = _ops.grad_stats(grads, inv)
+            for dev, entry in per_device.items():
+                found[dev], _, flags[dev] = _ops.grad_stats(entry.grads, _to(one, dev))
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         self._record_flags(optimizer, per_device, flags)
         return found
@@ -265,10 +278,10 @@ class GradScaler(torch.amp.GradScaler):
         pow_sums: list[Tensor] = []
         invs: dict[torch.device, Tensor] = {}
         with torch.no_grad():
-            for dev, (grads, _, _) in per_device.items():
-                invs[dev] = inv_scale if inv_scale.device == dev else inv_scale.to(dev, non_blocking=True)
-                found[dev], pow_sum, flags[dev] = _ops.grad_stats(grads, invs[dev], norm_type)
-                pow_sums.append(pow_sum.to(scale.device, non_blocking=True))
+            for dev, entry in per_device.items():
+                invs[dev] = _to(inv_scale, dev)
+                found[dev], pow_sum, flags[dev] = _ops.grad_stats(entry.grads, invs[dev], norm_type)
+                pow_sums.append(_to(pow_sum, scale.device))
             if not pow_sums:
                 total_norm = torch.zeros((), dtype=torch.float32, device=scale.device)
             else:
@@ -281,9 +294,8 @@ class GradScaler(torch.amp.GradScaler):
                     total_norm = total.sqrt()
                 else:
                     total_norm = total.pow(1.0 / norm_type)
-            for dev, (grads, _, _) in per_device.items():
-                tn = total_norm if total_norm.device == dev else total_norm.to(dev, non_blocking=True)
-                _ops.clip_unscale_(grads, invs[dev], tn, float(max_norm))
+            for dev, entry in per_device.items():
+                _ops.clip_unscale_(entry.grads, invs[dev], _to(total_norm, dev), float(max_norm))
 
         if already_unscaled:
             # Keep the inf checks of the earlier unscale_: they saw the grads before clipping.
@@ -307,7 +319,7 @@ class GradScaler(torch.amp.GradScaler):
         *args: Any,
         **kwargs: Any,
     ) -> float | None:
-        found = self._sum_found(optimizer_state)
+        found = self._found_total(optimizer_state)
         # One host sync for every device (PyTorch: one .item() per device); the scale rides along
         # so the "scale below 1" warning costs nothing extra.
         found_val, scale_val = torch.stack([found, self._scale.to(found.device)]).tolist()
@@ -316,12 +328,20 @@ class GradScaler(torch.amp.GradScaler):
             return optimizer.step(*args, **kwargs)
         return None
 
-    def _sum_found(self, optimizer_state: dict[str, Any]) -> Tensor:
-        assert self._scale is not None
-        values = list(optimizer_state["found_inf_per_device"].values())
-        total = values[0].to(self._scale.device, non_blocking=True)
-        for v in values[1:]:
-            total = total + v.to(self._scale.device, non_blocking=True)
+    def _found_total(self, optimizer_state: dict[str, Any]) -> Tensor:
+        """The optimizer's inf flags summed over devices, on the scale's device.
+
+        Computed once per iteration and cached in the optimizer's state: step, last_step_skipped
+        and update all need it, and its inputs no longer change once step() has begun.
+        """
+        total = optimizer_state.get("fastamp_found_total")
+        if total is None:
+            assert self._scale is not None
+            values = [_to(v, self._scale.device) for v in optimizer_state["found_inf_per_device"].values()]
+            total = values[0]
+            for v in values[1:]:
+                total = total + v
+            optimizer_state["fastamp_found_total"] = total
         return total
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
@@ -329,7 +349,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             state = self._per_optimizer_states[id(optimizer)]
             if state["found_inf_per_device"]:
-                self._last_skipped = self._sum_found(state) > 0
+                self._last_skipped = self._found_total(state) > 0
         return retval
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
@@ -341,9 +361,9 @@ class GradScaler(torch.amp.GradScaler):
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         hysteresis_tracker, update_count = self._ensure_aux()
         found_infs = [
-            f.to(device=scale.device, non_blocking=True)
+            self._found_total(state)
             for state in self._per_optimizer_states.values()
-            for f in state["found_inf_per_device"].values()
+            if state["found_inf_per_device"]
         ]
         if len(found_infs) == 0:
             raise AssertionError("No inf checks were recorded prior to update.")
@@ -373,14 +393,14 @@ class GradScaler(torch.amp.GradScaler):
             if not entries or not state["found_inf_per_device"]:
                 continue
             dev = update_count.device
-            keys = tuple(k for ids, _, _ in entries for k in ids)
-            labels = [lab for _, labs, _ in entries for lab in labs]
-            flags = [f.to(dev, non_blocking=True) for _, _, f in entries]
+            keys = tuple(k for entry, _ in entries for k in entry.param_ids)
+            flags = [_to(f, dev) for _, f in entries]
             cur = flags[0] if len(flags) == 1 else torch.cat(flags)
-            overflowed = self._sum_found(state) > 0
+            overflowed = self._found_total(state) > 0
             rec = self._diag.get(opt_id)
             if rec is None or rec.keys != keys:
-                rec = _Diag(keys, labels, torch.zeros_like(cur), torch.full_like(update_count, -1))
+                places = [pl for entry, _ in entries for pl in entry.places]
+                rec = _Diag(keys, places, torch.zeros_like(cur), torch.full_like(update_count, -1))
                 self._diag[opt_id] = rec
             rec.flags = torch.where(overflowed, cur, rec.flags)
             rec.update = torch.where(overflowed, update_count, rec.update)
@@ -414,7 +434,11 @@ class GradScaler(torch.amp.GradScaler):
             if upd < 0:
                 continue
             bad = rec.flags.tolist()
-            params = [names.get(k, lab) for k, lab, b in zip(rec.keys, rec.labels, bad) if b]
+            params = [
+                names.get(k, f"param_groups[{g}][{i}]")
+                for k, (g, i), b in zip(rec.keys, rec.places, bad)
+                if b
+            ]
             if best is None or upd > best[0]:
                 best = (upd, params)
             elif upd == best[0]:
