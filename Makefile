@@ -31,11 +31,12 @@ test: $(VENV)/.built
 bench: $(VENV)/.built
 	$(PY) benchmarks/scaler/bench_grad_scaler.py
 
-# The CUDA flavour: torch 2.14.1 (CUDA 13.0) + nvcc; builds the CUDA kernels (no GPU needed) and
-# checks every op has a CUDA kernel registered.
+# The CUDA flavour: torch 2.14.1 (CUDA 13.0) + nvcc; builds the CUDA kernels (no GPU needed),
+# checks every op has a CUDA kernel registered, and runs the host-side checks of the CUDA driver.
 cuda-build:
 	$(MAKE) $(VENV)-cuda/.built VENV=$(VENV)-cuda TORCH_SPEC=torch==2.14.1 FASTAMP_CUDA=ON
 	$(VENV)-cuda/bin/python .ci/check_cuda_build.py
+	tests/cuda_host/run.sh $(VENV)-cuda/bin/python
 
 lint:
 	$(PY) -m pip install -q ruff
