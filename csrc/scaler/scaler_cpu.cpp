@@ -3,13 +3,12 @@
 // validates, plans chunks, runs them in parallel and combines per-chunk results in chunk order.
 #include <torch/library.h>
 
+#include "common/cpu_capability.h"
 #include "common/multi_tensor_apply_cpu.h"
 #include "scaler/scaler_checks.h"
 #include "scaler/scaler_cpu_kernels.h"
 #include "scaler/scaler_math.h"
 
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 namespace fastamp {
@@ -120,19 +119,10 @@ void update_scale_cpu(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor&
 }  // namespace
 
 const CpuKernels& cpu_kernels() {
-  static const CpuKernels& chosen = []() -> const CpuKernels& {
-    const char* force = std::getenv("FASTAMP_CPU_CAPABILITY");
-    const bool want_default = force != nullptr && std::strcmp(force, "default") == 0;
 #if defined(__x86_64__) || defined(_M_X64)
-    if (!want_default && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c")) {
-      return cpu_kernels_avx2();
-    }
+  if (cpu_use_avx2()) return cpu_kernels_avx2();
 #endif
-    (void)want_default;
-    return cpu_kernels_default();
-  }();
-  return chosen;
+  return cpu_kernels_default();
 }
 
 }  // namespace scaler

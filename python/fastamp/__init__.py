@@ -3,7 +3,7 @@
 Replace ``torch.amp.GradScaler`` with :class:`fastamp.GradScaler`; nothing else in the script changes.
 """
 
-from fastamp import cuda  # noqa: E402  (fastamp.cuda.amp.GradScaler for old scripts)
+from fastamp import cuda, optim  # noqa: E402  (fastamp.cuda.amp.GradScaler for old scripts)
 from fastamp._library import build_info
 from fastamp.scaler import GradScaler, OptState
 from fastamp.scaler import ops as scaler_ops
@@ -17,6 +17,7 @@ __all__ = [
     "OverflowReport",
     "build_info",
     "cuda",
+    "optim",
     "scaler_ops",
     "__version__",
 ]

@@ -53,7 +53,14 @@ except ImportError as exc:  # pragma: no cover - exercised only with broken buil
 
 def build_info() -> dict[str, Any]:
     """How this fastamp was built: torch/CUDA versions, CUDA archs, compiler, and which kernels exist."""
-    ops = ["grad_stats", "non_finite_check_and_unscale_", "clip_unscale_", "update_scale_"]
+    ops = [
+        "grad_stats",
+        "non_finite_check_and_unscale_",
+        "clip_unscale_",
+        "update_scale_",
+        "adam_step_",
+        "sgd_step_",
+    ]
     return {
         "fastamp_version": _version(),
         "torch_version": _info.TORCH_VERSION,

@@ -81,6 +81,10 @@ def _to(t: Tensor, device: torch.device) -> Tensor:
     return t if t.device == device else t.to(device, non_blocking=True)
 
 
+def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
+    return getattr(optimizer, "_fastamp_fused", False)
+
+
 class GradScaler(torch.amp.GradScaler):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
@@ -267,7 +271,10 @@ class GradScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
         already_unscaled = state["stage"] is OptState.UNSCALED
-        per_device = self._collect_grads(optimizer, allow_fp16=already_unscaled)
+        # A fastamp fused optimizer takes the clip coefficient into its own kernel: the grads are
+        # only read here (so fp16 grads are fine), and unscaled + clipped in the update pass.
+        fused = _is_fastamp_fused(optimizer) and not already_unscaled
+        per_device = self._collect_grads(optimizer, allow_fp16=already_unscaled or fused)
 
         if already_unscaled:
             inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
@@ -294,8 +301,12 @@ class GradScaler(torch.amp.GradScaler):
                     total_norm = total.sqrt()
                 else:
                     total_norm = total.pow(1.0 / norm_type)
-            for dev, entry in per_device.items():
-                _ops.clip_unscale_(entry.grads, invs[dev], _to(total_norm, dev), float(max_norm))
+            if fused:
+                coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+                state["fastamp_clip"] = (inv_scale, coef)
+            else:
+                for dev, entry in per_device.items():
+                    _ops.clip_unscale_(entry.grads, invs[dev], _to(total_norm, dev), float(max_norm))
 
         if already_unscaled:
             # Keep the inf checks of the earlier unscale_: they saw the grads before clipping.
@@ -345,12 +356,46 @@ class GradScaler(torch.amp.GradScaler):
         return total
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
+        if self._enabled and _is_fastamp_fused(optimizer):
+            return self._fused_step(optimizer, *args, **kwargs)
         retval = super().step(optimizer, *args, **kwargs)
         if self._enabled:
             state = self._per_optimizer_states[id(optimizer)]
             if state["found_inf_per_device"]:
                 self._last_skipped = self._found_total(state) > 0
         return retval
+
+    def _fused_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        """step() for fastamp.optim optimizers: hand inv_scale, found_inf and the clip coefficient
+        to the fused kernel, which skips on overflow by itself. No host sync, and the grads are
+        read twice in all (stats pass + update) and never written."""
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale, _ = self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        clip = state.pop("fastamp_clip", None)
+        if clip is not None:  # clip_grad_norm_ ran the stats pass; grads are still scaled
+            inv_scale, coef = clip
+        elif state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+            inv_scale, coef = scale.double().reciprocal().float(), None
+        else:  # unscale_ already rewrote the grads
+            inv_scale, coef = None, None
+        if not state["found_inf_per_device"]:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        found = self._found_total(state)
+        # Through optimizer.step() (not a private entry point), so wrappers such as the LR
+        # schedulers' step counting see every step.
+        optimizer._fastamp_pending = (inv_scale, found, coef)
+        try:
+            optimizer.step(*args, **kwargs)
+        finally:
+            optimizer.__dict__.pop("_fastamp_pending", None)
+        state["stage"] = OptState.STEPPED
+        self._last_skipped = found > 0
+        return None
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         if not self._enabled:

@@ -1,6 +1,8 @@
 """Reference implementations and input makers shared by fastamp's tests and benchmarks."""
 
 from fastamp.testing.reference import (
+    adam_ref,
+    sgd_ref,
     clip_unscale_ref,
     grad_stats_ref,
     make_grads,
@@ -11,6 +13,8 @@ from fastamp.testing.reference import (
 from fastamp.testing.syncs import count_host_syncs
 
 __all__ = [
+    "adam_ref",
+    "sgd_ref",
     "clip_unscale_ref",
     "count_host_syncs",
     "grad_stats_ref",

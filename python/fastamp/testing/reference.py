@@ -132,3 +132,41 @@ def update_scale_ref(
         else:
             growth_tracker += 1
     return scale, growth_tracker, hysteresis_tracker
+
+
+def adam_ref(p, g, m, v, vmax, step, *, lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled,
+             maximize, inv_scale=1.0, clip_coef=1.0):
+    """One Adam/AdamW step in float64 (the textbook rule); returns new (p, m, v, vmax)."""
+    p, g, m, v = (t.detach().double().cpu() for t in (p, g, m, v))
+    vmax = vmax.detach().double().cpu() if vmax is not None else None
+    g = g * inv_scale * clip_coef
+    if maximize:
+        g = -g
+    if weight_decay:
+        if decoupled:
+            p = p * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    vhat = v
+    if amsgrad:
+        vmax = torch.maximum(vmax, v)
+        vhat = vmax
+    p = p - lr / bc1 * m / (vhat.sqrt() / math.sqrt(bc2) + eps)
+    return p, m, v, vmax
+
+
+def sgd_ref(p, g, buf, first, *, lr, momentum, dampening, weight_decay, nesterov, maximize,
+            inv_scale=1.0, clip_coef=1.0):
+    """One SGD step in float64; returns new (p, buf)."""
+    p, g = p.detach().double().cpu(), g.detach().double().cpu() * inv_scale * clip_coef
+    if maximize:
+        g = -g
+    if weight_decay:
+        g = g + weight_decay * p
+    if momentum:
+        buf = g.clone() if first else momentum * buf.detach().double().cpu() + (1 - dampening) * g
+        g = g + momentum * buf if nesterov else buf
+    return p - lr * g, buf

@@ -1,0 +1,140 @@
+// CPU kernels of the fused optimizer ops: validate, skip on overflow, cut every param into chunks,
+// run the per-ISA chunk kernels in parallel, then advance the step counters.
+#include <torch/library.h>
+
+#include "common/cpu_capability.h"
+#include "common/multi_tensor_apply_cpu.h"
+#include "optim/optim_checks.h"
+#include "optim/optim_cpu_kernels.h"
+
+namespace fastamp {
+namespace optim {
+namespace {
+
+inline char* at_elem(const FlatTensor& t, int64_t start) {
+  return static_cast<char*>(t.data) + start * static_cast<int64_t>(c10::elementSize(t.dtype));
+}
+
+inline void* at_elem_or_null(const FlatTensorList* list, size_t item, int64_t start) {
+  return list == nullptr ? nullptr : at_elem(list->items()[item], start);
+}
+
+// Reads the per-step device scalars; on CPU they are host memory, so this is not a sync.
+struct CpuScalars {
+  bool skip;
+  float inv_scale;
+  float clip_coef;
+};
+
+CpuScalars read_scalars(const StepScalars& s) {
+  return CpuScalars{s.found_inf != nullptr && *s.found_inf != 0.0f,
+                    s.inv_scale != nullptr ? *s.inv_scale : 1.0f,
+                    s.clip_coef != nullptr ? *s.clip_coef : 1.0f};
+}
+
+void advance_steps(at::TensorList steps) {
+  for (const auto& t : steps) *t.data_ptr<float>() += 1.0f;
+}
+
+void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                   at::TensorList state_steps, at::TensorList master_params, double lr,
+                   const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                   double weight_decay, double eps, bool amsgrad, bool decoupled_weight_decay,
+                   bool maximize, const c10::optional<at::Tensor>& inv_scale,
+                   const c10::optional<at::Tensor>& found_inf,
+                   const c10::optional<at::Tensor>& clip_coef) {
+  constexpr const char* op = "fastamp::adam_step_";
+  std::vector<std::pair<const char*, at::TensorList>> state = {{"exp_avgs", exp_avgs},
+                                                               {"exp_avg_sqs", exp_avg_sqs}};
+  if (amsgrad) state.emplace_back("max_exp_avg_sqs", max_exp_avg_sqs);
+  StepPlan plan = check_step(op, params, grads, state, state_steps, master_params);
+  if (params.empty()) return;
+  const StepScalars dev = check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
+  const CpuScalars s = read_scalars(dev);
+  if (s.skip) return;  // an overflowed step writes nothing, not even the step counters
+  const double lr_v = dev.lr != nullptr ? static_cast<double>(*dev.lr) : lr;
+  const AdamHyper h =
+      adam_hyper(beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize);
+  const auto& items = plan.params.items();
+  std::vector<AdamCoefs> coefs(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const double step = static_cast<double>(*state_steps[items[i].index].data_ptr<float>()) + 1.0;
+    coefs[i] = adam_coefs(h, lr_v, step);
+  }
+  const FlatTensorList* vmax = amsgrad ? &plan.state[2] : nullptr;
+  const FlatTensorList* master = plan.has_master ? &plan.master : nullptr;
+  const OptimCpuKernels& k = optim_cpu_kernels();
+  cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) {
+    const size_t it = static_cast<size_t>(ch.item);
+    AdamChunk a{items[it].dtype,
+                at_elem(items[it], ch.start),
+                at_elem(plan.grads.items()[it], ch.start),
+                at_elem(plan.state[0].items()[it], ch.start),
+                at_elem(plan.state[1].items()[it], ch.start),
+                at_elem_or_null(vmax, it, ch.start),
+                static_cast<float*>(at_elem_or_null(master, it, ch.start)),
+                ch.len,
+                s.inv_scale,
+                s.clip_coef};
+    k.adam(a, h, coefs[it]);
+  });
+  advance_steps(state_steps);
+}
+
+void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                  at::TensorList state_steps, at::TensorList master_params, double lr,
+                  const c10::optional<at::Tensor>& lr_tensor, double weight_decay, double momentum,
+                  double dampening, bool nesterov, bool maximize,
+                  const c10::optional<at::Tensor>& inv_scale,
+                  const c10::optional<at::Tensor>& found_inf,
+                  const c10::optional<at::Tensor>& clip_coef) {
+  constexpr const char* op = "fastamp::sgd_step_";
+  TORCH_CHECK_VALUE(momentum != 0.0 || momentum_buffers.empty(), op,
+                    ": momentum_buffers must be empty when momentum == 0");
+  std::vector<std::pair<const char*, at::TensorList>> state;
+  if (momentum != 0.0) state.emplace_back("momentum_buffers", momentum_buffers);
+  StepPlan plan = check_step(op, params, grads, state, state_steps, master_params);
+  if (params.empty()) return;
+  const StepScalars dev = check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
+  const CpuScalars s = read_scalars(dev);
+  if (s.skip) return;
+  const float neg_lr = static_cast<float>(-(dev.lr != nullptr ? static_cast<double>(*dev.lr) : lr));
+  const SgdHyper h = sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
+  const auto& items = plan.params.items();
+  const FlatTensorList* bufs = momentum != 0.0 ? &plan.state[0] : nullptr;
+  const FlatTensorList* master = plan.has_master ? &plan.master : nullptr;
+  const OptimCpuKernels& k = optim_cpu_kernels();
+  cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) {
+    const size_t it = static_cast<size_t>(ch.item);
+    SgdChunk a{items[it].dtype,
+               at_elem(items[it], ch.start),
+               at_elem(plan.grads.items()[it], ch.start),
+               at_elem_or_null(bufs, it, ch.start),
+               static_cast<float*>(at_elem_or_null(master, it, ch.start)),
+               ch.len,
+               s.inv_scale,
+               s.clip_coef,
+               neg_lr,
+               *state_steps[items[it].index].data_ptr<float>() == 0.0f};
+    k.sgd(a, h);
+  });
+  advance_steps(state_steps);
+}
+
+}  // namespace
+
+const OptimCpuKernels& optim_cpu_kernels() {
+#if defined(__x86_64__) || defined(_M_X64)
+  if (cpu_use_avx2()) return optim_cpu_kernels_avx2();
+#endif
+  return optim_cpu_kernels_default();
+}
+
+}  // namespace optim
+}  // namespace fastamp
+
+TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
+  m.impl("adam_step_", &fastamp::optim::adam_step_cpu);
+  m.impl("sgd_step_", &fastamp::optim::sgd_step_cpu);
+}

@@ -1,0 +1,142 @@
+/// @file optim_math.h
+/// Element math of the fused optimizers, shared by the CPU and CUDA kernels.
+///
+/// The arithmetic follows PyTorch's single-tensor (foreach=False, non-capturable) implementations
+/// operation by operation, in fp32 with per-step coefficients computed in double, so the fused
+/// kernels agree with torch.optim to rounding. The gradient arrives still loss-scaled: it is
+/// unscaled and clipped in registers (g * inv_scale * clip_coef), never written back.
+#pragma once
+
+#include "common/macros.h"
+
+#include <cmath>
+#include <cstdint>
+
+#ifndef FASTAMP_CPU_NS
+#define FASTAMP_CPU_NS cap_default
+#endif
+
+namespace fastamp {
+namespace optim {
+
+// Plain data, outside the per-ISA inline namespace so every build of the kernels shares the types.
+/// Adam/AdamW hyperparameters as the kernels use them. PyTorch computes `1 - beta` in double and
+/// rounds once to fp32 (Python scalars), which is not the same float as 1.0f - float(beta); so the
+/// host fills these in double (adam_hyper) and the kernels only read them.
+struct AdamHyper {
+  float beta2;
+  float one_minus_beta1;
+  float one_minus_beta2;
+  float weight_decay;
+  float eps;
+  bool amsgrad;
+  bool decoupled;  ///< AdamW
+  bool maximize;
+  double beta1_d;  ///< for the bias corrections, in double like PyTorch's Python floats
+  double beta2_d;
+  double weight_decay_d;
+};
+
+/// Scalars of the step about to be taken (`step` = the new step count), from device values.
+struct AdamCoefs {
+  float neg_step_size;  ///< -lr / (1 - beta1^step)
+  float bc2_sqrt;       ///< sqrt(1 - beta2^step)
+  float decay;          ///< 1 - lr * weight_decay (AdamW)
+};
+
+/// SGD hyperparameters, rounded as PyTorch rounds its Python scalars.
+struct SgdHyper {
+  float weight_decay;
+  float momentum;
+  float one_minus_dampening;
+  bool nesterov;
+  bool maximize;
+};
+
+// Functions live in a per-ISA inline namespace (see scaler_math.h for why).
+inline namespace FASTAMP_CPU_NS {
+
+/// The loss-scaled gradient made ready for the update rule: unscale, clip, maximize.
+FASTAMP_HOST_DEVICE inline float prep_grad(float g, float inv, float coef, bool maximize) {
+  const float u = (g * inv) * coef;
+  return maximize ? -u : u;
+}
+
+
+inline AdamHyper adam_hyper(double beta1, double beta2, double weight_decay, double eps,
+                            bool amsgrad, bool decoupled, bool maximize) {
+  AdamHyper h;
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.weight_decay = static_cast<float>(weight_decay);
+  h.eps = static_cast<float>(eps);
+  h.amsgrad = amsgrad;
+  h.decoupled = decoupled;
+  h.maximize = maximize;
+  h.beta1_d = beta1;
+  h.beta2_d = beta2;
+  h.weight_decay_d = weight_decay;
+  return h;
+}
+
+
+FASTAMP_HOST_DEVICE inline AdamCoefs adam_coefs(const AdamHyper& h, double lr, double step) {
+  AdamCoefs c;
+  const double bc1 = 1.0 - std::pow(h.beta1_d, step);
+  const double bc2 = 1.0 - std::pow(h.beta2_d, step);
+  c.neg_step_size = static_cast<float>(-(lr / bc1));
+  c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+  c.decay = static_cast<float>(1.0 - lr * h.weight_decay_d);
+  return c;
+}
+
+/// torch.lerp's formula (the branch keeps it exact at weight 1).
+FASTAMP_HOST_DEVICE inline float lerp(float a, float b, float w) {
+  return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+/// One Adam/AdamW element update. `p` is the fp32 (master) parameter, `g` the prepared gradient;
+/// vmax is read and written only with amsgrad.
+FASTAMP_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& v, float& vmax,
+                                            const AdamHyper& h, const AdamCoefs& c) {
+  if (h.weight_decay != 0.0f) {
+    if (h.decoupled) {
+      p = p * c.decay;                       // param.mul_(1 - lr * weight_decay)
+    } else {
+      g = g + h.weight_decay * p;            // grad.add(param, alpha=weight_decay)
+    }
+  }
+  m = lerp(m, g, h.one_minus_beta1);         // exp_avg.lerp_(grad, 1 - beta1)
+  v = v * h.beta2 + (h.one_minus_beta2 * g) * g;  // mul_(beta2).addcmul_(g, g, 1 - beta2)
+  float vhat = v;
+  if (h.amsgrad) {
+    vmax = vmax > v ? vmax : v;              // torch.maximum (NaN never reaches here: skipped)
+    vhat = vmax;
+  }
+  const float denom = std::sqrt(vhat) / c.bc2_sqrt + h.eps;
+  p = p + (c.neg_step_size * m) / denom;     // param.addcdiv_(exp_avg, denom, -step_size)
+}
+
+
+inline SgdHyper sgd_hyper(double weight_decay, double momentum, double dampening, bool nesterov,
+                          bool maximize) {
+  return SgdHyper{static_cast<float>(weight_decay), static_cast<float>(momentum),
+                  static_cast<float>(1.0 - dampening), nesterov, maximize};
+}
+
+/// One SGD element update (torch.optim.SGD). `first` is true on the momentum buffer's first
+/// update, when PyTorch sets buf = grad instead of blending.
+FASTAMP_HOST_DEVICE inline void sgd_update(float& p, float g, float& buf, float neg_lr,
+                                           const SgdHyper& h, bool first) {
+  if (h.weight_decay != 0.0f) g = g + h.weight_decay * p;
+  if (h.momentum != 0.0f) {
+    buf = first ? g : buf * h.momentum + h.one_minus_dampening * g;
+    g = h.nesterov ? g + h.momentum * buf : buf;
+  }
+  p = p + neg_lr * g;                        // param.add_(grad, alpha=-lr)
+}
+
+}  // namespace FASTAMP_CPU_NS
+}  // namespace optim
+}  // namespace fastamp

@@ -1,0 +1,225 @@
+"""fastamp.optim against torch.optim (fused=False) driven by torch.amp.GradScaler + clip_grad_norm_."""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fastamp
+from fastamp.testing import count_host_syncs
+
+CONFIGS = [
+    ("SGD", dict(lr=0.02, momentum=0.9, weight_decay=1e-3)),
+    ("SGD", dict(lr=0.02, momentum=0.9, dampening=0.2, nesterov=False, maximize=True)),
+    ("SGD", dict(lr=0.02, momentum=0.8, nesterov=True)),
+    ("SGD", dict(lr=0.02)),
+    ("Adam", dict(lr=3e-3, weight_decay=1e-2)),
+    ("Adam", dict(lr=3e-3, amsgrad=True, betas=(0.8, 0.99))),
+    ("AdamW", dict(lr=3e-3, weight_decay=0.1)),
+    ("AdamW", dict(lr=3e-3, weight_decay=0.1, amsgrad=True, maximize=True)),
+]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.LayerNorm(24), nn.Linear(24, 3))
+
+
+def _groups(model, lr):
+    return [
+        {"params": list(model[0].parameters())},
+        {"params": list(model[2].parameters()) + list(model[3].parameters()), "lr": lr * 0.5},
+    ]
+
+
+def _train(kind, kw, fast, steps=200, clip=0.5, seed=0):
+    model = _model(seed)
+    cls = getattr(fastamp.optim if fast else torch.optim, kind)
+    opt = cls(_groups(model, kw["lr"]), **kw) if fast else cls(_groups(model, kw["lr"]), foreach=False, **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)
+    scaler = (fastamp.GradScaler if fast else torch.amp.GradScaler)("cpu", init_scale=2.0**14, growth_interval=7)
+    gen = torch.Generator().manual_seed(seed + 1)
+    bad = torch.Generator().manual_seed(seed + 2)
+    skipped = []
+    for step in range(steps):
+        x, y = torch.randn(16, 12, generator=gen), torch.randn(16, 3, generator=gen)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        r = float(torch.rand((), generator=bad))
+        if step > 0 and r < 0.1:  # inf/NaN storms at random steps, one or several tensors
+            for p in list(model.parameters())[: 1 + step % 3]:
+                p.grad.view(-1)[step % p.numel()] = math.nan if r < 0.05 else math.inf
+        if fast:
+            scaler.clip_grad_norm_(opt, clip)
+        else:
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scale_before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(scaler.get_scale() < scale_before)
+        sched.step()
+    return model, opt, scaler, skipped
+
+
+@pytest.mark.parametrize("kind,kw", CONFIGS, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CONFIGS)])
+def test_matches_torch_over_200_steps_with_overflows(kind, kw):
+    fm, fo, fs, fskip = _train(kind, kw, True)
+    tm, to, ts, tskip = _train(kind, kw, False)
+    assert fskip == tskip and 5 < sum(tskip) < 60
+    assert fs.state_dict() == ts.state_dict()
+    for a, b in zip(fm.parameters(), tm.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    fsd, tsd = fo.state_dict(), to.state_dict()
+    assert fsd["state"].keys() == tsd["state"].keys()
+    for k in tsd["state"]:
+        assert fsd["state"][k].keys() == tsd["state"][k].keys()
+        for name, value in tsd["state"][k].items():
+            if name == "step":  # same count of *taken* steps: skipped ones did not advance it
+                assert float(fsd["state"][k][name]) == float(value)
+            else:
+                torch.testing.assert_close(fsd["state"][k][name], value, rtol=1e-5, atol=1e-6)
+    for fg, tg in zip(fsd["param_groups"], tsd["param_groups"]):
+        fg, tg = dict(fg), dict(tg)
+        assert tg.pop("foreach") is False and fg.pop("foreach") is None  # the only difference: how torch ran
+        assert fg == tg
+
+
+@pytest.mark.parametrize("kind", ["SGD", "Adam", "AdamW"])
+def test_state_dict_interchangeable_both_ways(kind):
+    kw = dict(lr=0.01, momentum=0.9) if kind == "SGD" else dict(lr=0.01)
+    base, _, _, _ = _train(kind, kw, False, steps=5)
+    # torch -> fastamp -> continue == torch continued
+    for src_fast in (False, True):
+        m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+        src_cls = getattr(fastamp.optim if src_fast else torch.optim, kind)
+        dst_cls = getattr(torch.optim if src_fast else fastamp.optim, kind)
+        o1 = src_cls(m1.parameters(), **kw)
+        for _ in range(3):
+            o1.zero_grad()
+            m1(torch.randn(4, 12)).sum().backward()
+            o1.step()
+        m2.load_state_dict(m1.state_dict())
+        o2 = dst_cls(m2.parameters(), **kw)
+        # deepcopy: load_state_dict keeps same-device tensors as they are (aliases of o1's state)
+        o2.load_state_dict(copy.deepcopy(o1.state_dict()))
+        x = torch.randn(4, 12)
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad()
+            m(x).sum().backward()
+            o.step()
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_no_host_sync_and_no_scheduler_warning_when_steps_skip():
+    model = _model()
+    opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    scaler = fastamp.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # lr_scheduler's "step() before optimizer.step()" would raise
+        for step in range(4):
+            opt.zero_grad()
+            loss = model(torch.randn(4, 12)).sum()
+            with count_host_syncs() as calls:
+                scaled = scaler.scale(loss)
+            scaled.backward()
+            if step == 0:
+                model[0].weight.grad[0, 0] = math.inf  # the very first step overflows
+            with count_host_syncs() as calls2:
+                norm = scaler.clip_grad_norm_(opt, 1.0)
+                scaler.step(opt)
+                scaler.update()
+                skipped = scaler.last_step_skipped()
+                stepped = opt.stepped
+            assert calls == [] and calls2 == [], calls + calls2
+            assert bool(skipped) == (step == 0) and bool(stepped) == (step != 0)
+            assert math.isfinite(float(norm)) == (step != 0)
+            sched.step()
+    assert float(opt.state_dict()["state"][0]["step"]) == 3.0  # the skipped step did not count
+
+
+def test_grads_are_never_written_with_clip():
+    model = _model()
+    opt = fastamp.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = fastamp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 12)).sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    scaler.clip_grad_norm_(opt, 1e-3)
+    scaler.step(opt)
+    scaler.update()
+    for p, g in zip(model.parameters(), grads):
+        assert torch.equal(p.grad, g)  # still scaled: unscale and clip happened in registers
+
+
+def test_driven_by_torch_grad_scaler_too():
+    fm, tm = _model(), _model()
+    fo = fastamp.optim.Adam(fm.parameters(), lr=1e-2)
+    to = torch.optim.Adam(tm.parameters(), lr=1e-2, foreach=False)
+    fs, ts = torch.amp.GradScaler("cpu", growth_interval=2), torch.amp.GradScaler("cpu", growth_interval=2)
+    for step in range(10):
+        x = torch.randn(4, 12)
+        for m, o, s in ((fm, fo, fs), (tm, to, ts)):
+            o.zero_grad()
+            s.scale(m(x).square().mean()).backward()
+            if step == 4:
+                m[3].bias.grad[0] = math.inf
+            s.step(o)
+            s.update()
+    assert fs.get_scale() == ts.get_scale()
+    for a, b in zip(fm.parameters(), tm.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_master_weights_track_an_fp32_run(dtype):
+    ref = _model()
+    half = copy.deepcopy(ref).to(dtype)
+    ro = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    ho = fastamp.optim.AdamW(half.parameters(), lr=1e-2, master_weights=True)
+    plain = copy.deepcopy(ref).to(dtype)
+    po = fastamp.optim.AdamW(plain.parameters(), lr=1e-2)
+    for _ in range(30):
+        x = torch.randn(8, 12)
+        for m, o, xx in ((ref, ro, x), (half, ho, x.to(dtype)), (plain, po, x.to(dtype))):
+            o.zero_grad()
+            m(xx).float().square().mean().backward()
+            o.step()
+    st = ho.state_dict()["state"][0]
+    assert st["master_param"].dtype == torch.float32 and st["exp_avg"].dtype == torch.float32
+    assert ho.state[half[0].weight]["master_param"].to(dtype).equal(half[0].weight)
+    err_master = max((a.float() - b).abs().max().item() for a, b in zip(half.parameters(), ref.parameters()))
+    err_plain = max((a.float() - b).abs().max().item() for a, b in zip(plain.parameters(), ref.parameters()))
+    assert err_master < err_plain  # fp32 masters keep the small updates half params round away
+
+
+def test_constructor_errors_like_torch():
+    p = [nn.Parameter(torch.randn(3))]
+    for kind, kw in [("Adam", dict(lr=-1.0)), ("AdamW", dict(betas=(1.0, 0.9))), ("Adam", dict(eps=-1.0)),
+                     ("SGD", dict(momentum=-0.1)), ("SGD", dict(lr=0.1, nesterov=True)), ("AdamW", dict(weight_decay=-1))]:
+        with pytest.raises(ValueError) as a:
+            getattr(torch.optim, kind)(p, **kw)
+        with pytest.raises(ValueError) as b:
+            getattr(fastamp.optim, kind)(p, **kw)
+        assert str(a.value) == str(b.value)
+
+
+def test_bad_params_rejected_before_any_state_change():
+    model = _model()
+    opt = fastamp.optim.Adam(model.parameters(), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    model[3].bias.grad = model[3].bias.grad.to_sparse()
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="Adam does not support sparse gradients"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    assert len(opt.state) == 0
+    d = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    d.grad = torch.ones_like(d)
+    with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
+        fastamp.optim.SGD([d], lr=0.1).step()
