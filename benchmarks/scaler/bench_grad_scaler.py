@@ -21,14 +21,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
+import os
 import statistics
-import time
+import sys
 
 import torch
 
 import fastamp
 from fastamp.testing import transformer_like_shapes
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import copy_bandwidth, device_name, sync, timed  # noqa: E402
 
 
 class _NoOpOptimizer(torch.optim.Optimizer):
@@ -37,34 +40,6 @@ class _NoOpOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         return None
-
-
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(fn, device):
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def copy_bandwidth(device, nbytes=512 * 2**20, reps=10):
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    _sync(device)
-    times = [_timed(lambda: dst.copy_(src), device) for _ in range(reps)]
-    return 2 * nbytes / statistics.median(times)  # read + write
 
 
 def bench_size(n_params, dtype, device, reps, warmup, max_norm):
@@ -103,14 +78,14 @@ def bench_size(n_params, dtype, device, reps, warmup, max_norm):
         torch._foreach_copy_([p.grad for p in params], masters)
         for s in scalers.values():
             s.scale(torch.ones((), device=device))  # lazy init of the scale tensor
-        _sync(device)
+        sync(device)
 
     fns = {"torch": torch_step, "fastamp": fastamp_step}
     times = {k: [] for k in fns}
     for i in range(warmup + reps):
         for name, fn in fns.items():
             restore()
-            t = _timed(fn, device)
+            t = timed(fn, device)
             if i >= warmup:
                 times[name].append(t)
     # Check both results against a float64 reference norm (PyTorch's fp32 CPU norm drifts at
@@ -151,7 +126,7 @@ def main(argv=None):
 
     bw = copy_bandwidth(args.device)
     esize = torch.tensor([], dtype=dtype).element_size()
-    dev_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    dev_name = device_name(args.device)
     print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | {args.device} ({dev_name}) | "
           f"threads {torch.get_num_threads()} | grads {args.dtype} | copy bandwidth {bw / 1e9:.1f} GB/s")
     header = (f"{'params':>8} | {'torch ms':>9} {'fastamp ms':>10} {'speedup':>8} | "

@@ -2,10 +2,10 @@
 
 from fastamp.testing.reference import (
     adam_ref,
-    sgd_ref,
     clip_unscale_ref,
     grad_stats_ref,
     make_grads,
+    sgd_ref,
     transformer_like_shapes,
     unscale_ref,
     update_scale_ref,

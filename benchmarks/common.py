@@ -1,0 +1,47 @@
+"""Timing helpers shared by the benchmarks: CUDA events on GPU, perf_counter on CPU, and the copy
+bandwidth that the memory-traffic floors are computed against."""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str) -> float:
+    """Seconds one call of fn takes on the device (fn's work is complete when this returns)."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def copy_bandwidth(device: str, nbytes: int = 512 * 2**20, reps: int = 10) -> float:
+    """Bytes per second of a device-to-device copy (read + write), median of reps."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    times = [timed(lambda: dst.copy_(src), device) for _ in range(reps)]
+    return 2 * nbytes / statistics.median(times)
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine()

@@ -1,0 +1,370 @@
+// CUDA kernels of the fused optimizer ops. The element math comes from optim_math.h (shared with
+// the CPU kernels); this file arranges it into per-chunk functors run by
+// multi_tensor_apply_cuda.cuh, with every list of a param (param, grad, state, master) travelling
+// as one MTA list, so one block updates one chunk of all of them.
+//
+// No host sync: lr_tensor, inv_scale, found_inf and clip_coef are read in the kernels through
+// pointers, and so are the step counters. A step is three stream-ordered passes:
+//   1. snapshot: copy every state_steps entry into a flat buffer (one slot per param);
+//   2. update: each block reads its param's *old* step from the buffer (indexed by the param's
+//      position in the caller's list), derives the step's coefficients and updates its chunk;
+//   3. advance: add 1 to every state_steps entry.
+// Passes 2 and 3 do nothing at all when *found_inf != 0. Splitting 1 from 3 means that no block of
+// pass 2 can see a counter that has already moved, whatever the block order.
+#include <torch/library.h>
+
+#include "common/multi_tensor_apply_cuda.cuh"
+#include "optim/optim_checks.h"
+#include "optim/optim_math.h"
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <array>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace fastamp {
+namespace optim {
+namespace {
+
+// --- per-thread element access ------------------------------------------------------------------
+
+/// Elements a thread takes per loop step from every list: 16-byte accesses for float32 lists,
+/// 8-byte ones for half/bfloat16. The same element count in every list keeps one index for all.
+constexpr int kPack = 4;
+
+template <typename T>
+struct alignas(sizeof(T) * kPack) Pack {
+  T v[kPack];
+};
+
+template <typename T>
+__device__ __forceinline__ bool pack_aligned(const T* p) {
+  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kPack) == 0;
+}
+
+/// x[j] = p[e + j] as float for j < valid (one vector load when `vec`, i.e. aligned and full).
+/// Lanes past `valid` get 0 and are never stored.
+template <typename T>
+__device__ __forceinline__ void load_pack(const T* p, int e, int valid, bool vec,
+                                          float (&x)[kPack]) {
+  if (vec) {
+    const Pack<T> r = *reinterpret_cast<const Pack<T>*>(p + e);
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) x[j] = static_cast<float>(r.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) x[j] = j < valid ? static_cast<float>(p[e + j]) : 0.0f;
+  }
+}
+
+/// p[e + j] = T(x[j]) for j < valid, rounding to nearest even as the CPU kernels' store<T>.
+template <typename T>
+__device__ __forceinline__ void store_pack(T* p, int e, int valid, bool vec,
+                                           const float (&x)[kPack]) {
+  Pack<T> r;
+#pragma unroll
+  for (int j = 0; j < kPack; ++j) r.v[j] = static_cast<T>(x[j]);
+  if (vec) {
+    *reinterpret_cast<Pack<T>*>(p + e) = r;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) {
+      if (j < valid) p[e + j] = r.v[j];
+    }
+  }
+}
+
+__device__ __forceinline__ bool step_skipped(const float* found_inf) {
+  return found_inf != nullptr && *found_inf != 0.0f;
+}
+
+// --- step counters --------------------------------------------------------------------------------
+// Both ops run over state_steps as a one-list MTA (one-element float32 tensors, so one block each;
+// only thread 0 works). Other dtypes cannot reach them (check_step), so only float is compiled.
+
+struct SnapshotStepsOp {
+  float* out;  // out[i] = state_steps[i]
+
+  template <typename T>
+  __device__ void apply(const MtaBlock<1>& blk) const {
+    if constexpr (std::is_same_v<T, float>) {
+      if (threadIdx.x == 0) out[blk.index] = *blk.ptr<float>(0);
+    }
+  }
+};
+
+struct AdvanceStepsOp {
+  const float* found_inf;  // may be null
+
+  template <typename T>
+  __device__ void apply(const MtaBlock<1>& blk) const {
+    if constexpr (std::is_same_v<T, float>) {
+      // atomicAdd rather than +=: should one counter tensor appear twice in the list, it is
+      // advanced twice, as on the CPU, instead of racing.
+      if (threadIdx.x == 0 && !step_skipped(found_inf)) atomicAdd(blk.ptr<float>(0), 1.0f);
+    }
+  }
+};
+
+// --- update ops -------------------------------------------------------------------------------------
+// List layout (Depth = number of lists): 0 params (T), 1 grads (T), then the state lists (S), then
+// master_params (float32) when kMaster. S = float with master weights, else T. The flags are
+// template parameters so the element loop has no per-element branch on them.
+
+template <bool kAmsgrad, bool kMaster>
+struct AdamOp {
+  static constexpr int kDepth = 4 + (kAmsgrad ? 1 : 0) + (kMaster ? 1 : 0);
+  static constexpr int kMasterList = 4 + (kAmsgrad ? 1 : 0);
+
+  AdamHyper h;
+  StepScalars s;       // device pointers, each may be null
+  const float* steps;  // old step of each param, by list position
+  double lr;           // used when s.lr is null
+
+  template <typename T>
+  __device__ void apply(const MtaBlock<kDepth>& blk) const {
+    if constexpr (!std::is_same_v<T, double>) {  // params are never float64 (check_step)
+      using S = std::conditional_t<kMaster, float, T>;
+      if (step_skipped(s.found_inf)) return;  // same value in every thread: the whole block leaves
+      // The coefficients need double pow: one thread computes them and shares them.
+      __shared__ AdamCoefs coefs_shared;
+      if (threadIdx.x == 0) {
+        const double lr_v = s.lr != nullptr ? static_cast<double>(*s.lr) : lr;
+        coefs_shared = adam_coefs(h, lr_v, static_cast<double>(steps[blk.index]) + 1.0);
+      }
+      __syncthreads();
+      const AdamCoefs c = coefs_shared;
+      const float inv = s.inv_scale != nullptr ? *s.inv_scale : 1.0f;
+      const float coef = s.clip_coef != nullptr ? *s.clip_coef : 1.0f;
+
+      T* const p = blk.template ptr<T>(0);
+      const T* const g = blk.template ptr<T>(1);
+      S* const m = blk.template ptr<S>(2);
+      S* const v = blk.template ptr<S>(3);
+      // Lists that the instantiation does not have are never formed (their slot may not exist).
+      S* vm = nullptr;
+      if constexpr (kAmsgrad) vm = blk.template ptr<S>(4);
+      float* mp = nullptr;
+      if constexpr (kMaster) mp = blk.template ptr<float>(kMasterList);
+      bool aligned = pack_aligned(g) && pack_aligned(m) && pack_aligned(v);
+      if constexpr (kMaster) aligned = aligned && pack_aligned(mp);
+      if constexpr (kAmsgrad) aligned = aligned && pack_aligned(vm);
+      aligned = aligned && pack_aligned(p);
+
+      const int n = blk.len;
+      for (int e = static_cast<int>(threadIdx.x) * kPack; e < n; e += kMtaThreads * kPack) {
+        const int valid = n - e < kPack ? n - e : kPack;
+        const bool vec = aligned && valid == kPack;
+        float pr[kPack], gr[kPack], mr[kPack], vr[kPack], vmr[kPack];
+        if constexpr (kMaster) {
+          load_pack(mp, e, valid, vec, pr);  // the fp32 master is the parameter; p is its copy
+        } else {
+          load_pack(p, e, valid, vec, pr);
+        }
+        load_pack(g, e, valid, vec, gr);
+        load_pack(m, e, valid, vec, mr);
+        load_pack(v, e, valid, vec, vr);
+        if constexpr (kAmsgrad) {
+          load_pack(vm, e, valid, vec, vmr);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kPack; ++j) vmr[j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) {
+          adam_update(pr[j], prep_grad(gr[j], inv, coef, h.maximize), mr[j], vr[j], vmr[j], h, c);
+        }
+        store_pack(m, e, valid, vec, mr);
+        store_pack(v, e, valid, vec, vr);
+        if constexpr (kAmsgrad) store_pack(vm, e, valid, vec, vmr);
+        if constexpr (kMaster) store_pack(mp, e, valid, vec, pr);
+        store_pack(p, e, valid, vec, pr);
+      }
+    }
+  }
+};
+
+template <bool kMomentum, bool kMaster>
+struct SgdOp {
+  static constexpr int kDepth = 2 + (kMomentum ? 1 : 0) + (kMaster ? 1 : 0);
+  static constexpr int kMasterList = 2 + (kMomentum ? 1 : 0);
+
+  SgdHyper h;
+  StepScalars s;
+  const float* steps;  // old step of each param (0: the momentum buffer is still unset)
+  double lr;
+
+  template <typename T>
+  __device__ void apply(const MtaBlock<kDepth>& blk) const {
+    if constexpr (!std::is_same_v<T, double>) {
+      using S = std::conditional_t<kMaster, float, T>;
+      if (step_skipped(s.found_inf)) return;
+      const float neg_lr =
+          static_cast<float>(-(s.lr != nullptr ? static_cast<double>(*s.lr) : lr));
+      const bool first = steps[blk.index] == 0.0f;
+      const float inv = s.inv_scale != nullptr ? *s.inv_scale : 1.0f;
+      const float coef = s.clip_coef != nullptr ? *s.clip_coef : 1.0f;
+
+      T* const p = blk.template ptr<T>(0);
+      const T* const g = blk.template ptr<T>(1);
+      S* buf = nullptr;
+      if constexpr (kMomentum) buf = blk.template ptr<S>(2);
+      float* mp = nullptr;
+      if constexpr (kMaster) mp = blk.template ptr<float>(kMasterList);
+      bool aligned = pack_aligned(p) && pack_aligned(g);
+      if constexpr (kMomentum) aligned = aligned && pack_aligned(buf);
+      if constexpr (kMaster) aligned = aligned && pack_aligned(mp);
+
+      const int n = blk.len;
+      for (int e = static_cast<int>(threadIdx.x) * kPack; e < n; e += kMtaThreads * kPack) {
+        const int valid = n - e < kPack ? n - e : kPack;
+        const bool vec = aligned && valid == kPack;
+        float pr[kPack], gr[kPack], br[kPack];
+        if constexpr (kMaster) {
+          load_pack(mp, e, valid, vec, pr);
+        } else {
+          load_pack(p, e, valid, vec, pr);
+        }
+        load_pack(g, e, valid, vec, gr);
+        if constexpr (kMomentum) {
+          load_pack(buf, e, valid, vec, br);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kPack; ++j) br[j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kPack; ++j) {
+          sgd_update(pr[j], prep_grad(gr[j], inv, coef, h.maximize), br[j], neg_lr, h, first);
+        }
+        if constexpr (kMomentum) store_pack(buf, e, valid, vec, br);
+        if constexpr (kMaster) store_pack(mp, e, valid, vec, pr);
+        store_pack(p, e, valid, vec, pr);
+      }
+    }
+  }
+};
+
+// --- host side ----------------------------------------------------------------------------------
+
+/// Calls f(std::bool_constant<a>, std::bool_constant<b>).
+template <typename F>
+void with_bools(bool a, bool b, const F& f) {
+  if (a) {
+    if (b) {
+      f(std::true_type{}, std::true_type{});
+    } else {
+      f(std::true_type{}, std::false_type{});
+    }
+  } else {
+    if (b) {
+      f(std::false_type{}, std::true_type{});
+    } else {
+      f(std::false_type{}, std::false_type{});
+    }
+  }
+}
+
+/// The lists of `plan` in the ops' layout: params, grads, state..., [master].
+std::vector<const std::vector<FlatTensor>*> update_lists(const StepPlan& plan) {
+  std::vector<const std::vector<FlatTensor>*> l = {&plan.params.items(), &plan.grads.items()};
+  for (const FlatTensorList& s : plan.state) l.push_back(&s.items());
+  if (plan.has_master) l.push_back(&plan.master.items());
+  return l;
+}
+
+template <int Depth, typename Op>
+void run_update(const StepPlan& plan, const Op& op) {
+  const auto l = update_lists(plan);
+  TORCH_INTERNAL_ASSERT(l.size() == static_cast<size_t>(Depth), "optim: ", l.size(),
+                        " lists for a ", Depth, "-list kernel");
+  std::array<const std::vector<FlatTensor>*, Depth> lists;
+  for (int d = 0; d < Depth; ++d) lists[static_cast<size_t>(d)] = l[static_cast<size_t>(d)];
+  cuda_multi_tensor_apply<Depth, Op>(lists, plan.device, op);
+}
+
+/// Everything of a step but the update pass: validates state_steps as a writable list (before
+/// anything is written), snapshots the counters, runs `update(old_steps)`, advances the counters,
+/// and copies staged tensors back (none today: check_step admits dense tensors only).
+template <typename Update>
+void run_step(const char* op, StepPlan& plan, at::TensorList state_steps,
+              const StepScalars& scalars, const Update& update) {
+  TORCH_CHECK(plan.device.is_cuda(), op, ": params are on ", plan.device,
+              "; expected a CUDA device");
+  FlatTensorList steps =
+      FlatTensorList::prepare(state_steps, op, "state_steps", plan.device, true, {at::kFloat});
+  c10::cuda::CUDAGuard guard(plan.device);
+  at::Tensor old_steps =
+      at::empty({steps.list_size()}, at::TensorOptions().dtype(at::kFloat).device(plan.device));
+  float* old = old_steps.data_ptr<float>();
+  // Every slot is written: state_steps entries have one element each, so none is dropped.
+  cuda_multi_tensor_apply(steps.items(), plan.device, SnapshotStepsOp{old});
+  update(static_cast<const float*>(old));
+  cuda_multi_tensor_apply(steps.items(), plan.device, AdvanceStepsOp{scalars.found_inf});
+  plan.params.write_back();
+  for (FlatTensorList& s : plan.state) s.write_back();
+  if (plan.has_master) plan.master.write_back();
+}
+
+void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                    at::TensorList state_steps, at::TensorList master_params, double lr,
+                    const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                    double weight_decay, double eps, bool amsgrad, bool decoupled_weight_decay,
+                    bool maximize, const c10::optional<at::Tensor>& inv_scale,
+                    const c10::optional<at::Tensor>& found_inf,
+                    const c10::optional<at::Tensor>& clip_coef) {
+  constexpr const char* op = "fastamp::adam_step_";
+  std::vector<std::pair<const char*, at::TensorList>> state = {{"exp_avgs", exp_avgs},
+                                                               {"exp_avg_sqs", exp_avg_sqs}};
+  if (amsgrad) state.emplace_back("max_exp_avg_sqs", max_exp_avg_sqs);
+  StepPlan plan = check_step(op, params, grads, state, state_steps, master_params);
+  if (params.empty()) return;
+  const StepScalars dev =
+      check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
+  const AdamHyper h =
+      adam_hyper(beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize);
+  run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
+    with_bools(amsgrad, plan.has_master, [&](auto ams, auto master) {
+      using Op = AdamOp<decltype(ams)::value, decltype(master)::value>;
+      run_update<Op::kDepth>(plan, Op{h, dev, old_steps, lr});
+    });
+  });
+}
+
+void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                   at::TensorList state_steps, at::TensorList master_params, double lr,
+                   const c10::optional<at::Tensor>& lr_tensor, double weight_decay,
+                   double momentum, double dampening, bool nesterov, bool maximize,
+                   const c10::optional<at::Tensor>& inv_scale,
+                   const c10::optional<at::Tensor>& found_inf,
+                   const c10::optional<at::Tensor>& clip_coef) {
+  constexpr const char* op = "fastamp::sgd_step_";
+  TORCH_CHECK_VALUE(momentum != 0.0 || momentum_buffers.empty(), op,
+                    ": momentum_buffers must be empty when momentum == 0");
+  std::vector<std::pair<const char*, at::TensorList>> state;
+  if (momentum != 0.0) state.emplace_back("momentum_buffers", momentum_buffers);
+  StepPlan plan = check_step(op, params, grads, state, state_steps, master_params);
+  if (params.empty()) return;
+  const StepScalars dev =
+      check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
+  const SgdHyper h = sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
+  run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
+    with_bools(momentum != 0.0, plan.has_master, [&](auto mom, auto master) {
+      using Op = SgdOp<decltype(mom)::value, decltype(master)::value>;
+      run_update<Op::kDepth>(plan, Op{h, dev, old_steps, lr});
+    });
+  });
+}
+
+}  // namespace
+}  // namespace optim
+}  // namespace fastamp
+
+TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
+  m.impl("adam_step_", &fastamp::optim::adam_step_cuda);
+  m.impl("sgd_step_", &fastamp::optim::sgd_step_cuda);
+}
