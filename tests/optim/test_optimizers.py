@@ -223,3 +223,23 @@ def test_bad_params_rejected_before_any_state_change():
     d.grad = torch.ones_like(d)
     with pytest.raises(TypeError, match="float32, float16 and bfloat16"):
         fastamp.optim.SGD([d], lr=0.1).step()
+
+
+@pytest.mark.parametrize("kind", ["SGD", "AdamW"])
+def test_tensor_lr_matches_torch(kind):
+    fm, tm = _model(), _model()
+    kw = dict(momentum=0.9) if kind == "SGD" else dict(weight_decay=0.1)
+    fo = getattr(fastamp.optim, kind)(fm.parameters(), lr=torch.tensor(0.01), **kw)
+    to = getattr(torch.optim, kind)(tm.parameters(), lr=torch.tensor(0.01), foreach=False, **kw)
+    sched = [torch.optim.lr_scheduler.ExponentialLR(o, 0.9) for o in (fo, to)]
+    for _ in range(5):
+        x = torch.randn(4, 12)
+        for m, o in ((fm, fo), (tm, to)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        for s in sched:
+            s.step()
+    assert isinstance(fo.param_groups[0]["lr"], torch.Tensor)
+    for a, b in zip(fm.parameters(), tm.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
