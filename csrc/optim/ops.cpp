@@ -7,6 +7,7 @@
 
 namespace fastamp {
 namespace optim {
+namespace {
 
 StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
                     const std::vector<std::pair<const char*, at::TensorList>>& state,
@@ -91,6 +92,45 @@ StepScalars check_scalars(const char* op, const c10::Device& device,
   s.found_inf = get(found_inf, "found_inf");
   s.clip_coef = get(clip_coef, "clip_coef");
   return s;
+}
+
+}  // namespace
+
+StepPlan check_adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                         at::TensorList state_steps, at::TensorList master_params, bool amsgrad,
+                         const c10::optional<at::Tensor>& lr_tensor,
+                         const c10::optional<at::Tensor>& inv_scale,
+                         const c10::optional<at::Tensor>& found_inf,
+                         const c10::optional<at::Tensor>& clip_coef) {
+  constexpr const char* op = "fastamp::adam_step_";
+  std::vector<std::pair<const char*, at::TensorList>> state = {{"exp_avgs", exp_avgs},
+                                                               {"exp_avg_sqs", exp_avg_sqs}};
+  if (amsgrad) state.emplace_back("max_exp_avg_sqs", max_exp_avg_sqs);
+  StepPlan plan = check_step(op, params, grads, state, state_steps, master_params);
+  if (!plan.empty()) {
+    plan.scalars = check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
+  }
+  return plan;
+}
+
+StepPlan check_sgd_step(at::TensorList params, at::TensorList grads,
+                        at::TensorList momentum_buffers, at::TensorList state_steps,
+                        at::TensorList master_params, double momentum,
+                        const c10::optional<at::Tensor>& lr_tensor,
+                        const c10::optional<at::Tensor>& inv_scale,
+                        const c10::optional<at::Tensor>& found_inf,
+                        const c10::optional<at::Tensor>& clip_coef) {
+  constexpr const char* op = "fastamp::sgd_step_";
+  TORCH_CHECK_VALUE(momentum != 0.0 || momentum_buffers.empty(), op,
+                    ": momentum_buffers must be empty when momentum == 0");
+  std::vector<std::pair<const char*, at::TensorList>> state;
+  if (momentum != 0.0) state.emplace_back("momentum_buffers", momentum_buffers);
+  StepPlan plan = check_step(op, params, grads, state, state_steps, master_params);
+  if (!plan.empty()) {
+    plan.scalars = check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
+  }
+  return plan;
 }
 
 }  // namespace optim

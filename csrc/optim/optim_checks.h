@@ -13,17 +13,6 @@
 namespace fastamp {
 namespace optim {
 
-/// The validated lists of one optimizer call. `master` is empty unless master weights are used;
-/// `extra` holds the per-element state lists (exp_avg, exp_avg_sq[, max_exp_avg_sq] or momentum).
-struct StepPlan {
-  FlatTensorList params;
-  FlatTensorList grads;
-  std::vector<FlatTensorList> state;
-  FlatTensorList master;
-  bool has_master = false;
-  c10::Device device = c10::Device(c10::kCPU);
-};
-
 /// Scalars that change every step, as optional device tensors (all on the params' device).
 struct StepScalars {
   const float* lr = nullptr;         ///< overrides the float lr when given
@@ -32,15 +21,38 @@ struct StepScalars {
   const float* clip_coef = nullptr;
 };
 
-StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
-                    const std::vector<std::pair<const char*, at::TensorList>>& state,
-                    at::TensorList state_steps, at::TensorList master_params);
+/// The validated arguments of one optimizer call. `state` holds the per-element state lists in
+/// schema order (exp_avg, exp_avg_sq[, max_exp_avg_sq] or momentum_buffer); `master` is empty
+/// unless master weights are used. Nothing else is set when there are no params (`empty()`).
+struct StepPlan {
+  FlatTensorList params;
+  FlatTensorList grads;
+  std::vector<FlatTensorList> state;
+  FlatTensorList master;
+  bool has_master = false;
+  c10::Device device = c10::Device(c10::kCPU);
+  StepScalars scalars;
 
-StepScalars check_scalars(const char* op, const c10::Device& device,
-                          const c10::optional<at::Tensor>& lr_tensor,
-                          const c10::optional<at::Tensor>& inv_scale,
-                          const c10::optional<at::Tensor>& found_inf,
-                          const c10::optional<at::Tensor>& clip_coef);
+  bool empty() const { return params.list_size() == 0; }
+};
+
+/// Everything fastamp::adam_step_ checks, for both backends, before anything is written.
+StepPlan check_adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                         at::TensorList state_steps, at::TensorList master_params, bool amsgrad,
+                         const c10::optional<at::Tensor>& lr_tensor,
+                         const c10::optional<at::Tensor>& inv_scale,
+                         const c10::optional<at::Tensor>& found_inf,
+                         const c10::optional<at::Tensor>& clip_coef);
+
+/// Everything fastamp::sgd_step_ checks, for both backends, before anything is written.
+StepPlan check_sgd_step(at::TensorList params, at::TensorList grads,
+                        at::TensorList momentum_buffers, at::TensorList state_steps,
+                        at::TensorList master_params, double momentum,
+                        const c10::optional<at::Tensor>& lr_tensor,
+                        const c10::optional<at::Tensor>& inv_scale,
+                        const c10::optional<at::Tensor>& found_inf,
+                        const c10::optional<at::Tensor>& clip_coef);
 
 }  // namespace optim
 }  // namespace fastamp

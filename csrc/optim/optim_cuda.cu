@@ -318,13 +318,10 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     const c10::optional<at::Tensor>& found_inf,
                     const c10::optional<at::Tensor>& clip_coef) {
   constexpr const char* op = "fastamp::adam_step_";
-  std::vector<std::pair<const char*, at::TensorList>> state = {{"exp_avgs", exp_avgs},
-                                                               {"exp_avg_sqs", exp_avg_sqs}};
-  if (amsgrad) state.emplace_back("max_exp_avg_sqs", max_exp_avg_sqs);
-  StepPlan plan = check_step(op, params, grads, state, state_steps, master_params);
-  if (params.empty()) return;
-  const StepScalars dev =
-      check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
+  StepPlan plan = check_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                                  master_params, amsgrad, lr_tensor, inv_scale, found_inf, clip_coef);
+  if (plan.empty()) return;
+  const StepScalars& dev = plan.scalars;
   const AdamHyper h =
       adam_hyper(beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize);
   run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
@@ -343,14 +340,10 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
                    const c10::optional<at::Tensor>& found_inf,
                    const c10::optional<at::Tensor>& clip_coef) {
   constexpr const char* op = "fastamp::sgd_step_";
-  TORCH_CHECK_VALUE(momentum != 0.0 || momentum_buffers.empty(), op,
-                    ": momentum_buffers must be empty when momentum == 0");
-  std::vector<std::pair<const char*, at::TensorList>> state;
-  if (momentum != 0.0) state.emplace_back("momentum_buffers", momentum_buffers);
-  StepPlan plan = check_step(op, params, grads, state, state_steps, master_params);
-  if (params.empty()) return;
-  const StepScalars dev =
-      check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
+  StepPlan plan = check_sgd_step(params, grads, momentum_buffers, state_steps, master_params,
+                                 momentum, lr_tensor, inv_scale, found_inf, clip_coef);
+  if (plan.empty()) return;
+  const StepScalars& dev = plan.scalars;
   const SgdHyper h = sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
   run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
     with_bools(momentum != 0.0, plan.has_master, [&](auto mom, auto master) {

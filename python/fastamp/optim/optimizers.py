@@ -37,6 +37,15 @@ def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
     return t if t.device == device else t.to(device, non_blocking=True)
 
 
+def _check_masters(masters: list[Tensor], params: list[Tensor]) -> None:
+    # The kernel takes either no master list or one master per param.
+    if masters and len(masters) != len(params):
+        raise RuntimeError(
+            "fastamp.optim: with master_weights=True a param group must not mix float32 "
+            "params with float16/bfloat16 ones; put them in separate param groups"
+        )
+
+
 class _FusedStepMixin:
     """What the three optimizers share: the amp-scaling protocol and the group loop."""
 
@@ -165,11 +174,7 @@ class _AdamBase(_FusedStepMixin):
                 max_sqs.append(state["max_exp_avg_sq"])
             if master is not None:
                 masters.append(master)
-        if masters and len(masters) != len(params):
-            raise RuntimeError(
-                "fastamp.optim: with master_weights=True a param group must not mix float32 "
-                "params with float16/bfloat16 ones; put them in separate param groups"
-            )
+        _check_masters(masters, params)
         beta1, beta2 = group["betas"]
         lr, lr_t = self._lr(group, params[0].device)
         torch.ops.fastamp.adam_step_(
@@ -263,11 +268,7 @@ class SGD(_FusedStepMixin, torch.optim.SGD):
             grads.append(p.grad)
             if master is not None:
                 masters.append(master)
-        if masters and len(masters) != len(params):
-            raise RuntimeError(
-                "fastamp.optim: with master_weights=True a param group must not mix float32 "
-                "params with float16/bfloat16 ones; put them in separate param groups"
-            )
+        _check_masters(masters, params)
         lr, lr_t = self._lr(group, params[0].device)
         torch.ops.fastamp.sgd_step_(
             params, grads, bufs, counts, masters, lr, lr_t, float(group["weight_decay"]),
