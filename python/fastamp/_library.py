@@ -60,6 +60,9 @@ def build_info() -> dict[str, Any]:
         "update_scale_",
         "adam_step_",
         "sgd_step_",
+        "rng_get_state",
+        "rng_set_state",
+        "tensor_digest",
     ]
     return {
         "fastamp_version": _version(),
@@ -79,11 +82,15 @@ def build_info() -> dict[str, Any]:
 def registered_backends(op: str) -> list[str]:
     """Dispatch keys with a kernel for ``fastamp::<op>`` (e.g. ['CPU', 'CUDA'])."""
     qualname = f"fastamp::{op}"
-    return [
+    keys = [
         key
         for key in ("CPU", "CUDA", "Meta")
         if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)
     ]
+    # Ops without tensor inputs (the RNG ones) have one kernel for every backend.
+    if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeExplicitAutograd"):
+        keys = sorted(set(keys) | {"CPU", "CUDA"} if _info.WITH_CUDA else set(keys) | {"CPU"})
+    return keys
 
 
 def _version() -> str:

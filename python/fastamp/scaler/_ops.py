@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 import fastamp._library  # noqa: F401  (loads the operator library)
+from fastamp._checks import dense_list
 
 __all__ = [
     "grad_stats",
@@ -25,16 +26,7 @@ _ops = torch.ops.fastamp
 
 
 def _dense(grads: Sequence[Tensor], op: str) -> list[Tensor]:
-    # Sparse tensors would be routed by the dispatcher to a Sparse* backend that has no kernel;
-    # say what to do instead of "could not run ... with arguments from the SparseCPU backend".
-    grads = list(grads)
-    for i, g in enumerate(grads):
-        if isinstance(g, Tensor) and g.layout != torch.strided:
-            raise RuntimeError(
-                f"fastamp::{op}: grads[{i}] has layout {g.layout}; expected a dense (strided) "
-                "tensor. For sparse grads pass grad.coalesce()._values()"
-            )
-    return grads
+    return dense_list(grads, op, "grads")
 
 
 def grad_stats(

@@ -1,0 +1,60 @@
+// CPU kernel of the tensor digest.
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "checkpoint/digest_math.h"
+#include "checkpoint/digest_checks.h"
+
+namespace fastamp {
+namespace checkpoint {
+namespace {
+
+uint64_t digest_bytes(const uint8_t* p, int64_t nbytes) {
+  const int64_t nwords = (nbytes + 7) / 8;
+  // Sums of per-range partials: addition mod 2^64 is exact and commutes, so the thread count
+  // cannot change the result.
+  const int64_t grain = 1 << 16;
+  std::vector<uint64_t> sums(static_cast<size_t>((nwords + grain - 1) / grain), 0);
+  at::parallel_for(0, static_cast<int64_t>(sums.size()), 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      uint64_t s = 0;
+      const int64_t end = std::min(nwords, (c + 1) * grain);
+      for (int64_t i = c * grain; i < end; ++i) {
+        uint64_t w = 0;
+        const int64_t left = nbytes - i * 8;
+        std::memcpy(&w, p + i * 8, static_cast<size_t>(left < 8 ? left : 8));
+        s += digest_term(w, static_cast<uint64_t>(i));
+      }
+      sums[static_cast<size_t>(c)] = s;
+    }
+  });
+  uint64_t total = 0;
+  for (uint64_t s : sums) total += s;
+  return digest_finish(total, static_cast<uint64_t>(nbytes));
+}
+
+at::Tensor tensor_digest_cpu(at::TensorList tensors) {
+  const auto dense = check_digest(tensors, c10::Device(c10::kCPU));
+  at::Tensor out = at::empty({static_cast<int64_t>(tensors.size())}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (size_t i = 0; i < dense.size(); ++i) {
+    const uint64_t d = digest_bytes(static_cast<const uint8_t*>(dense[i].data_ptr()),
+                                    static_cast<int64_t>(dense[i].nbytes()));
+    std::memcpy(&o[i], &d, sizeof(d));
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace checkpoint
+}  // namespace fastamp
+
+TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
+  m.impl("tensor_digest", &fastamp::checkpoint::tensor_digest_cpu);
+}

@@ -1,0 +1,82 @@
+// CUDA kernel of the tensor digest: per-word terms summed with 64-bit atomics. Addition mod 2^64
+// commutes, so the bits do not depend on block scheduling, and equal the CPU kernel's.
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "checkpoint/digest_checks.h"
+#include "checkpoint/digest_math.h"
+
+namespace fastamp {
+namespace checkpoint {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void digest_kernel(const uint8_t* p, int64_t nbytes, unsigned long long* sum) {
+  const int64_t nwords = (nbytes + 7) / 8;
+  uint64_t s = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < nwords;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    uint64_t w = 0;
+    const int64_t left = nbytes - i * 8;
+    if (left >= 8) {
+      // Byte loads: the storage offset need not be 8-byte aligned.
+#pragma unroll
+      for (int b = 0; b < 8; ++b) w |= static_cast<uint64_t>(p[i * 8 + b]) << (8 * b);
+    } else {
+      for (int b = 0; b < left; ++b) w |= static_cast<uint64_t>(p[i * 8 + b]) << (8 * b);
+    }
+    s += digest_term(w, static_cast<uint64_t>(i));
+  }
+  atomicAdd(sum, static_cast<unsigned long long>(s));
+}
+
+__global__ void finish_kernel(unsigned long long* sums, const int64_t* nbytes, int64_t n,
+                              int64_t* out) {
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i < n) {
+    out[i] = static_cast<int64_t>(digest_finish(sums[i], static_cast<uint64_t>(nbytes[i])));
+  }
+}
+
+at::Tensor tensor_digest_cuda(at::TensorList tensors) {
+  TORCH_CHECK(!tensors.empty(), "fastamp::tensor_digest: the CUDA kernel needs a tensor");
+  const c10::Device device = tensors[0].device();
+  const auto dense = check_digest(tensors, device);
+  c10::cuda::CUDAGuard guard(device);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto n = static_cast<int64_t>(tensors.size());
+  at::Tensor sums = at::zeros({n}, tensors[0].options().dtype(at::kLong));
+  std::vector<int64_t> sizes(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& t = dense[static_cast<size_t>(i)];
+    sizes[static_cast<size_t>(i)] = static_cast<int64_t>(t.nbytes());
+    if (t.nbytes() == 0) continue;
+    const int64_t nwords = (static_cast<int64_t>(t.nbytes()) + 7) / 8;
+    const int blocks = static_cast<int>(std::min<int64_t>((nwords + kThreads - 1) / kThreads, 1024));
+    digest_kernel<<<blocks, kThreads, 0, stream>>>(
+        static_cast<const uint8_t*>(t.data_ptr()), static_cast<int64_t>(t.nbytes()),
+        reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>()) + i);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // The sizes travel as a small host-to-device copy from a CPU tensor (stream-ordered).
+  at::Tensor nbytes = at::tensor(sizes, at::kLong).to(device, /*non_blocking=*/false);
+  at::Tensor out = at::empty({n}, sums.options());
+  finish_kernel<<<static_cast<int>((n + 255) / 256), 256, 0, stream>>>(
+      reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>()), nbytes.data_ptr<int64_t>(),
+      n, out.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+}  // namespace checkpoint
+}  // namespace fastamp
+
+TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
+  m.impl("tensor_digest", &fastamp::checkpoint::tensor_digest_cuda);
+}

@@ -1,0 +1,96 @@
+// Schemas of the checkpoint ops, and the RNG snapshot/restore (host-side, so one implementation
+// serves CPU-only and CUDA builds: CUDA generators are reached through ATen's CUDA hooks).
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+
+#include <vector>
+
+namespace fastamp {
+namespace checkpoint {
+namespace {
+
+int64_t num_cuda_devices() {
+  const auto& hooks = at::detail::getCUDAHooks();
+  return hooks.hasCUDA() ? static_cast<int64_t>(hooks.deviceCount()) : 0;
+}
+
+// A device whose CUDA context was never created has a generator nobody drew from; touching it
+// would create the context (and cost memory on that GPU), so such devices are skipped.
+bool cuda_device_initialized(int64_t i) {
+  return at::detail::getCUDAHooks().hasPrimaryContext(static_cast<c10::DeviceIndex>(i));
+}
+
+std::vector<at::Tensor> rng_get_state() {
+  std::vector<at::Tensor> out;
+  out.push_back(at::detail::getDefaultCPUGenerator().get_state());
+  const int64_t n = num_cuda_devices();
+  for (int64_t i = 0; i < n; ++i) {
+    if (cuda_device_initialized(i)) {
+      at::Generator gen = at::globalContext().defaultGenerator(
+          c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      out.push_back(gen.get_state());
+    } else {
+      out.push_back(at::empty({0}, at::kByte));  // "not initialised: nothing to restore"
+    }
+  }
+  return out;
+}
+
+void rng_set_state(at::TensorList states) {
+  constexpr const char* op = "fastamp::rng_set_state";
+  TORCH_CHECK_VALUE(!states.empty(), op, ": states is empty; expected the list returned by "
+                    "fastamp::rng_get_state (CPU state first, then one entry per CUDA device)");
+  const int64_t n = num_cuda_devices();
+  TORCH_CHECK_VALUE(static_cast<int64_t>(states.size()) <= n + 1, op, ": states has ",
+                    states.size(), " entries but this process sees ", n,
+                    " CUDA device(s); expected at most ", n + 1);
+  for (size_t i = 0; i < states.size(); ++i) {
+    TORCH_CHECK_TYPE(states[i].defined() && states[i].scalar_type() == at::kByte &&
+                         states[i].device().is_cpu(),
+                     op, ": states[", i, "] must be a CPU uint8 tensor (a generator state)");
+  }
+  // Everything checked: now restore.
+  {
+    at::Generator cpu = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    cpu.set_state(states[0]);
+  }
+  for (size_t i = 1; i < states.size(); ++i) {
+    if (states[i].numel() == 0) continue;
+    at::Generator gen = at::globalContext().defaultGenerator(
+        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i - 1)));
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(states[i]);
+  }
+}
+
+}  // namespace
+}  // namespace checkpoint
+}  // namespace fastamp
+
+TORCH_LIBRARY_FRAGMENT(fastamp, m) {
+  m.set_python_module("fastamp.checkpoint._ops");
+
+  // Snapshot of the default CPU generator and of every *initialised* CUDA device's default
+  // generator, in one call: [cpu_state, cuda:0 state, cuda:1 state, ...] as CPU uint8 tensors; a
+  // device never initialised gets an empty tensor. Reads global RNG state; writes nothing.
+  m.def("rng_get_state() -> Tensor[]");
+
+  // Restores a snapshot taken by rng_get_state (empty entries are skipped). Validates every entry
+  // before restoring any generator. Writes global RNG state only.
+  m.def("rng_set_state(Tensor[] states) -> ()");
+
+  // One 64-bit digest per tensor of its bytes in memory order (int64 [len(tensors)], on the
+  // tensors' device): equal bytes give equal digests. Reads the tensors; writes nothing into them.
+  m.def("tensor_digest(Tensor[] tensors) -> Tensor");
+}
+
+// No tensor arguments to dispatch on: these run the same on every backend.
+TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
+  m.impl("rng_get_state", &fastamp::checkpoint::rng_get_state);
+  m.impl("rng_set_state", &fastamp::checkpoint::rng_set_state);
+}

@@ -1,0 +1,279 @@
+"""``fastamp.checkpoint.checkpoint`` / ``checkpoint_sequential``: torch.utils.checkpoint's
+non-reentrant mode (nesting, kwargs, non-tensor outputs, ``autograd.grad(inputs=)``, retain_graph,
+early stop, autocast replay are its machinery), plus:
+
+* RNG replay for the CPU generator and *every initialised CUDA generator* in one C++ call
+  (PyTorch stashes only the devices of the function's tensor arguments, so randomness drawn on
+  another GPU inside the block replays wrong);
+* ``determinism_check="bitwise"``: digests of every op output in the forward, compared with the
+  recompute's as it runs; the first difference raises, naming the op and output;
+* a clear error when checkpointing cannot do anything (nothing requires grad).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointError, noop_context_fn
+
+from fastamp.checkpoint._ops import rng_get_state, rng_set_state, tensor_digest
+
+__all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError"]
+
+_DETERMINISM_CHECKS = ("default", "none", "bitwise")
+
+
+class _RngReplay:
+    """Runs ``fn``; on every later call (a recompute) replays the RNG state of the first call for
+    all generators, then puts the generators back where they were (fork semantics)."""
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self.state: list[Tensor] | None = None
+
+    @staticmethod
+    def _get() -> list[Tensor]:
+        # Outside any dispatch mode: the block's context_fn modes (selective checkpointing's cache,
+        # the bitwise check) must see the block's ops only, not this bookkeeping.
+        with _disable_current_modes():
+            return rng_get_state()
+
+    @staticmethod
+    def _set(states: list[Tensor]) -> None:
+        with _disable_current_modes():
+            rng_set_state(states)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.state is None:
+            self.state = self._get()
+            out = self.fn(*args, **kwargs)
+            after = self._get()
+            newly = [i - 1 for i in range(1, len(after)) if after[i].numel() and not self.state[i].numel()]
+            if newly:
+                raise RuntimeError(
+                    f"fastamp.checkpoint: CUDA device(s) {newly} were first used inside the "
+                    "checkpointed function, so their RNG state before it is unknown and the "
+                    "recompute could not replay it. Initialise them before the checkpoint (e.g. "
+                    "torch.cuda.init() or a first tensor on each device), or pass "
+                    "preserve_rng_state=False."
+                )
+            return out
+        current = self._get()
+        self._set(self.state)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self._set(current)
+
+
+# Factories whose output is uninitialised memory: their bytes legitimately differ.
+_NONDETERMINISTIC_BY_DESIGN = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
+
+
+def _digests(out: Any) -> list[tuple[int, Tensor]]:
+    tensors = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+    result = []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.layout == torch.strided and t.device.type != "meta":
+            by_device.setdefault(t.device, []).append(i)
+    for idxs in by_device.values():
+        d = tensor_digest([tensors[i] for i in idxs])
+        result.extend((i, d[k]) for k, i in enumerate(idxs))
+    return sorted(result, key=lambda x: x[0])
+
+
+class _DigestMode(TorchDispatchMode):
+    """Forward: records (op, output digests) per op. Recompute: compares them as ops run."""
+
+    def __init__(self, log: list[tuple[str, list[tuple[int, Tensor]]]], compare: bool):
+        super().__init__()
+        self.log = log
+        self.compare = compare
+        self.k = 0
+
+    def __enter__(self):
+        self.k = 0  # every recompute (retain_graph, several backwards) starts from the first op
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # Aliases (detach, views) compute nothing, and the recompute detaches its inputs where the
+        # forward did not; uninitialised factories legitimately differ.
+        if func.is_view or func.__name__.split(".")[0] in _NONDETERMINISTIC_BY_DESIGN:
+            return out
+        digests = _digests(out)
+        name = str(func)
+        if not self.compare:
+            self.log.append((name, digests))
+        else:
+            if self.k >= len(self.log):
+                raise CheckpointError(
+                    f"fastamp.checkpoint (determinism_check='bitwise'): the recompute ran more ops "
+                    f"than the forward (op #{self.k}: {name})"
+                )
+            fwd_name, fwd = self.log[self.k]
+            if fwd_name != name:
+                raise CheckpointError(
+                    f"fastamp.checkpoint (determinism_check='bitwise'): op #{self.k} was {fwd_name} "
+                    f"in the forward but {name} in the recompute: the function took another path"
+                )
+            for (i, a), (_, b) in zip(fwd, digests):
+                if not torch.equal(a, b):
+                    raise CheckpointError(
+                        f"fastamp.checkpoint (determinism_check='bitwise'): output {i} of op "
+                        f"#{self.k} ({name}) differs bitwise between the forward and the recompute. "
+                        "The block is not deterministic: it draws randomness that is not replayed "
+                        "(a torch.Generator of its own, numpy/python random), reads mutable state, "
+                        "or uses a nondeterministic kernel."
+                    )
+        self.k += 1
+        return out
+
+
+class _Both:
+    """Enters two context managers as one (the user's context_fn and the bitwise check)."""
+
+    def __init__(self, outer: Any, inner: Any):
+        self.outer, self.inner = outer, inner
+        self.stack: contextlib.ExitStack | None = None
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(self.outer)
+        self.stack.enter_context(self.inner)
+        return self
+
+    def __exit__(self, *exc):
+        assert self.stack is not None
+        return self.stack.__exit__(*exc)
+
+
+def _bitwise_context_fn(user_context_fn: Callable[[], tuple[Any, Any]]):
+    def context_fn():
+        fwd, rec = user_context_fn()
+        log: list = []
+        return _Both(fwd, _DigestMode(log, compare=False)), _Both(rec, _DigestMode(log, compare=True))
+
+    return context_fn
+
+
+@torch.compiler.disable
+def checkpoint(
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool | None = False,
+    preserve_rng_state: bool = True,
+    context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Activation checkpointing with the semantics of ``torch.utils.checkpoint.checkpoint(...,
+    use_reentrant=False)`` (see the module docstring for what differs).
+
+    Args:
+        function, args, kwargs, context_fn, debug, early_stop: as in PyTorch.
+        use_reentrant: must be False (the default here; PyTorch warns when it is not given). The
+            reentrant mode cannot support nesting, ``autograd.grad`` with ``inputs=`` or DDP well,
+            so fastamp does not offer it.
+        preserve_rng_state: replay the RNG of the CPU and of every initialised CUDA device.
+        determinism_check: ``"default"`` (shapes/dtypes/devices, as PyTorch), ``"none"``, or
+            ``"bitwise"``: every op output of the recompute must equal the forward's bit for bit.
+
+    A graph break under ``torch.compile``: the block runs eagerly, with the same numbers.
+    """
+    if use_reentrant:
+        raise ValueError(
+            "fastamp.checkpoint.checkpoint: use_reentrant=True is not supported; fastamp implements "
+            "the non-reentrant mode (nesting, autograd.grad(inputs=...), DDP). Pass "
+            "use_reentrant=False, or use torch.utils.checkpoint for the reentrant variant."
+        )
+    if determinism_check not in _DETERMINISM_CHECKS:
+        raise ValueError(
+            f"fastamp.checkpoint.checkpoint: determinism_check must be one of {list(_DETERMINISM_CHECKS)}, "
+            f"got {determinism_check!r}"
+        )
+    grad_enabled = torch.is_grad_enabled()
+    if grad_enabled:
+        from fastamp.checkpoint.planner import note_checkpoint_inputs
+
+        note_checkpoint_inputs((args, kwargs))  # the region keeps its inputs until backward
+    run = _RngReplay(function) if (preserve_rng_state and grad_enabled) else function
+    torch_check = determinism_check
+    if determinism_check == "bitwise":
+        if debug:
+            raise ValueError(
+                "fastamp.checkpoint.checkpoint: determinism_check='bitwise' already names the op "
+                "that differs; it cannot be combined with debug=True (PyTorch's debug mode takes "
+                "over context_fn)"
+            )
+        context_fn = _bitwise_context_fn(context_fn)
+        torch_check = "default"
+    out = torch.utils.checkpoint.checkpoint(
+        run,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=False,
+        context_fn=context_fn,
+        determinism_check=torch_check,
+        debug=debug,
+        early_stop=early_stop,
+        **kwargs,
+    )
+    if grad_enabled:
+        _check_something_to_recompute(args, kwargs, out)
+    return out
+
+
+def _check_something_to_recompute(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
+    def requires_grad(x: Any) -> bool:
+        return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(x))
+
+    if not requires_grad(out) and not requires_grad((args, kwargs)):
+        raise ValueError(
+            "fastamp.checkpoint.checkpoint: neither the inputs nor the outputs of the checkpointed "
+            "function require grad, so there is nothing to recompute and no memory to save. "
+            "Checkpoint a block whose parameters or inputs require grad, or call the function "
+            "directly (e.g. under torch.no_grad() for evaluation)."
+        )
+
+
+def checkpoint_sequential(
+    functions: torch.nn.Sequential | Iterable[Callable[[Any], Any]],
+    segments: int,
+    input: Any,
+    use_reentrant: bool | None = False,
+    **kwargs: Any,
+) -> Any:
+    """``torch.utils.checkpoint.checkpoint_sequential`` on :func:`checkpoint`: the functions are cut
+    into ``segments`` runs of ``len // segments``; every run but the last is checkpointed."""
+    fns = list(functions.children()) if isinstance(functions, torch.nn.Sequential) else list(functions)
+    if not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"checkpoint_sequential: segments must be an int >= 1, got {segments!r}")
+    if segments > len(fns):
+        raise ValueError(
+            f"checkpoint_sequential: segments={segments} is more than the {len(fns)} functions"
+        )
+
+    def run(start: int, stop: int) -> Callable[[Any], Any]:
+        def forward(x: Any) -> Any:
+            for f in fns[start:stop]:
+                x = f(x)
+            return x
+
+        return forward
+
+    size = len(fns) // segments
+    start = 0
+    for _ in range(segments - 1):
+        input = checkpoint(run(start, start + size), input, use_reentrant=use_reentrant, **kwargs)
+        start += size
+    return run(start, len(fns))(input)

@@ -1,0 +1,60 @@
+"""Selective activation checkpointing policies (``context_fn`` factories for :func:`checkpoint`).
+
+Built on PyTorch's selective-checkpoint machinery (``create_selective_checkpoint_contexts``): a
+policy decides per op whether its output is saved or recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+__all__ = ["save_compute_intensive", "selective", "CheckpointPolicy"]
+
+_aten = torch.ops.aten
+
+# Matmuls, convolutions and attention: expensive to recompute, cheap to keep relative to their
+# cost. Everything else (pointwise, norms, activations, dropout) is recomputed.
+_COMPUTE_INTENSIVE = {
+    _aten.mm.default,
+    _aten.bmm.default,
+    _aten.addmm.default,
+    _aten.baddbmm.default,
+    _aten.convolution.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+for _name in ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"):
+    if hasattr(_aten, _name):
+        _COMPUTE_INTENSIVE.add(getattr(_aten, _name).default)
+
+
+def save_compute_intensive(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Ready policy: save matmul / convolution / attention outputs, recompute the rest."""
+    if func in _COMPUTE_INTENSIVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective(
+    policy: Callable[..., CheckpointPolicy] | list[Any] = save_compute_intensive,
+) -> Callable[[], tuple[Any, Any]]:
+    """A ``context_fn`` for :func:`checkpoint`: ``checkpoint(block, x, context_fn=selective())``.
+
+    ``policy`` is a function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` or a list of ops to
+    save, as PyTorch's ``create_selective_checkpoint_contexts`` takes.
+    """
+    def context_fn():
+        caching, cached = create_selective_checkpoint_contexts(policy)
+        # The outputs the policy saves live in this cache, not in autograd's saved tensors; let
+        # fastamp's activation accounting (count_saved_bytes, the planner) see them.
+        from fastamp.checkpoint.planner import note_cache
+
+        note_cache(caching.storage)
+        return caching, cached
+
+    return context_fn
