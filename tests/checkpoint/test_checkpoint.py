@@ -187,7 +187,7 @@ def test_planner_fits_half_the_activation_memory():
     assert 0 < len(plan.chosen) < 12
     with count_saved_bytes(model) as after:
         out = model(x.clone().requires_grad_())
-    assert after.total <= budget * 1.10 and after.total >= budget * 0.80, (after.total, budget)
+    assert budget * 0.90 <= after.total <= budget, (after.total, budget)  # within 10%, never over
     out.sum().backward()  # runs, through the checkpointed blocks
     assert "checkpoint" in str(plan) and "budget" in str(plan)
     plan.remove()

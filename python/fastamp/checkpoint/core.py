@@ -53,6 +53,8 @@ class _RngReplay:
         if self.state is None:
             self.state = self._get()
             out = self.fn(*args, **kwargs)
+            if len(self.state) == 1:  # no CUDA device in this process: nothing can appear
+                return out
             after = self._get()
             newly = [i - 1 for i in range(1, len(after)) if after[i].numel() and not self.state[i].numel()]
             if newly:
