@@ -31,6 +31,7 @@ test: $(VENV)/.built
 bench: $(VENV)/.built
 	$(PY) benchmarks/scaler/bench_grad_scaler.py
 	$(PY) benchmarks/optim/bench_optim_step.py
+	$(PY) benchmarks/checkpoint/bench_checkpoint.py
 
 # The CUDA flavour: torch 2.14.1 (CUDA 13.0) + nvcc; builds the CUDA kernels (no GPU needed),
 # checks every op has a CUDA kernel registered, and runs the host-side checks of the CUDA driver.
