@@ -3,7 +3,7 @@
 Replace ``torch.amp.GradScaler`` with :class:`fastamp.GradScaler`; nothing else in the script changes.
 """
 
-from fastamp import checkpoint, cuda, optim  # noqa: E402  (fastamp.cuda.amp.GradScaler for old scripts)
+from fastamp import checkpoint, cuda, optim, parallel  # noqa: E402  (fastamp.cuda.amp.GradScaler for old scripts)
 from fastamp._library import build_info
 from fastamp.scaler import GradScaler, OptState
 from fastamp.scaler import ops as scaler_ops
@@ -19,6 +19,7 @@ __all__ = [
     "checkpoint",
     "cuda",
     "optim",
+    "parallel",
     "scaler_ops",
     "__version__",
 ]

@@ -63,6 +63,8 @@ def build_info() -> dict[str, Any]:
         "rng_get_state",
         "rng_set_state",
         "tensor_digest",
+        "bucket_pack_",
+        "bucket_unpack_",
     ]
     return {
         "fastamp_version": _version(),

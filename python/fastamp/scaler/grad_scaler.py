@@ -141,6 +141,7 @@ class GradScaler(torch.amp.GradScaler):
         self._update_count: Tensor | None = None
         self._diag: dict[int, _Diag] = {}
         self._warned_small_scale = False
+        self._ddp_stats: tuple[set[int], Tensor, Tensor] | None = None
 
     # ------------------------------------------------------------------ lazy state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -220,6 +221,18 @@ class GradScaler(torch.amp.GradScaler):
         self._record_flags(optimizer, per_device, flags)
         return found
 
+    def _note_grad_stats(self, params: list[Tensor], found_inf: Tensor, sum_sq: Tensor) -> None:
+        """From fastamp.parallel.DistributedDataParallel: the all-reduced grads' inf flag and
+        unscaled sum of squares, computed while unpacking them. Valid until update()."""
+        self._ddp_stats = ({id(p) for p in params}, found_inf, sum_sq)
+
+    def _reuse_ddp_stats(self, optimizer: torch.optim.Optimizer) -> tuple[Tensor, Tensor] | None:
+        if self._ddp_stats is None:
+            return None
+        ids, found, sq = self._ddp_stats
+        opt_ids = {id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+        return (found, sq) if opt_ids and opt_ids == ids else None
+
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # For optimizers that unscale inside their own kernel (fused=True): a read-only inf/NaN
         # check. PyTorch unscales by 1.0 here, rewriting every grad to itself.
@@ -283,10 +296,19 @@ class GradScaler(torch.amp.GradScaler):
         found: dict[torch.device, Tensor] = {}
         flags: dict[torch.device, Tensor] = {}
         pow_sums: list[Tensor] = []
-        invs: dict[torch.device, Tensor] = {}
+        invs: dict[torch.device, Tensor] = {dev: _to(inv_scale, dev) for dev in per_device}
+        reuse = (
+            self._reuse_ddp_stats(optimizer)
+            if norm_type == 2.0 and not already_unscaled and len(per_device) == 1
+            else None
+        )
         with torch.no_grad():
-            for dev, entry in per_device.items():
-                invs[dev] = _to(inv_scale, dev)
+            if reuse is not None:
+                # DDP's unpack already read these grads for the inf check and the sum of squares.
+                (dev,) = per_device
+                found[dev] = _to(reuse[0], dev)
+                pow_sums.append(_to(reuse[1], scale.device))
+            for dev, entry in per_device.items() if reuse is None else ():
                 found[dev], pow_sum, flags[dev] = _ops.grad_stats(entry.grads, invs[dev], norm_type)
                 pow_sums.append(_to(pow_sum, scale.device))
             if not pow_sums:
@@ -429,6 +451,7 @@ class GradScaler(torch.amp.GradScaler):
         )
         self._record_overflow(update_count)
         update_count.add_(1)
+        self._ddp_stats = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def _record_overflow(self, update_count: Tensor) -> None:
@@ -567,6 +590,7 @@ class GradScaler(torch.amp.GradScaler):
         state["_last_skipped"] = None
         state["_update_count"] = None
         state["_diag"] = {}
+        state["_ddp_stats"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -580,6 +604,7 @@ class GradScaler(torch.amp.GradScaler):
             "_update_count": None,
             "_diag": {},
             "_warned_small_scale": False,
+            "_ddp_stats": None,
         }
         for k, v in defaults.items():
             state.setdefault(k, v)

@@ -1,0 +1,52 @@
+/// @file bucket_checks.h
+/// Argument checks of the gradient-bucket ops, shared by CPU and CUDA; run before any write.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace fastamp {
+namespace distributed {
+
+/// One gradient's slice of the bucket: elements [offset, offset + numel).
+struct Slot {
+  void* grad;
+  int64_t offset;
+  int64_t numel;
+};
+
+/// Validates a bucket (1-D, contiguous, float32/16/bf16), its grads (same dtype and device,
+/// contiguous) and their offsets (in bounds, not overlapping), and returns the slots.
+inline std::vector<Slot> check_bucket(const char* op, const at::Tensor& bucket,
+                                      at::TensorList grads, at::IntArrayRef offsets) {
+  TORCH_CHECK(bucket.defined() && bucket.dim() == 1 && bucket.is_contiguous(), op,
+              ": bucket must be a contiguous 1-D tensor, got shape ", bucket.sizes());
+  const auto dt = bucket.scalar_type();
+  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
+                   ": bucket has dtype ", dt, "; expected float32, float16 or bfloat16");
+  TORCH_CHECK_VALUE(offsets.size() == grads.size(), op, ": ", grads.size(), " grads but ",
+                    offsets.size(), " offsets");
+  std::vector<Slot> slots;
+  slots.reserve(grads.size());
+  int64_t prev_end = 0;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
+    TORCH_CHECK(g.device() == bucket.device(), op, ": grads[", i, "] is on ", g.device(),
+                " but the bucket is on ", bucket.device());
+    TORCH_CHECK_TYPE(g.scalar_type() == dt, op, ": grads[", i, "] has dtype ", g.scalar_type(),
+                     " but the bucket has ", dt, "; buckets hold one dtype");
+    TORCH_CHECK(g.is_contiguous(), op, ": grads[", i, "] must be contiguous");
+    TORCH_CHECK_VALUE(offsets[i] >= prev_end && offsets[i] + g.numel() <= bucket.numel(), op,
+                      ": grads[", i, "] at offset ", offsets[i], " (", g.numel(),
+                      " elements) overlaps the previous slot or runs past the bucket's ",
+                      bucket.numel(), " elements; offsets must increase");
+    prev_end = offsets[i] + g.numel();
+    slots.push_back(Slot{g.data_ptr(), offsets[i], g.numel()});
+  }
+  return slots;
+}
+
+}  // namespace distributed
+}  // namespace fastamp

@@ -1,0 +1,19 @@
+// Schemas of the gradient-bucket ops used by fastamp.parallel.DistributedDataParallel.
+#include <torch/library.h>
+
+TORCH_LIBRARY_FRAGMENT(fastamp, m) {
+  m.set_python_module("fastamp.parallel._ops");
+
+  // Copies each grads[i] into bucket[offsets[i] : offsets[i] + grads[i].numel()], multiplied by
+  // `scale` in the same pass (1/world_size before a sum all-reduce). Reads grads; writes only those
+  // bucket slices. One dtype per bucket.
+  m.def("bucket_pack_(Tensor(a!) bucket, Tensor[] grads, int[] offsets, float scale) -> ()");
+
+  // The reverse copy after the all-reduce, fused with what fastamp.GradScaler and clip_grad_norm_
+  // need: found_inf (float32 [], 1.0 if any copied element is inf/NaN) and norm_pow_sum (float32
+  // [], sum of (x * inv_scale)^2 in fp32). Reads the bucket; writes grads; returns the two new
+  // tensors.
+  m.def(
+      "bucket_unpack_(Tensor bucket, Tensor(a!)[] grads, int[] offsets, Tensor inv_scale) -> "
+      "(Tensor found_inf, Tensor norm_pow_sum)");
+}

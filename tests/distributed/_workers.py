@@ -1,0 +1,226 @@
+"""Worker processes of the distributed tests (gloo on CPU). Each worker asserts by itself; a
+failure anywhere makes torch.multiprocessing.spawn raise in the test with the traceback."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fastamp
+from fastamp.parallel import DistributedDataParallel as FDDP
+
+
+def _init(rank: int, world: int, init_file: str, timeout_s: float = 60.0) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                           timeout=datetime.timedelta(seconds=timeout_s))
+    torch.manual_seed(0)
+
+
+class Net(nn.Module):
+    def __init__(self, dtype=torch.float32, unused=False, bn=True):
+        super().__init__()
+        self.a = nn.Linear(10, 20)
+        self.b = nn.Linear(20, 20)
+        # BatchNorm exercises the buffer broadcast; without it, DDP equals one process on the
+        # concatenated batch (with it, each rank normalises its own half).
+        self.norm = nn.BatchNorm1d(20) if bn else nn.LayerNorm(20)
+        self.c = nn.Linear(20, 3)
+        self.unused = nn.Linear(3, 3) if unused else None
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.norm(self.b(torch.tanh(self.a(x))))))
+
+
+def _batches(rank: int, world: int, steps: int, dtype):
+    g = torch.Generator().manual_seed(1234)
+    full = [(torch.randn(4 * world, 10, generator=g).to(dtype), torch.randn(4 * world, 3, generator=g).to(dtype))
+            for _ in range(steps)]
+    return full, [(x[4 * rank: 4 * rank + 4], y[4 * rank: 4 * rank + 4]) for x, y in full]
+
+
+def _train(model, batches, accumulate=1, scaler=None, inject=None, rank=0):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad(set_to_none=True)
+        parts = list(zip(x.chunk(accumulate), y.chunk(accumulate)))
+        for i, (xx, yy) in enumerate(parts):
+            ctx = model.no_sync() if (i < len(parts) - 1 and hasattr(model, "no_sync")) else _null()
+            with ctx:
+                loss = nn.functional.mse_loss(model(xx).float(), yy.float()) / len(parts)
+                (scaler.scale(loss) if scaler else loss).backward()
+        if inject is not None and step == inject[0] and rank == inject[1]:
+            model.module.a.weight.grad[0, 0] = math.inf
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    return model
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _close(a: nn.Module, b: nn.Module, rtol=1e-5, atol=1e-6):
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
+
+
+def equivalence(rank, world, init_file):
+    """fastamp DDP == torch DDP == one process on the concatenated batch, for several buckets."""
+    _init(rank, world, init_file)
+    full, mine = _batches(rank, world, 4, torch.float32)
+    base = Net()
+    ref = _train(nn.parallel.DistributedDataParallel(copy.deepcopy(base)), mine)
+    base_ln = Net(bn=False)
+    single = _train(copy.deepcopy(base_ln), full)
+    for cap in (1e-6, 0.001, 25.0, 1000.0):  # every param alone ... all in one bucket
+        for view in (False, True):
+            m = FDDP(copy.deepcopy(base), bucket_cap_mb=cap, gradient_as_bucket_view=view)
+            if cap == 1e-6:
+                assert m.bucket_sizes == [1] * len(list(base.parameters())), m.bucket_sizes
+            if cap == 1000.0:
+                assert len(m.bucket_sizes) == 1
+            _train(m, mine)
+            _close(m.module, ref.module)
+            for buf_a, buf_b in zip(m.module.buffers(), ref.module.buffers()):
+                # grad * (1/3) here vs grad / 3 in torch: params differ in the last bits, and the
+                # running statistics follow them.
+                torch.testing.assert_close(buf_a, buf_b, rtol=1e-5, atol=1e-6)
+            m_ln = _train(FDDP(copy.deepcopy(base_ln), bucket_cap_mb=cap, gradient_as_bucket_view=view), mine)
+            _close(m_ln.module, single, rtol=1e-4, atol=1e-5)
+    assert list(m.state_dict()) == list(ref.state_dict())  # "module." keys, interchangeable
+    dist.destroy_process_group()
+
+
+def accumulation_and_half(rank, world, init_file):
+    _init(rank, world, init_file)
+    _, mine = _batches(rank, world, 3, torch.float32)
+    base = Net()
+    ref = _train(nn.parallel.DistributedDataParallel(copy.deepcopy(base)), mine, accumulate=2)
+    m = _train(FDDP(copy.deepcopy(base), bucket_cap_mb=0.001), mine, accumulate=2)
+    _close(m.module, ref.module)
+    for dtype in (torch.bfloat16, torch.float16):
+        _, mine_h = _batches(rank, world, 3, dtype)
+        base_h = Net(dtype)
+        ref_h = _train(nn.parallel.DistributedDataParallel(copy.deepcopy(base_h)), mine_h)
+        m_h = _train(FDDP(copy.deepcopy(base_h), bucket_cap_mb=0.001), mine_h)
+        _close(m_h.module, ref_h.module, rtol=2e-2, atol=2e-3)
+    dist.destroy_process_group()
+
+
+def overflow_on_one_rank(rank, world, init_file):
+    """inf in one rank's grads: after the all-reduce every rank sees it and all skip together."""
+    _init(rank, world, init_file)
+    _, mine = _batches(rank, world, 4, torch.float32)
+    m = FDDP(Net())
+    scaler = fastamp.GradScaler("cpu", init_scale=1024.0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    for x, y in mine:  # clean steps: the unpack's stats agree with the grads
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
+        found, sq = m.grad_stats()
+        assert float(found) == 0.0
+        ref_sq = sum(float(p.grad.double().square().sum()) for p in m.parameters())
+        assert math.isclose(float(sq), ref_sq, rel_tol=1e-5)
+        scaler.step(opt)
+        scaler.update()
+    # With the scaler registered, clip_grad_norm_ reuses the unpack's stats: no grad_stats pass.
+    m.register_grad_scaler(scaler)
+    from fastamp.scaler import _ops as scaler_ops
+
+    real_stats = scaler_ops.grad_stats
+    scaler_ops.grad_stats = None  # any call would fail
+    try:
+        for x, y in mine[:2]:
+            opt.zero_grad()
+            scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
+            inv = 1.0 / scaler.get_scale()
+            ref_norm = math.sqrt(sum(float((p.grad.double() * inv).square().sum()) for p in m.parameters()))
+            norm = scaler.clip_grad_norm_(opt, 0.01)
+            assert math.isclose(float(norm), ref_norm, rel_tol=1e-5), (float(norm), ref_norm)
+            scaler.step(opt)
+            scaler.update()
+    finally:
+        scaler_ops.grad_stats = real_stats
+    # now a real overflow on one rank, injected into the loss so it flows through the all-reduce
+    opt.zero_grad()
+    x, y = mine[0]
+    loss = nn.functional.mse_loss(m(x), y) * (math.inf if rank == 0 else 1.0)
+    scaler.scale(loss).backward()
+    found, _ = m.grad_stats()
+    assert float(found) == 1.0, "every rank must see the overflow after the all-reduce"
+    before = [p.detach().clone() for p in m.parameters()]
+    scale_before = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters())), "step must be skipped"
+    assert scaler.get_scale() == scale_before / 2
+    gathered = [None] * world
+    dist.all_gather_object(gathered, scaler.get_scale())
+    assert len(set(gathered)) == 1
+    dist.destroy_process_group()
+
+
+def unused_parameters(rank, world, init_file):
+    _init(rank, world, init_file)
+    _, mine = _batches(rank, world, 3, torch.float32)
+    base = Net(unused=True)
+    ref = _train(nn.parallel.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True), mine)
+    m = _train(FDDP(copy.deepcopy(base), find_unused_parameters=True, bucket_cap_mb=0.001), mine)
+    _close(m.module, ref.module)
+    strict = FDDP(copy.deepcopy(base))
+    x, y = mine[0]
+    try:
+        nn.functional.mse_loss(strict(x), y).backward()
+    except RuntimeError as e:
+        assert "unused.weight" in str(e) and "find_unused_parameters=True" in str(e), str(e)
+    else:
+        raise AssertionError("expected an error naming the unused parameters")
+    dist.destroy_process_group()
+
+
+def mismatched_models(rank, world, init_file):
+    _init(rank, world, init_file)
+    model = nn.Sequential(nn.Linear(4, 8 if rank == 0 else 9), nn.Linear(8 if rank == 0 else 9, 2))
+    try:
+        FDDP(model)
+    except RuntimeError as e:
+        assert "differs across ranks" in str(e) and "0.weight" in str(e), str(e)
+    else:
+        raise AssertionError("expected a mismatch error")
+    dist.destroy_process_group()
+
+
+def dead_rank(rank, world, init_file):
+    """A peer dies mid-step: the survivors raise a clear error within the timeout, not hang."""
+    _init(rank, world, init_file, timeout_s=15.0)
+    m = FDDP(Net())
+    x, y = torch.randn(4, 10), torch.randn(4, 3)
+    nn.functional.mse_loss(m(x), y).backward()  # one good step together
+    if rank == world - 1:
+        os._exit(0)
+    import time
+
+    t0 = time.monotonic()
+    try:
+        nn.functional.mse_loss(m(x), y).backward()
+    except RuntimeError as e:
+        # the forward's buffer broadcast or a bucket's all-reduce notices first
+        assert "peer rank has probably died" in str(e), str(e)
+    else:
+        raise AssertionError("expected an error when a peer died")
+    assert time.monotonic() - t0 < 60
+    os._exit(0)  # the process group is broken; skip its teardown

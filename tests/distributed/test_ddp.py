@@ -1,0 +1,36 @@
+"""fastamp.parallel.DistributedDataParallel in real processes (gloo on CPU)."""
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests.distributed import _workers
+
+
+def _spawn(fn, world, tmp_path):
+    mp.spawn(fn, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matches_torch_ddp_and_single_process(world, tmp_path):
+    _spawn(_workers.equivalence, world, tmp_path)
+
+
+def test_no_sync_accumulation_and_half_precision_grads(tmp_path):
+    _spawn(_workers.accumulation_and_half, 2, tmp_path)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_overflow_on_one_rank_skips_on_all(world, tmp_path):
+    _spawn(_workers.overflow_on_one_rank, world, tmp_path)
+
+
+def test_unused_parameters(tmp_path):
+    _spawn(_workers.unused_parameters, 2, tmp_path)
+
+
+def test_mismatched_models_detected_at_construction(tmp_path):
+    _spawn(_workers.mismatched_models, 2, tmp_path)
+
+
+def test_dead_rank_raises_instead_of_hanging(tmp_path):
+    _spawn(_workers.dead_rank, 2, tmp_path)
