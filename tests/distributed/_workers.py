@@ -75,7 +75,7 @@ class _null:
 
 def _close(a: nn.Module, b: nn.Module, rtol=1e-5, atol=1e-6):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def equivalence(rank, world, init_file):
