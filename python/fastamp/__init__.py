@@ -3,23 +3,47 @@
 Replace ``torch.amp.GradScaler`` with :class:`fastamp.GradScaler`; nothing else in the script changes.
 """
 
-from fastamp import checkpoint, cuda, optim, parallel  # noqa: E402  (fastamp.cuda.amp.GradScaler for old scripts)
-from fastamp._library import build_info
-from fastamp.scaler import GradScaler, OptState
-from fastamp.scaler import ops as scaler_ops
-from fastamp.scaler.grad_scaler import OverflowReport
+import os as _os
+import sys as _sys
 
 __version__ = "0.1.0"
 
+
+def _doctor_requested() -> bool:
+    # `python -m fastamp doctor` (argv[0] is "-m" while the package imports) or the `fastamp`
+    # console script: the doctor must run even when the compiled library cannot load, to say why.
+    argv = _sys.argv
+    return len(argv) > 1 and argv[1] == "doctor" and (
+        argv[0] == "-m" or _os.path.basename(argv[0]) in ("fastamp", "__main__.py")
+    )
+
+
+try:
+    from fastamp._library import build_info
+except ImportError as _exc:
+    if not _doctor_requested():
+        raise
+    LOAD_ERROR: "ImportError | None" = _exc
+else:
+    LOAD_ERROR = None
+    from fastamp import checkpoint, cuda, memory, optim, parallel  # noqa: E402
+    from fastamp.accumulation import GradientAccumulator, scale_lr  # noqa: E402
+    from fastamp.scaler import GradScaler, OptState  # noqa: E402
+    from fastamp.scaler import ops as scaler_ops  # noqa: E402
+    from fastamp.scaler.grad_scaler import OverflowReport  # noqa: E402
+
 __all__ = [
     "GradScaler",
+    "GradientAccumulator",
     "OptState",
     "OverflowReport",
     "build_info",
     "checkpoint",
     "cuda",
+    "memory",
     "optim",
     "parallel",
+    "scale_lr",
     "scaler_ops",
     "__version__",
 ]

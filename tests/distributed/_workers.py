@@ -224,3 +224,45 @@ def dead_rank(rank, world, init_file):
         raise AssertionError("expected an error when a peer died")
     assert time.monotonic() - t0 < 60
     os._exit(0)  # the process group is broken; skip its teardown
+
+
+def accumulation_collectives(rank, world, init_file):
+    """GradientAccumulator under DDP: one all-reduce per optimizer step, counted."""
+    from fastamp import GradientAccumulator
+    from fastamp.parallel import distributed as fddp_mod
+
+    _init(rank, world, init_file)
+    _, mine = _batches(rank, world, 7, torch.float32)  # 7 micro-batches, groups of 3: 3, 3, 1
+    calls = []
+    real = fddp_mod.dist.all_reduce
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    fddp_mod.dist.all_reduce = counting
+    try:
+        m = FDDP(Net(), bucket_cap_mb=1000.0)  # one bucket: one all-reduce per synced backward
+        acc = GradientAccumulator(torch.optim.SGD(m.parameters(), lr=0.01), 3, model=m)
+        for (x, y), micro in acc.iterate(mine):
+            with micro:
+                micro.backward(nn.functional.mse_loss(m(x), y))
+    finally:
+        fddp_mod.dist.all_reduce = real
+    assert acc.optimizer_steps == 3 and len(calls) == 3, (acc.optimizer_steps, len(calls))
+
+    torch_ddp = nn.parallel.DistributedDataParallel(Net())
+    hooked = []
+
+    def hook(state, bucket):
+        hooked.append(1)
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0] / world)
+
+    torch_ddp.register_comm_hook(None, hook)
+    acc = GradientAccumulator(torch.optim.SGD(torch_ddp.parameters(), lr=0.01), 3, model=torch_ddp)
+    for (x, y), micro in acc.iterate(mine):
+        with micro:
+            micro.backward(nn.functional.mse_loss(torch_ddp(x), y))
+    n_buckets = len(hooked) // 3
+    assert len(hooked) == 3 * n_buckets and n_buckets >= 1, len(hooked)
+    dist.destroy_process_group()

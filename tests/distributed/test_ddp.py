@@ -34,3 +34,7 @@ def test_mismatched_models_detected_at_construction(tmp_path):
 
 def test_dead_rank_raises_instead_of_hanging(tmp_path):
     _spawn(_workers.dead_rank, 2, tmp_path)
+
+
+def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
+    _spawn(_workers.accumulation_collectives, 2, tmp_path)

@@ -1,0 +1,55 @@
+"""python -m fastamp doctor, and fastamp.memory."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import fastamp
+
+
+def test_doctor_passes_on_this_machine():
+    out = subprocess.run([sys.executable, "-m", "fastamp", "doctor"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "all checks passed" in out.stdout and "self-test on cpu" in out.stdout
+    assert f"torch                        {torch.__version__}" in out.stdout
+
+
+def test_console_script_is_installed():
+    exe = shutil.which("fastamp", path=os.path.dirname(sys.executable))
+    assert exe, "the `fastamp` console script should be installed next to python"
+    out = subprocess.run([exe, "doctor", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_doctor_explains_a_library_built_for_another_torch():
+    code = textwrap.dedent(
+        """
+        import runpy, sys, types
+        fake = types.ModuleType("fastamp._build_info")
+        fake.TORCH_VERSION = "1.99.0+fake"
+        sys.modules["fastamp._build_info"] = fake
+        sys.argv = ["-m", "doctor"]
+        runpy.run_module("fastamp", run_name="__main__", alter_sys=True)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "PROBLEM: fastamp's compiled library did not load" in out.stdout
+    assert "1.99.0+fake" in out.stdout and "pip install --no-build-isolation" in out.stdout
+    assert "Traceback" not in out.stderr
+
+
+def test_memory_summary_and_track_on_cpu(capsys):
+    rows = fastamp.memory.summary()
+    assert rows[0].device == "cpu" and rows[0].allocated > 0 and rows[0].peak >= rows[0].allocated
+    assert "cpu: resident" in capsys.readouterr().out
+    with fastamp.memory.track() as m:
+        x = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        x.add_(1)
+        del x
+    assert m.peak_delta >= 48 * 2**20, str(m)  # sampled: most of the 64 MiB is seen
+    assert "peak" in str(m)
