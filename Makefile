@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" cmake ninja numpy pytest expecttest hypothesis
+	$(PIP) install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" cmake ninja numpy pytest expecttest hypothesis tqdm matplotlib
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake -type f 2>/dev/null)

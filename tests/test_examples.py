@@ -26,3 +26,12 @@ def test_ddp_example_with_torchrun_two_processes(flags):
     out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                 "examples/ddp_train.py", "--steps", "3", *flags])
     assert "parameters identical on every rank: True" in out
+
+
+def test_train_example_compare_torch_writes_a_plot(tmp_path):
+    png = tmp_path / "curves.png"
+    out = _run([sys.executable, "examples/train.py", "--compare-torch", "--epochs", "1",
+                "--batches-per-epoch", "4", "--accum-steps", "2", "--checkpoint", "--dim", "64",
+                "--layers", "2", "--seq", "32", "--plot", str(png)])
+    assert "step time torch/fastamp" in out and "final loss" in out
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
