@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include "common/tensor_list.h"
+
 #include <vector>
 
 namespace fastamp {
@@ -45,6 +47,15 @@ inline std::vector<Slot> check_bucket(const char* op, const at::Tensor& bucket,
     prev_end = offsets[i] + g.numel();
     slots.push_back(Slot{g.data_ptr(), offsets[i], g.numel()});
   }
+  return slots;
+}
+
+/// check_bucket, plus the unpack's inv_scale (a one-element float32 tensor on the bucket's device).
+inline std::vector<Slot> check_bucket_unpack(const at::Tensor& bucket, at::TensorList grads,
+                                             at::IntArrayRef offsets, const at::Tensor& inv_scale) {
+  constexpr const char* op = "fastamp::bucket_unpack_";
+  auto slots = check_bucket(op, bucket, grads, offsets);
+  check_scalar_tensor(inv_scale, op, "inv_scale", bucket.device(), at::kFloat);
   return slots;
 }
 

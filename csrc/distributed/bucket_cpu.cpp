@@ -49,11 +49,7 @@ void bucket_pack_cpu(at::Tensor& bucket, at::TensorList grads, at::IntArrayRef o
 std::tuple<at::Tensor, at::Tensor> bucket_unpack_cpu(const at::Tensor& bucket, at::TensorList grads,
                                                      at::IntArrayRef offsets,
                                                      const at::Tensor& inv_scale) {
-  const auto slots = check_bucket("fastamp::bucket_unpack_", bucket, grads, offsets);
-  TORCH_CHECK(inv_scale.defined() && inv_scale.numel() == 1 &&
-                  inv_scale.scalar_type() == at::kFloat && inv_scale.device() == bucket.device(),
-              "fastamp::bucket_unpack_: inv_scale must be a one-element float32 tensor on ",
-              bucket.device());
+  const auto slots = check_bucket_unpack(bucket, grads, offsets, inv_scale);
   const auto chunks = slot_chunks(slots);
   std::vector<float> partial(chunks.size(), 0.0f);
   std::vector<uint8_t> bad(chunks.size(), 0);
@@ -66,18 +62,26 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cpu(const at::Tensor& bucket, a
         const Slot& sl = slots[static_cast<size_t>(ch.item)];
         const scalar_t* src = b + sl.offset + ch.start;
         scalar_t* g = static_cast<scalar_t*>(sl.grad) + ch.start;
-        float acc = 0.0f;
-        float probe = 0.0f;
+        // Independent lanes, as in the scaler's stats pass: accurate fp32 sums over 64 Ki terms.
+        constexpr int kLanes = 16;
+        float acc[kLanes] = {};
+        float probe[kLanes] = {};
         for (int64_t i = 0; i < ch.len; ++i) {
           const scalar_t x = src[i];
           g[i] = x;
           const float v = static_cast<float>(x);
-          probe += scaler::nonfinite_probe(v);
+          probe[i % kLanes] += scaler::nonfinite_probe(v);
           const float u = scaler::unscale(v, inv);
-          acc += u * u;
+          acc[i % kLanes] += u * u;
         }
-        partial[static_cast<size_t>(c)] = acc;
-        bad[static_cast<size_t>(c)] = probe != 0.0f;
+        float sum = 0.0f;
+        float probe_sum = 0.0f;
+        for (int j = 0; j < kLanes; ++j) {
+          sum += acc[j];
+          probe_sum += probe[j];
+        }
+        partial[static_cast<size_t>(c)] = sum;
+        bad[static_cast<size_t>(c)] = probe_sum != 0.0f;
       }
     });
   });

@@ -115,11 +115,7 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
                                                       at::TensorList grads,
                                                       at::IntArrayRef offsets,
                                                       const at::Tensor& inv_scale) {
-  const auto slots = check_bucket("fastamp::bucket_unpack_", bucket, grads, offsets);
-  TORCH_CHECK(inv_scale.defined() && inv_scale.numel() == 1 &&
-                  inv_scale.scalar_type() == at::kFloat && inv_scale.device() == bucket.device(),
-              "fastamp::bucket_unpack_: inv_scale must be a one-element float32 tensor on ",
-              bucket.device());
+  const auto slots = check_bucket_unpack(bucket, grads, offsets, inv_scale);
   c10::cuda::CUDAGuard guard(bucket.device());
   const auto opts = bucket.options().dtype(at::kFloat);
   at::Tensor found = at::zeros({}, opts);

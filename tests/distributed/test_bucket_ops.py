@@ -1,0 +1,70 @@
+"""The gradient-bucket ops against float64 references, with inf/NaN, and opcheck."""
+
+import math
+
+import pytest
+import torch
+
+from fastamp.testing import make_grads
+
+SHAPES = [(10,), (70000,), (3, 5)]
+
+
+def _offsets(grads, gap=0):
+    offs, n = [], 0
+    for g in grads:
+        offs.append(n)
+        n += g.numel() + gap
+    return offs, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_pack_then_unpack_matches_float64(device, dtype):
+    grads = make_grads(SHAPES, dtype, device, seed=1, scale=30.0)
+    offs, n = _offsets(grads, gap=3)  # gaps between slots stay untouched
+    bucket = torch.full((n,), 7.0, dtype=dtype, device=device)
+    torch.ops.fastamp.bucket_pack_(bucket, grads, offs, 1.0 / 3.0)
+    for g, o in zip(grads, offs):
+        expected = (g.double() / 3.0).to(dtype)
+        torch.testing.assert_close(bucket[o : o + g.numel()].cpu(), expected.flatten().cpu(),
+                                   rtol={torch.float32: 2e-7}.get(dtype, 1e-2), atol=0)
+        assert torch.all(bucket[o + g.numel() : o + g.numel() + 3] == 7.0)
+    out = [torch.empty_like(g) for g in grads]
+    inv = 1.0 / 16.0
+    found, sq = torch.ops.fastamp.bucket_unpack_(bucket, out, offs, torch.tensor(inv, device=device))
+    ref_sq = sum(float((o.double() * inv).square().sum()) for o in out)
+    for o, g, off in zip(out, grads, offs):
+        assert torch.equal(o.flatten(), bucket[off : off + g.numel()])
+    assert float(found) == 0.0 and math.isclose(float(sq), ref_sq, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_unpack_flags_nonfinite(device, value):
+    grads = make_grads(SHAPES, torch.float32, device, seed=2)
+    offs, n = _offsets(grads)
+    bucket = torch.randn(n, device=device)
+    bucket[offs[1] + 123] = value
+    found, sq = torch.ops.fastamp.bucket_unpack_(bucket, grads, offs, torch.tensor(1.0, device=device))
+    assert float(found) == 1.0 and not math.isfinite(float(sq))
+
+
+def test_bad_input_writes_nothing(device):
+    grads = make_grads(SHAPES, torch.float32, device, seed=3)
+    offs, n = _offsets(grads)
+    bucket = torch.zeros(n, device=device)
+    with pytest.raises(ValueError, match="overlaps the previous slot or runs past"):
+        torch.ops.fastamp.bucket_pack_(bucket, grads, [0, 5, offs[2]], 1.0)
+    with pytest.raises(TypeError, match=r"grads\[1\] has dtype Half"):
+        torch.ops.fastamp.bucket_pack_(bucket, [grads[0], grads[1].half(), grads[2]], offs, 1.0)
+    with pytest.raises(TypeError, match="inv_scale has dtype Double"):
+        torch.ops.fastamp.bucket_unpack_(bucket, grads, offs, torch.tensor(1.0, dtype=torch.float64, device=device))
+    assert torch.all(bucket == 0)
+
+
+def test_opcheck(device):
+    grads = make_grads(SHAPES, torch.float32, device, seed=4)
+    offs, n = _offsets(grads)
+    torch.library.opcheck(torch.ops.fastamp.bucket_pack_.default, (torch.zeros(n, device=device), grads, offs, 0.5))
+    torch.library.opcheck(torch.ops.fastamp.bucket_unpack_.default,
+                          (torch.randn(n, device=device), [torch.empty_like(g) for g in grads], offs,
+                           torch.tensor(0.5, device=device)))
