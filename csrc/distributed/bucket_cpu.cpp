@@ -63,16 +63,28 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cpu(const at::Tensor& bucket, a
         const scalar_t* src = b + sl.offset + ch.start;
         scalar_t* g = static_cast<scalar_t*>(sl.grad) + ch.start;
         // Independent lanes, as in the scaler's stats pass: accurate fp32 sums over 64 Ki terms.
+        // A fixed inner loop over the lanes (not acc[i % kLanes]) so that it vectorises.
         constexpr int kLanes = 16;
         float acc[kLanes] = {};
         float probe[kLanes] = {};
-        for (int64_t i = 0; i < ch.len; ++i) {
+        int64_t i = 0;
+        for (; i + kLanes <= ch.len; i += kLanes) {
+          for (int j = 0; j < kLanes; ++j) {
+            const scalar_t x = src[i + j];
+            g[i + j] = x;
+            const float v = static_cast<float>(x);
+            probe[j] += scaler::nonfinite_probe(v);
+            const float u = scaler::unscale(v, inv);
+            acc[j] += u * u;
+          }
+        }
+        for (int j = 0; i < ch.len; ++i, ++j) {
           const scalar_t x = src[i];
           g[i] = x;
           const float v = static_cast<float>(x);
-          probe[i % kLanes] += scaler::nonfinite_probe(v);
+          probe[j] += scaler::nonfinite_probe(v);
           const float u = scaler::unscale(v, inv);
-          acc[i % kLanes] += u * u;
+          acc[j] += u * u;
         }
         float sum = 0.0f;
         float probe_sum = 0.0f;

@@ -16,6 +16,16 @@ import fastamp
 from fastamp.parallel import DistributedDataParallel as FDDP
 
 
+def _finish() -> None:
+    # Every rank leaves together: a rank that tears its process group down while a peer is still
+    # finishing the last collective can make gloo abort that peer (SIGABRT at exit).
+    import gc
+
+    gc.collect()  # drop DDP objects (and any Work they hold) before the group goes
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _init(rank: int, world: int, init_file: str, timeout_s: float = 60.0) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                            timeout=datetime.timedelta(seconds=timeout_s))
@@ -102,7 +112,7 @@ def equivalence(rank, world, init_file):
             m_ln = _train(FDDP(copy.deepcopy(base_ln), bucket_cap_mb=cap, gradient_as_bucket_view=view), mine)
             _close(m_ln.module, single, rtol=1e-4, atol=1e-5)
     assert list(m.state_dict()) == list(ref.state_dict())  # "module." keys, interchangeable
-    dist.destroy_process_group()
+    _finish()
 
 
 def accumulation_and_half(rank, world, init_file):
@@ -118,7 +128,7 @@ def accumulation_and_half(rank, world, init_file):
         ref_h = _train(nn.parallel.DistributedDataParallel(copy.deepcopy(base_h)), mine_h)
         m_h = _train(FDDP(copy.deepcopy(base_h), bucket_cap_mb=0.001), mine_h)
         _close(m_h.module, ref_h.module, rtol=2e-2, atol=2e-3)
-    dist.destroy_process_group()
+    _finish()
 
 
 def overflow_on_one_rank(rank, world, init_file):
@@ -171,7 +181,7 @@ def overflow_on_one_rank(rank, world, init_file):
     gathered = [None] * world
     dist.all_gather_object(gathered, scaler.get_scale())
     assert len(set(gathered)) == 1
-    dist.destroy_process_group()
+    _finish()
 
 
 def unused_parameters(rank, world, init_file):
@@ -189,7 +199,44 @@ def unused_parameters(rank, world, init_file):
         assert "unused.weight" in str(e) and "find_unused_parameters=True" in str(e), str(e)
     else:
         raise AssertionError("expected an error naming the unused parameters")
-    dist.destroy_process_group()
+    _finish()
+
+
+def rank_dependent_unused(rank, world, init_file):
+    """Each rank uses a different branch, and they swap: collectives must still pair up."""
+    _init(rank, world, init_file)
+
+    class TwoBranch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+            self.b = nn.Linear(6, 6)
+            self.out = nn.Linear(6, 2)
+
+        def forward(self, x, use_a):
+            return self.out(torch.tanh(self.a(x) if use_a else self.b(x)))
+
+    base = TwoBranch()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)
+    for cap in (1e-6, 1000.0):
+        m = FDDP(copy.deepcopy(base), find_unused_parameters=True, bucket_cap_mb=cap)
+        opts = [torch.optim.SGD(x.parameters(), lr=0.1) for x in (m, ref)] if cap == 1e-6 else [torch.optim.SGD(m.parameters(), lr=0.1)]
+        g = torch.Generator().manual_seed(rank)
+        for step in range(4):
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
+            use_a = (rank + step) % 2 == 0
+            models = (m, ref) if cap == 1e-6 else (m,)
+            for model, opt in zip(models, opts):
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x, use_a), y).backward()
+                opt.step()
+        if cap == 1e-6:
+            _close(m.module, ref.module)
+            ref_params = [p.detach().clone() for p in ref.module.parameters()]
+        else:
+            for p, q in zip(m.module.parameters(), ref_params):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _finish()
 
 
 def mismatched_models(rank, world, init_file):
@@ -201,7 +248,7 @@ def mismatched_models(rank, world, init_file):
         assert "differs across ranks" in str(e) and "0.weight" in str(e), str(e)
     else:
         raise AssertionError("expected a mismatch error")
-    dist.destroy_process_group()
+    _finish()
 
 
 def dead_rank(rank, world, init_file):
@@ -265,4 +312,4 @@ def accumulation_collectives(rank, world, init_file):
             micro.backward(nn.functional.mse_loss(torch_ddp(x), y))
     n_buckets = len(hooked) // 3
     assert len(hooked) == 3 * n_buckets and n_buckets >= 1, len(hooked)
-    dist.destroy_process_group()
+    _finish()

@@ -28,6 +28,11 @@ def test_unused_parameters(tmp_path):
     _spawn(_workers.unused_parameters, 2, tmp_path)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_dependent_unused_parameters(world, tmp_path):
+    _spawn(_workers.rank_dependent_unused, world, tmp_path)
+
+
 def test_mismatched_models_detected_at_construction(tmp_path):
     _spawn(_workers.mismatched_models, 2, tmp_path)
 

@@ -116,7 +116,9 @@ class DistributedDataParallel(nn.Module):
         self._buckets: list[_Bucket] = []
         self._build_buckets(list(reversed(self._params)))
         self._ready_order: list[nn.Parameter] = []
-        self._rebuilt = False
+        # Like torch: no rebuild when the graph may differ between iterations or ranks.
+        self._rebuilt = find_unused_parameters
+        self._next_launch = 0
         self._in_backward = False
         self._grad_ready: set[int] = set()
         self._stats: list[tuple[Tensor, Tensor]] = []
@@ -231,14 +233,25 @@ class DistributedDataParallel(nn.Module):
             self._ready_order.append(p)
         bucket, i = self._bucket_of[key]
         if self.gradient_as_bucket_view and p.grad is not None:
+            # Divide by the world size now, while this grad is hot in cache (one pass; a pass over
+            # the whole bucket at launch would read it back cold). If grads were set to None,
+            # autograd made a fresh one: the same pass moves it into the bucket.
             view = bucket.view_of(i)
-            if p.grad.data_ptr() != view.data_ptr():  # grads were set to None: re-adopt the view
-                with torch.no_grad():
-                    view.copy_(p.grad)
-                p.grad = view
+            with torch.no_grad():
+                if p.grad.data_ptr() != view.data_ptr():
+                    torch.mul(p.grad, 1.0 / self.world_size, out=view)
+                    p.grad = view
+                elif self.world_size > 1:
+                    view.mul_(1.0 / self.world_size)
         bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch(bucket)
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launches complete buckets strictly in bucket order. Collectives must be issued in the same
+        order on every rank; buckets may complete in different orders on different ranks."""
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            self._launch(self._buckets[self._next_launch])
+            self._next_launch += 1
 
     def _start_backward(self) -> None:
         self._in_backward = True
@@ -246,17 +259,17 @@ class DistributedDataParallel(nn.Module):
         self._stats = []
         for b in self._buckets:
             b.pending, b.work, b.launched = len(b.params), None, False
+        self._next_launch = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _launch(self, bucket: _Bucket) -> None:
         with torch.no_grad():
             grads = [p.grad if p.grad is not None else None for p in bucket.params]
             if self.gradient_as_bucket_view:
+                # Each grad was divided by the world size in its hook.
                 for i, g in enumerate(grads):
                     if g is None:  # unused parameter: contributes zeros
                         bucket.view_of(i).zero_()
-                if self.world_size > 1:
-                    bucket.buffer.mul_(1.0 / self.world_size)
             else:
                 present = [(g, off) for g, off in zip(grads, bucket.offsets) if g is not None]
                 if len(present) != len(grads):
@@ -286,8 +299,7 @@ class DistributedDataParallel(nn.Module):
             for p in unready:
                 bucket, _ = self._bucket_of[id(p)]
                 bucket.pending -= 1
-                if bucket.pending == 0 and not bucket.launched:
-                    self._launch(bucket)
+            self._launch_ready()
             inv = None
             scale = getattr(self._scaler, "_scale", None) if self._scaler is not None else None
             if scale is not None:
@@ -298,6 +310,8 @@ class DistributedDataParallel(nn.Module):
                         b.work.wait()
                     except Exception as e:
                         raise self._collective_error(f"the all-reduce of gradient bucket {b.index}", e) from e
+                    finally:
+                        b.work = None  # a finished Work keeps the process group alive
                 if self.gradient_as_bucket_view:
                     continue
                 with torch.no_grad():
@@ -314,9 +328,7 @@ class DistributedDataParallel(nn.Module):
                 self._scaler._note_grad_stats(self._params, *self.grad_stats())
             if not self._rebuilt:
                 self._rebuilt = True
-                order = self._ready_order + [p for p in reversed(self._params) if id(p) not in self._grad_ready]
-                if [id(p) for p in order] != [id(p) for b in self._buckets for p in b.params]:
-                    self._build_buckets(order)
+                self._rebuild_from_rank0()
         finally:
             self._in_backward = False
 
@@ -327,6 +339,20 @@ class DistributedDataParallel(nn.Module):
         The sum of squares is of the *unscaled* grads: the unpack multiplies by the scaler's
         inverse scale in registers (read on the device, no sync)."""
         self._scaler = scaler
+
+    def _rebuild_from_rank0(self) -> None:
+        """Rebuilds the buckets in the order grads became ready in the first iteration -- rank 0's
+        order, broadcast, so that every rank builds the same buckets."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        seen = {id(p) for p in self._ready_order}
+        order = [index[id(p)] for p in self._ready_order]
+        order += [i for i in reversed(range(len(self._params))) if id(self._params[i]) not in seen]
+        if self.world_size > 1:
+            box = [order]
+            dist.broadcast_object_list(box, src=self._global_src(), group=self.process_group)
+            order = box[0]
+        if order != [index[id(p)] for b in self._buckets for p in b.params]:
+            self._build_buckets([self._params[i] for i in order])
 
     def grad_stats(self) -> tuple[Tensor, Tensor] | None:
         """``(found_inf, sum of squares)`` of the all-reduced grads, computed by the unpack of the
