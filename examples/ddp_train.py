@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import time
 
@@ -110,6 +111,11 @@ def main(argv=None):
     if rank == 0:
         print(f"{world} ranks ({dist.get_backend()}), {args.steps} steps in {elapsed:.1f}s; "
               f"parameters identical on every rank: {same}")
+    # Leave together: drop what holds the process group, wait for every rank, then tear down
+    # (a rank that exits while a peer is still finishing its last collective can abort the peer).
+    del model, opt, scaler
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if same else 1
 
