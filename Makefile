@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench cuda-build lint clean
+.PHONY: demo test bench cuda-build sanitize lint clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
@@ -40,9 +40,31 @@ cuda-build:
 	$(VENV)-cuda/bin/python .ci/check_cuda_build.py
 	tests/cuda_host/run.sh $(VENV)-cuda/bin/python
 
+# The CPU kernels under AddressSanitizer + UndefinedBehaviorSanitizer: a non-editable, unstripped
+# -O1 -g build into its own venv (build/asan), then tests/sanitize/run.sh: the harness self-test,
+# then the op, fuzz and class tests with the sanitizer runtime preloaded; fails on any report.
+ASAN_VENV := $(VENV)-asan
+ASAN_PY := $(ASAN_VENV)/bin/python
+
+$(ASAN_VENV)/.deps:
+	$(PYTHON) -m venv $(ASAN_VENV)
+	$(ASAN_PY) -m pip install -q --upgrade pip
+	$(ASAN_PY) -m pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" cmake ninja numpy pytest expecttest hypothesis
+	touch $@
+
+# Non-editable, so the Python sources are inputs too.
+$(ASAN_VENV)/.built: $(ASAN_VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake python -type f -not -name '*.pyc' 2>/dev/null)
+	FASTAMP_CUDA=OFF $(ASAN_PY) -m pip install -q --no-build-isolation --no-deps --force-reinstall . \
+	  -Cbuild-dir=build/asan -Cinstall.strip=false \
+	  -Ccmake.define.FASTAMP_SANITIZE="address;undefined" -Ccmake.define.FASTAMP_WERROR=ON
+	touch $@
+
+sanitize: $(ASAN_VENV)/.built
+	tests/sanitize/run.sh $(ASAN_PY)
+
 lint:
 	$(PY) -m pip install -q ruff
 	$(PY) -m ruff check python tests benchmarks examples
 
 clean:
-	rm -rf build $(VENV) $(VENV)-cuda
+	rm -rf build $(VENV) $(VENV)-cuda $(VENV)-asan
