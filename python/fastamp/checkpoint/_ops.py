@@ -47,9 +47,27 @@ def _rng_get_state_fake():
 
 @torch.library.register_fake("fastamp::rng_set_state")
 def _rng_set_state_fake(states):
+    # Generator states are CPU tensors; a meta one reaches this fake kernel, which must not make
+    # the restore a silent no-op.
+    for i, s in enumerate(states):
+        if s.device.type != "cpu":
+            raise TypeError(
+                f"fastamp::rng_set_state: states[{i}] must be a CPU uint8 tensor (a generator "
+                f"state), got one on {s.device}"
+            )
     return None
 
 
 @torch.library.register_fake("fastamp::tensor_digest")
 def _tensor_digest_fake(tensors):
+    # A meta tensor among CPU ones dispatches here: raise as the real kernel does, rather than
+    # return an uninitialised "digest" on the CPU.
+    if not tensors:
+        return torch.empty(0, dtype=torch.int64)
+    for i, t in enumerate(tensors):
+        if t.device != tensors[0].device:
+            raise RuntimeError(
+                f"fastamp::tensor_digest: tensors[{i}] is on {t.device} but tensors[0] is on "
+                f"{tensors[0].device}; digest one device at a time"
+            )
     return tensors[0].new_empty((len(tensors),), dtype=torch.int64)

@@ -98,15 +98,19 @@ def update_scale_(
 # --- fake kernels (shapes/dtypes/devices only) ---------------------------------------------------
 
 
-def _fake_check_devices(op: str, grads, anchor: Tensor) -> None:
-    # The real kernels check this too; doing it in the fake kernels makes torch.compile (and the
-    # meta device) report the same error at trace time.
+def _fake_check_devices(op: str, grads, anchor: Tensor, **scalars: Tensor) -> None:
+    # The real kernels check this too. A list mixing devices (say a meta tensor among CPU grads)
+    # dispatches to these fake kernels, so they must raise the same error rather than return
+    # quietly (the meta kernel of an in-place op would otherwise be a silent no-op).
     for i, g in enumerate(grads):
         if g.device != anchor.device:
             raise RuntimeError(
                 f"fastamp::{op}: grads[{i}] is on {g.device} but the op runs on {anchor.device} "
                 "(the device of its scalar tensors); group tensors by device"
             )
+    for name, t in scalars.items():
+        if t.device != anchor.device:
+            raise RuntimeError(f"fastamp::{op}: {name} is on {t.device}; expected {anchor.device}")
 
 
 @torch.library.register_fake("fastamp::grad_stats")
@@ -122,13 +126,14 @@ def _grad_stats_fake(grads, inv_scale, norm_type=2.0):
 
 @torch.library.register_fake("fastamp::non_finite_check_and_unscale_")
 def _unscale_fake(grads, found_inf, inv_scale, tensor_found_inf):
-    _fake_check_devices("non_finite_check_and_unscale_", grads, inv_scale)
+    _fake_check_devices("non_finite_check_and_unscale_", grads, inv_scale, found_inf=found_inf,
+                        tensor_found_inf=tensor_found_inf)
     return None
 
 
 @torch.library.register_fake("fastamp::clip_unscale_")
 def _clip_unscale_fake(grads, inv_scale, total_norm, max_norm):
-    _fake_check_devices("clip_unscale_", grads, inv_scale)
+    _fake_check_devices("clip_unscale_", grads, inv_scale, total_norm=total_norm)
     return None
 
 
@@ -145,4 +150,6 @@ def _update_scale_fake(
     min_scale,
     max_scale,
 ):
+    _fake_check_devices("update_scale_", [], scale, growth_tracker=growth_tracker,
+                        hysteresis_tracker=hysteresis_tracker, found_inf=found_inf)
     return None
