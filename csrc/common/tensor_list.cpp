@@ -2,11 +2,52 @@
 
 #include <ATen/MemoryOverlap.h>
 
+#include <algorithm>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace fastamp {
 namespace {
+
+// Whether two elements of `t` share memory. at::has_internal_overlap only answers for dense
+// tensors and zero strides ("too hard" otherwise): an as_strided view with strides (1, 2) over
+// sizes (4, 4) overlaps without either. Sorted by stride, a layout is free of overlap when each
+// stride exceeds the span of the dims below it (the usual case: slices, transposes, gaps); the
+// rare interleaved layouts that fail this test are decided by listing their element offsets.
+bool elements_overlap(const at::Tensor& t) {
+  if (t.numel() <= 1) return false;
+  switch (at::has_internal_overlap(t)) {
+    case at::MemOverlap::No: return false;
+    case at::MemOverlap::Yes: return true;
+    case at::MemOverlap::TooHard: break;
+  }
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims with size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;  // largest offset reachable with the dims seen so far
+  bool separable = true;
+  for (const auto& [stride, size] : dims) {
+    if (stride <= span) {
+      separable = false;
+      break;
+    }
+    span += stride * (size - 1);
+  }
+  if (separable) return false;
+  // Listing the offsets costs 8 bytes per element; beyond this size the layout is refused.
+  constexpr int64_t kMaxListed = int64_t{1} << 24;
+  if (t.numel() > kMaxListed) return true;
+  at::Tensor offsets = at::zeros({1}, at::kLong);
+  for (const auto& [stride, size] : dims) {
+    offsets = (offsets.unsqueeze(1) + at::arange(size, at::kLong).mul_(stride)).reshape(-1);
+  }
+  const at::Tensor sorted = std::get<0>(offsets.sort());
+  return sorted.slice(0, 1).eq(sorted.slice(0, 0, -1)).any().item<bool>();
+}
 
 std::string dtype_list(std::initializer_list<c10::ScalarType> allowed) {
   std::ostringstream os;
@@ -40,10 +81,11 @@ FlatTensorList FlatTensorList::prepare(at::TensorList tensors, const char* op, c
     for (auto d : allowed) ok = ok || (t.scalar_type() == d);
     TORCH_CHECK_TYPE(ok, op, ": ", arg, "[", i, "] has dtype ", t.scalar_type(), "; expected one of ",
                      dtype_list(allowed));
-    if (writable && t.numel() > 0) {
-      TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", arg, "[", i,
-                  "] is a view whose elements overlap in memory (e.g. from expand()); it cannot be "
-                  "written in place. Pass a tensor with its own storage (.clone())");
+    if (writable) {
+      TORCH_CHECK(!elements_overlap(t), op, ": ", arg, "[", i,
+                  "] is a view whose elements overlap in memory (e.g. from expand() or "
+                  "as_strided()); it cannot be written in place. Pass a tensor with its own "
+                  "storage (.clone())");
     }
   }
   // Pass 2: flatten.
