@@ -4,6 +4,8 @@
 #include "scaler/scaler_checks.h"
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
 namespace fastamp {
 namespace scaler {
@@ -67,11 +69,20 @@ void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracke
                     ": growth_factor must be a positive finite number, got ", growth_factor);
   TORCH_CHECK_VALUE(std::isfinite(backoff_factor) && backoff_factor > 0.0, op,
                     ": backoff_factor must be a positive finite number, got ", backoff_factor);
-  TORCH_CHECK_VALUE(growth_interval >= 1, op, ": growth_interval must be >= 1, got ",
-                    growth_interval);
-  TORCH_CHECK_VALUE(hysteresis >= 1, op, ": hysteresis must be >= 1, got ", hysteresis);
-  TORCH_CHECK_VALUE(!std::isnan(min_scale) && min_scale >= 0.0, op,
-                    ": min_scale must be >= 0, got ", min_scale);
+  // The trackers are int32 tensors: a larger interval could never be reached, a larger
+  // hysteresis could not be stored.
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK_VALUE(growth_interval >= 1 && growth_interval <= kInt32Max, op,
+                    ": growth_interval must be >= 1 and <= 2^31 - 1 (the growth tracker is "
+                    "int32), got ", growth_interval);
+  TORCH_CHECK_VALUE(hysteresis >= 1 && hysteresis <= kInt32Max, op,
+                    ": hysteresis must be >= 1 and <= 2^31 - 1 (the hysteresis tracker is int32), "
+                    "got ", hysteresis);
+  // A min_scale past float32's range would back the scale off to inf.
+  TORCH_CHECK_VALUE(!std::isnan(min_scale) && min_scale >= 0.0 &&
+                        min_scale <= static_cast<double>(std::numeric_limits<float>::max()),
+                    op, ": min_scale must be >= 0 and at most float32's largest value, got ",
+                    min_scale);
   TORCH_CHECK_VALUE(!std::isnan(max_scale) && max_scale >= min_scale, op,
                     ": max_scale must be >= min_scale (", min_scale, "), got ", max_scale);
   TORCH_CHECK(scale.data_ptr() != growth_tracker.data_ptr() &&

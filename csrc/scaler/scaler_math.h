@@ -113,6 +113,9 @@ FASTAMP_HOST_DEVICE inline opmath_t unscale_clip(opmath_t v, float inv_scale, fl
 /// Hysteresis (as in Megatron-LM): each overflow decrements hysteresis_tracker and the scale backs
 /// off only once it is <= 0; a growth resets it to `hysteresis`. The scale is clamped to
 /// [min_scale, max_scale] and never becomes inf.
+/// The trackers are stepped in 64-bit: a tracker at an int32 limit (a state this rule never
+/// produces, but one a caller can load) must not overflow, which would be undefined behaviour.
+/// The growth tracker saturates at INT32_MAX; a backoff resets the hysteresis tracker to 0.
 FASTAMP_HOST_DEVICE inline void update_scale(float* scale, int32_t* growth_tracker,
                                              int32_t* hysteresis_tracker, float found_inf,
                                              double growth_factor, double backoff_factor,
@@ -120,25 +123,27 @@ FASTAMP_HOST_DEVICE inline void update_scale(float* scale, int32_t* growth_track
                                              double min_scale, double max_scale) {
   if (found_inf != 0.0f) {
     *growth_tracker = 0;
-    *hysteresis_tracker = *hysteresis_tracker - 1;
-    if (*hysteresis_tracker <= 0) {
+    const int64_t left = static_cast<int64_t>(*hysteresis_tracker) - 1;
+    if (left <= 0) {
       // float * double, rounded to float: the same arithmetic as PyTorch's kernel.
       float s = static_cast<float>(static_cast<double>(*scale) * backoff_factor);
       if (static_cast<double>(s) < min_scale) s = static_cast<float>(min_scale);
       *scale = s;
       *hysteresis_tracker = 0;
+    } else {
+      *hysteresis_tracker = static_cast<int32_t>(left);
     }
   } else {
-    const int32_t successful = *growth_tracker + 1;
+    const int64_t successful = static_cast<int64_t>(*growth_tracker) + 1;
     if (successful == growth_interval) {
       const float grown = static_cast<float>(static_cast<double>(*scale) * growth_factor);
       if (!std::isinf(grown)) {
         *scale = static_cast<double>(grown) > max_scale ? static_cast<float>(max_scale) : grown;
       }
       *growth_tracker = 0;
-      *hysteresis_tracker = static_cast<int32_t>(hysteresis);
+      *hysteresis_tracker = static_cast<int32_t>(hysteresis);  // <= INT32_MAX: checked
     } else {
-      *growth_tracker = successful;
+      *growth_tracker = static_cast<int32_t>(successful > INT32_MAX ? INT32_MAX : successful);
     }
   }
 }
