@@ -40,7 +40,9 @@ inline std::vector<Slot> check_bucket(const char* op, const at::Tensor& bucket,
     TORCH_CHECK_TYPE(g.scalar_type() == dt, op, ": grads[", i, "] has dtype ", g.scalar_type(),
                      " but the bucket has ", dt, "; buckets hold one dtype");
     TORCH_CHECK(g.is_contiguous(), op, ": grads[", i, "] must be contiguous");
-    TORCH_CHECK_VALUE(offsets[i] >= prev_end && offsets[i] + g.numel() <= bucket.numel(), op,
+    // offsets[i] <= numel - g.numel(), not offsets[i] + g.numel() <= numel: the sum of a huge
+    // offset and the size can overflow int64 (undefined behaviour, and a wrapped sum would pass).
+    TORCH_CHECK_VALUE(offsets[i] >= prev_end && offsets[i] <= bucket.numel() - g.numel(), op,
                       ": grads[", i, "] at offset ", offsets[i], " (", g.numel(),
                       " elements) overlaps the previous slot or runs past the bucket's ",
                       bucket.numel(), " elements; offsets must increase");
