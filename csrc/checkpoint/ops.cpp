@@ -50,22 +50,44 @@ void rng_set_state(at::TensorList states) {
                     " CUDA device(s); expected at most ", n + 1);
   for (size_t i = 0; i < states.size(); ++i) {
     TORCH_CHECK_TYPE(states[i].defined() && states[i].scalar_type() == at::kByte &&
-                         states[i].device().is_cpu(),
+                         states[i].device().is_cpu() && states[i].layout() == at::kStrided,
                      op, ": states[", i, "] must be a CPU uint8 tensor (a generator state)");
+    // Generators read a state as raw contiguous bytes.
+    TORCH_CHECK_VALUE(states[i].is_contiguous(), op, ": states[", i,
+                      "] must be contiguous (pass the tensors rng_get_state returned)");
   }
-  // Everything checked: now restore.
-  {
-    at::Generator cpu = at::detail::getDefaultCPUGenerator();
-    std::lock_guard<std::mutex> lock(cpu.mutex());
-    cpu.set_state(states[0]);
-  }
-  for (size_t i = 1; i < states.size(); ++i) {
-    if (states[i].numel() == 0) continue;
-    at::Generator gen = at::globalContext().defaultGenerator(
-        c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i - 1)));
+  // The generators check the size and content of their state themselves. So that a bad entry
+  // after a good one leaves no generator restored, the current states are kept and put back
+  // before the error is reported.
+  const std::vector<at::Tensor> previous = rng_get_state();
+  const auto restore = [](at::TensorList s, size_t i) {
+    at::Generator gen = i == 0 ? at::detail::getDefaultCPUGenerator()
+                               : at::globalContext().defaultGenerator(c10::Device(
+                                     c10::kCUDA, static_cast<c10::DeviceIndex>(i - 1)));
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(states[i]);
+    gen.set_state(s[i]);
+  };
+  for (size_t i = 0; i < states.size(); ++i) {
+    if (i > 0 && states[i].numel() == 0) continue;
+    try {
+      restore(states, i);
+    } catch (const c10::Error& e) {
+      for (size_t j = 0; j < i; ++j) {
+        if (j == 0 || previous[j].numel() > 0) restore(previous, j);
+      }
+      TORCH_CHECK_VALUE(false, op, ": states[", i, "] is not a valid ",
+                        i == 0 ? "CPU" : "CUDA", " generator state (", e.msg(),
+                        "); no generator was changed");
+    }
   }
+}
+
+// tensor_digest([]) has no tensor to dispatch on: its digest list is empty. A non-empty call
+// lands here only on a device with no fastamp kernel, which is refused by name.
+at::Tensor tensor_digest_no_kernel(at::TensorList tensors) {
+  TORCH_CHECK(tensors.empty(), "fastamp::tensor_digest: no kernel for tensors on ",
+              tensors[0].device(), " in this build");
+  return at::empty({0}, at::kLong);
 }
 
 }  // namespace
@@ -81,7 +103,8 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   m.def("rng_get_state() -> Tensor[]");
 
   // Restores a snapshot taken by rng_get_state (empty entries are skipped). Validates every entry
-  // before restoring any generator. Writes global RNG state only.
+  // before restoring any generator, and leaves every generator as it was if one rejects its
+  // state. Writes global RNG state only.
   m.def("rng_set_state(Tensor[] states) -> ()");
 
   // One 64-bit digest per tensor of its bytes in memory order (int64 [len(tensors)], on the
@@ -89,8 +112,10 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   m.def("tensor_digest(Tensor[] tensors) -> Tensor");
 }
 
-// No tensor arguments to dispatch on: these run the same on every backend.
+// The RNG ops have no tensor arguments to dispatch on: they run the same on every backend. The
+// digest's entry here only answers calls no backend kernel takes (the empty list).
 TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
   m.impl("rng_get_state", &fastamp::checkpoint::rng_get_state);
   m.impl("rng_set_state", &fastamp::checkpoint::rng_set_state);
+  m.impl("tensor_digest", &fastamp::checkpoint::tensor_digest_no_kernel);
 }
