@@ -133,6 +133,42 @@ StepPlan check_sgd_step(at::TensorList params, at::TensorList grads,
   return plan;
 }
 
+namespace {
+
+// Kernels for calls that reach no backend kernel. A step over empty lists with no optional tensor
+// has no tensor to dispatch on, and the dispatcher would say only "no fallback function is
+// registered"; a step over no params is a no-op, as it is on every backend. A non-empty call
+// lands here only on a device with no fastamp kernel, which is refused by name.
+void adam_step_no_kernel(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                         at::TensorList state_steps, at::TensorList master_params, double,
+                         const c10::optional<at::Tensor>& lr_tensor, double, double, double,
+                         double, bool amsgrad, bool, bool,
+                         const c10::optional<at::Tensor>& inv_scale,
+                         const c10::optional<at::Tensor>& found_inf,
+                         const c10::optional<at::Tensor>& clip_coef) {
+  const StepPlan plan = check_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                        state_steps, master_params, amsgrad, lr_tensor, inv_scale,
+                                        found_inf, clip_coef);
+  TORCH_CHECK(plan.empty(), "fastamp::adam_step_: no kernel for params on ", plan.device,
+              " in this build");
+}
+
+void sgd_step_no_kernel(at::TensorList params, at::TensorList grads,
+                        at::TensorList momentum_buffers, at::TensorList state_steps,
+                        at::TensorList master_params, double,
+                        const c10::optional<at::Tensor>& lr_tensor, double, double momentum,
+                        double, bool, bool, const c10::optional<at::Tensor>& inv_scale,
+                        const c10::optional<at::Tensor>& found_inf,
+                        const c10::optional<at::Tensor>& clip_coef) {
+  const StepPlan plan = check_sgd_step(params, grads, momentum_buffers, state_steps,
+                                       master_params, momentum, lr_tensor, inv_scale, found_inf,
+                                       clip_coef);
+  TORCH_CHECK(plan.empty(), "fastamp::sgd_step_: no kernel for params on ", plan.device,
+              " in this build");
+}
+
+}  // namespace
 }  // namespace optim
 }  // namespace fastamp
 
@@ -161,4 +197,9 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
       "Tensor(c!)[] state_steps, Tensor(d!)[] master_params, float lr, Tensor? lr_tensor, "
       "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, "
       "Tensor? inv_scale, Tensor? found_inf, Tensor? clip_coef) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
+  m.impl("adam_step_", &fastamp::optim::adam_step_no_kernel);
+  m.impl("sgd_step_", &fastamp::optim::sgd_step_no_kernel);
 }
