@@ -28,6 +28,7 @@ else:
     LOAD_ERROR = None
     from fastamp import checkpoint, cuda, memory, optim, parallel  # noqa: E402
     from fastamp.accumulation import GradientAccumulator, scale_lr  # noqa: E402
+    from fastamp.resume import TrainingState, load_training_state, save_training_state  # noqa: E402
     from fastamp.scaler import GradScaler, OptState  # noqa: E402
     from fastamp.scaler import ops as scaler_ops  # noqa: E402
     from fastamp.scaler.grad_scaler import OverflowReport  # noqa: E402
@@ -37,13 +38,16 @@ __all__ = [
     "GradientAccumulator",
     "OptState",
     "OverflowReport",
+    "TrainingState",
     "build_info",
     "checkpoint",
     "cuda",
     "memory",
+    "load_training_state",
     "optim",
     "parallel",
     "scale_lr",
+    "save_training_state",
     "scaler_ops",
     "__version__",
 ]

@@ -155,21 +155,28 @@ class DistributedDataParallel(nn.Module):
     def _global_src(self) -> int:
         return dist.get_global_rank(self.process_group, 0) if self.process_group is not dist.group.WORLD else 0
 
-    def _build_buckets(self, order: list[nn.Parameter]) -> None:
-        """Contiguous buckets of at most bucket_cap bytes, one dtype and device each, in `order`."""
+    def _build_buckets(self, order: list[nn.Parameter], sizes: list[int] | None = None) -> None:
+        """Contiguous buckets of at most bucket_cap bytes, one dtype and device each, in `order`
+        (or exactly `sizes` parameters per bucket, when restoring a saved layout)."""
         old = self._buckets
         self._buckets, self._bucket_of = [], {}
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in order:
-            nbytes = p.numel() * p.element_size()
-            if current and (size + nbytes > self.bucket_bytes_cap or p.dtype != current[0].dtype or p.device != current[0].device):
+        if sizes is not None:
+            start = 0
+            for n in sizes:
+                self._add_bucket(order[start:start + n])
+                start += n
+        else:
+            current: list[nn.Parameter] = []
+            size = 0
+            for p in order:
+                nbytes = p.numel() * p.element_size()
+                if current and (size + nbytes > self.bucket_bytes_cap or p.dtype != current[0].dtype or p.device != current[0].device):
+                    self._add_bucket(current)
+                    current, size = [], 0
+                current.append(p)
+                size += nbytes
+            if current:
                 self._add_bucket(current)
-                current, size = [], 0
-            current.append(p)
-            size += nbytes
-        if current:
-            self._add_bucket(current)
         if self.gradient_as_bucket_view:
             with torch.no_grad():
                 for b in self._buckets:
@@ -353,6 +360,52 @@ class DistributedDataParallel(nn.Module):
             order = box[0]
         if order != [index[id(p)] for b in self._buckets for p in b.params]:
             self._build_buckets([self._params[i] for i in order])
+
+    def bucket_layout(self) -> dict[str, Any]:
+        """The bucket layout as plain data: which parameter (by index in ``module.parameters()``
+        that require grad) goes in which bucket, and whether the one-time rebuild has happened.
+
+        :func:`fastamp.save_training_state` stores it so that a resumed run sums the same grads
+        in the same buckets as the run it continues (the clip norm is a sum of per-bucket partial
+        sums: another layout rounds differently)."""
+        index = {id(p): i for i, p in enumerate(self._params)}
+        return {
+            "order": [index[id(p)] for b in self._buckets for p in b.params],
+            "bucket_sizes": self.bucket_sizes,
+            "rebuilt": bool(self._rebuilt),
+            "num_params": len(self._params),
+        }
+
+    def load_bucket_layout(self, layout: dict[str, Any]) -> None:
+        """Restores a layout from :meth:`bucket_layout` (validated before anything changes)."""
+        n = len(self._params)
+        if not isinstance(layout, dict) or not {"order", "bucket_sizes", "rebuilt"} <= layout.keys():
+            raise ValueError(
+                "DistributedDataParallel.load_bucket_layout: layout must be the dict returned by "
+                f"bucket_layout() (keys order, bucket_sizes, rebuilt); got {layout!r:.200}"
+            )
+        order, sizes = list(layout["order"]), list(layout["bucket_sizes"])
+        if sorted(order) != list(range(n)) or sum(sizes) != n or any(s <= 0 for s in sizes):
+            raise ValueError(
+                "DistributedDataParallel.load_bucket_layout: the layout does not fit this model "
+                f"({n} parameters that require grad; the layout orders {len(order)} in buckets of "
+                f"{sizes}). Load a layout saved from the same model."
+            )
+        if self._in_backward:
+            raise RuntimeError("DistributedDataParallel.load_bucket_layout: cannot change buckets during backward")
+        params = [self._params[i] for i in order]
+        start = 0
+        for s in sizes:
+            group = params[start:start + s]
+            if any(p.dtype != group[0].dtype or p.device != group[0].device for p in group):
+                raise ValueError(
+                    "DistributedDataParallel.load_bucket_layout: a bucket would mix dtypes or "
+                    "devices; the layout was saved from a different model"
+                )
+            start += s
+        self._build_buckets(params, sizes)
+        self._rebuilt = bool(layout["rebuilt"]) or self.find_unused_parameters
+        self._ready_order = []
 
     def grad_stats(self) -> tuple[Tensor, Tensor] | None:
         """``(found_inf, sum of squares)`` of the all-reduced grads, computed by the unpack of the

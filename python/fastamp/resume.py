@@ -1,0 +1,267 @@
+"""Saving and resuming a training run so that it continues bit for bit.
+
+``torch.save(model.state_dict())`` is not enough to continue a mixed-precision run exactly: the
+loss scale and its growth tracker (and fastamp's hysteresis tracker), the optimizer's moments and
+step counts, the LR scheduler, every random generator (dropout masks, data shuffling) and, under
+:class:`fastamp.parallel.DistributedDataParallel`, the gradient-bucket layout (the clip norm is a
+sum of per-bucket partial sums) all decide the next step's bits. :func:`save_training_state`
+stores all of them; :func:`load_training_state` validates the files and restores them.
+
+Files. With one process, ``path`` is one file. Under torch.distributed (world size > 1) rank 0
+writes ``path`` (model, optimizer, scaler, scheduler: identical on every rank under DDP) and every
+rank writes ``f"{path}.rank{r}"`` (its random generators). Every file is written to a temporary
+name and renamed into place, and all of them carry one save id: a run killed in the middle of a
+save leaves either the previous complete checkpoint or files whose ids disagree, which
+:func:`load_training_state` refuses with a clear error, never a silently mixed state.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["TrainingState", "load_training_state", "save_training_state"]
+
+_FORMAT = 1
+
+
+@dataclass
+class TrainingState:
+    """What :func:`load_training_state` returns besides restoring the objects it was given."""
+
+    step: int | None
+    extra: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    rng_restored: bool = True
+
+
+def _dist_info() -> tuple[int, int, bool]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), True
+    return 0, 1, False
+
+
+def _unwrap(model: nn.Module) -> tuple[nn.Module, Any]:
+    """(the wrapped module, the fastamp DDP wrapper or None); torch's DDP is unwrapped too."""
+    from fastamp.parallel import DistributedDataParallel as FDDP
+
+    if isinstance(model, FDDP):
+        return model.module, model
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.module, None
+    return model, None
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    else:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        saved = state["cuda"]
+        if torch.cuda.device_count() < len(saved):
+            raise RuntimeError(
+                f"load_training_state: the checkpoint holds the RNG state of {len(saved)} CUDA "
+                f"devices but this process sees {torch.cuda.device_count()}; resume on the same "
+                "devices (or pass restore_rng=False to continue with fresh random streams)"
+            )
+        torch.cuda.set_rng_state_all(saved)
+    if "numpy" in state:
+        try:
+            import numpy as np
+        except ImportError:
+            return
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+
+
+def _atomic_save(obj: Any, path: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_id(distributed: bool, world: int) -> str:
+    box = [secrets.token_hex(8)]
+    if distributed and world > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_training_state(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    lr_scheduler: Any = None,
+    step: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Saves everything needed to continue a run bit for bit (see the module docstring).
+
+    Call it between steps (after ``scaler.update()``), on every rank when running distributed:
+    it synchronises the ranks (the save id is broadcast; a barrier ends the save). ``extra`` holds
+    your own picklable-by-``torch.save`` items (data-loader position, epoch...). Syncs with the
+    host (reading the scale): a checkpoint is the place for that, not the training step.
+    """
+    path = os.fspath(path)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"save_training_state: model must be an nn.Module, got {type(model).__name__}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"save_training_state: step must be a non-negative int or None, got {step!r}")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"save_training_state: extra must be a dict or None, got {type(extra).__name__}")
+    if scaler is not None and getattr(scaler, "_per_optimizer_states", None):
+        stages = [s.get("stage") for s in scaler._per_optimizer_states.values()]
+        if any(getattr(st, "name", "READY") != "READY" for st in stages):
+            raise RuntimeError(
+                "save_training_state: the scaler is in the middle of a step (unscale_() or step() "
+                "was called without update()); save after scaler.update()"
+            )
+    rank, world, distributed = _dist_info()
+    module, ddp = _unwrap(model)
+    save_id = _save_id(distributed, world)
+    local = {"format": _FORMAT, "save_id": save_id, "rank": rank, "world_size": world, "rng": _rng_state()}
+    if world > 1:
+        _atomic_save(local, f"{path}.rank{rank}")
+        dist.barrier()
+    if rank == 0:
+        shared = {
+            "format": _FORMAT,
+            "save_id": save_id,
+            "world_size": world,
+            "step": step,
+            "extra": extra or {},
+            "model": module.state_dict(),
+            "ddp_buckets": ddp.bucket_layout() if ddp is not None else None,
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "torch_version": str(torch.__version__),
+        }
+        if world == 1:
+            shared["rng"] = local["rng"]
+        _atomic_save(shared, path)
+    if world > 1:
+        dist.barrier()
+
+
+def _load(path: str, what: str, map_location: Any) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"load_training_state: {what} {path!r} does not exist")
+    obj = torch.load(path, map_location=map_location, weights_only=True)
+    if not isinstance(obj, dict) or obj.get("format") != _FORMAT or "save_id" not in obj:
+        raise RuntimeError(
+            f"load_training_state: {path!r} is not a fastamp training state (format {_FORMAT}); "
+            "it must be written by fastamp.save_training_state"
+        )
+    return obj
+
+
+def load_training_state(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    lr_scheduler: Any = None,
+    map_location: Any = "cpu",
+    restore_rng: bool = True,
+) -> TrainingState:
+    """Restores what :func:`save_training_state` saved into the given objects; returns the step and
+    ``extra``. Every file is read and checked (format, save id, world size, which objects were
+    saved) before any object is changed. Build the model, optimizer, scaler and scheduler as the
+    saved run did (same parameter order and groups), then call this on every rank."""
+    path = os.fspath(path)
+    rank, world, _ = _dist_info()
+    shared = _load(path, "checkpoint", map_location)
+    saved_world = shared["world_size"]
+    local = None
+    if restore_rng:
+        if saved_world != world:
+            raise RuntimeError(
+                f"load_training_state: {path!r} was saved by {saved_world} process(es) and is loaded "
+                f"by {world}; the random streams cannot be resumed exactly. Resume with the same "
+                "world size, or pass restore_rng=False to continue with fresh random streams"
+            )
+        local = shared if world == 1 else _load(f"{path}.rank{rank}", f"rank {rank}'s file", map_location)
+        if local["save_id"] != shared["save_id"]:
+            raise RuntimeError(
+                f"load_training_state: {path}.rank{rank} belongs to another save than {path!r} "
+                "(save ids differ): the save was interrupted. Resume from the previous complete "
+                "checkpoint"
+            )
+    for name, obj in (("optimizer", optimizer), ("scaler", scaler), ("lr_scheduler", lr_scheduler)):
+        if obj is not None and shared.get(name) is None:
+            raise ValueError(
+                f"load_training_state: {name} was given but {path!r} holds no {name} state; pass "
+                f"{name}=None or load a checkpoint saved with one"
+            )
+    module, ddp = _unwrap(model)
+    # Validate the model's keys and shapes before changing anything.
+    own = module.state_dict()
+    saved_model = shared["model"]
+    missing = [k for k in own if k not in saved_model]
+    unexpected = [k for k in saved_model if k not in own]
+    bad_shape = [k for k in own if k in saved_model and tuple(own[k].shape) != tuple(saved_model[k].shape)]
+    if missing or unexpected or bad_shape:
+        raise RuntimeError(
+            f"load_training_state: the model does not match {path!r}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, different shapes {bad_shape[:5]}. Build the same model "
+            "as the run that saved it"
+        )
+    if optimizer is not None:
+        saved_groups = shared["optimizer"]["param_groups"]
+        if len(saved_groups) != len(optimizer.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, optimizer.param_groups)
+        ):
+            raise ValueError(
+                "load_training_state: optimizer has "
+                f"{[len(g['params']) for g in optimizer.param_groups]} parameters per group, the "
+                f"checkpoint {[len(g['params']) for g in saved_groups]}; build the optimizer as the "
+                "saved run did"
+            )
+    layout = shared.get("ddp_buckets")
+    if ddp is not None and layout is not None and layout.get("num_params") != len(ddp._params):
+        raise RuntimeError(
+            "load_training_state: the checkpoint's gradient-bucket layout is for "
+            f"{layout.get('num_params')} parameters, the DistributedDataParallel model has {len(ddp._params)}"
+        )
+
+    module.load_state_dict(saved_model)
+    if optimizer is not None:
+        optimizer.load_state_dict(shared["optimizer"])
+    if scaler is not None:
+        scaler.load_state_dict(shared["scaler"])
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(shared["lr_scheduler"])
+    if ddp is not None and layout is not None:
+        ddp.load_bucket_layout(layout)
+    if restore_rng and local is not None:
+        _set_rng_state(local["rng"])
+    return TrainingState(
+        step=shared["step"], extra=shared["extra"], world_size=saved_world, rng_restored=restore_rng
+    )
