@@ -52,9 +52,6 @@ void rng_set_state(at::TensorList states) {
     TORCH_CHECK_TYPE(states[i].defined() && states[i].scalar_type() == at::kByte &&
                          states[i].device().is_cpu() && states[i].layout() == at::kStrided,
                      op, ": states[", i, "] must be a CPU uint8 tensor (a generator state)");
-    // Generators read a state as raw contiguous bytes.
-    TORCH_CHECK_VALUE(states[i].is_contiguous(), op, ": states[", i,
-                      "] must be contiguous (pass the tensors rng_get_state returned)");
   }
   // The generators check the size and content of their state themselves. So that a bad entry
   // after a good one leaves no generator restored, the current states are kept and put back
@@ -64,8 +61,12 @@ void rng_set_state(at::TensorList states) {
     at::Generator gen = i == 0 ? at::detail::getDefaultCPUGenerator()
                                : at::globalContext().defaultGenerator(c10::Device(
                                      c10::kCUDA, static_cast<c10::DeviceIndex>(i - 1)));
+    // A fresh copy, not the caller's tensor: the CPU generator misreads a state that is a view at
+    // a storage offset (torch 2.13 rejects offsets 1-7 as "Invalid mt19937 state" and crashes on
+    // offset 8), and a strided one is not raw bytes at all.
+    const at::Tensor state = s[i].clone(at::MemoryFormat::Contiguous);
     std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(s[i]);
+    gen.set_state(state);
   };
   for (size_t i = 0; i < states.size(); ++i) {
     if (i > 0 && states[i].numel() == 0) continue;
