@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -19,3 +20,25 @@ def dense_list(tensors: Sequence[Tensor], op: str, arg: str) -> list[Tensor]:
                 "tensor. For sparse grads pass grad.coalesce()._values()"
             )
     return tensors
+
+
+def is_real(value: object) -> bool:
+    """A Python int or float (bools excluded), or a NumPy-style real scalar."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def real(value: object, where: str, arg: str, expected: str) -> float:
+    """``float(value)`` when ``value`` is a real number, else a TypeError naming ``arg``.
+
+    ``expected`` says what would be accepted (e.g. "a finite number > 0"); it ends the message.
+    """
+    if not is_real(value):
+        raise TypeError(f"{where}: {arg} must be {expected}, got {value!r} (a {type(value).__name__})")
+    return float(value)
+
+
+def integer(value: object, where: str, arg: str, expected: str) -> int:
+    """``int(value)`` when ``value`` is an integer (bools excluded), else a TypeError naming ``arg``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise TypeError(f"{where}: {arg} must be {expected}, got {value!r} (a {type(value).__name__})")
+    return int(value)

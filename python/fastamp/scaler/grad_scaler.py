@@ -17,9 +17,11 @@ accept it unchanged. What changes underneath:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from fastamp._checks import integer, is_real, real
 from fastamp.scaler import _ops
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
@@ -85,6 +88,60 @@ def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
     return getattr(optimizer, "_fastamp_fused", False)
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_INT32_MAX = 2**31 - 1  # the growth and hysteresis trackers are int32 tensors
+
+
+# Validators of the scaling parameters, shared by the constructor, the setters and load_state_dict
+# (``where`` names the entry point and ``arg`` the argument or state_dict key). PyTorch checks only
+# growth_factor > 1 and backoff_factor < 1 (and lets NaN through both); anything else it accepts
+# fails later, in update() -- after the optimizer has stepped -- or silently pins the scale at
+# 0/inf/NaN, where every following step is skipped.
+def _check_scale(value: Any, where: str, arg: str) -> float:
+    v = real(value, where, arg, "a finite number > 0")
+    if not (0.0 < v <= _FLOAT32_MAX):  # the scale is a float32 tensor
+        raise ValueError(
+            f"{where}: {arg} must be a finite number > 0, got {value!r}; a scale of 0, inf or NaN "
+            "(or past float32's range) zeroes or overflows every gradient and every step would be "
+            "skipped (expected e.g. 2.0**16, the default init_scale)"
+        )
+    return v
+
+
+def _check_growth_factor(value: Any, where: str, arg: str) -> float:
+    v = real(value, where, arg, "a finite number > 1.0")
+    if not (math.isfinite(v) and v > 1.0):
+        raise ValueError(f"{where}: {arg} must be a finite number > 1.0, got {value!r} (expected e.g. 2.0)")
+    return v
+
+
+def _check_backoff_factor(value: Any, where: str, arg: str) -> float:
+    v = real(value, where, arg, "a number in (0, 1)")
+    if not (0.0 < v < 1.0):
+        raise ValueError(f"{where}: {arg} must be a number in (0, 1), got {value!r} (expected e.g. 0.5)")
+    return v
+
+
+def _check_growth_interval(value: Any, where: str, arg: str) -> int:
+    v = integer(value, where, arg, "an int >= 1")
+    if not 1 <= v <= _INT32_MAX:
+        raise ValueError(
+            f"{where}: {arg} must be an int >= 1 and <= 2**31 - 1 (the growth tracker is int32), "
+            f"got {value!r} (expected e.g. 2000)"
+        )
+    return v
+
+
+def _check_hysteresis(value: Any, where: str, arg: str) -> int:
+    v = integer(value, where, arg, "an int >= 1")
+    if not 1 <= v <= _INT32_MAX:
+        raise ValueError(
+            f"{where}: {arg} must be an int >= 1 and <= 2**31 - 1 (the hysteresis tracker is "
+            f"int32), got {value!r} (expected e.g. 2; 1 is PyTorch's behaviour)"
+        )
+    return v
+
+
 class GradScaler(torch.amp.GradScaler):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
@@ -118,12 +175,20 @@ class GradScaler(torch.amp.GradScaler):
             growth_interval=growth_interval,
             enabled=enabled,
         )
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
-            raise ValueError(f"GradScaler: hysteresis must be an int >= 1, got {hysteresis!r}")
-        lo = 0.0 if min_scale is None else float(min_scale)
-        hi = math.inf if max_scale is None else float(max_scale)
-        if not (lo >= 0.0) or math.isinf(lo):
-            raise ValueError(f"GradScaler: min_scale must be a finite number >= 0, got {min_scale!r}")
+        if self._enabled:
+            # After PyTorch's own checks, so its AssertionErrors come first, as with torch.amp.
+            _check_scale(init_scale, "GradScaler", "init_scale")
+            _check_growth_factor(growth_factor, "GradScaler", "growth_factor")
+            _check_backoff_factor(backoff_factor, "GradScaler", "backoff_factor")
+            _check_growth_interval(growth_interval, "GradScaler", "growth_interval")
+        _check_hysteresis(hysteresis, "GradScaler", "hysteresis")
+        lo = 0.0 if min_scale is None else real(min_scale, "GradScaler", "min_scale", "a finite number >= 0")
+        hi = math.inf if max_scale is None else real(max_scale, "GradScaler", "max_scale", "a number >= min_scale")
+        if not (0.0 <= lo <= _FLOAT32_MAX):
+            raise ValueError(
+                f"GradScaler: min_scale must be a finite number >= 0 (within float32's range), got "
+                f"{min_scale!r}"
+            )
         if not (hi >= lo):
             raise ValueError(
                 f"GradScaler: max_scale must be >= min_scale ({lo}), got {max_scale!r}"
@@ -163,13 +228,74 @@ class GradScaler(torch.amp.GradScaler):
             self._update_count = torch.zeros((), dtype=torch.int64, device=self._scale.device)
         return self._hysteresis_tracker, self._update_count
 
+    # ------------------------------------------------------------------ errors leave no trace
+    @contextlib.contextmanager
+    def _restore_on_error(self, optimizer: Any) -> Iterator[None]:
+        """Puts the optimizer's per-iteration state back as it was when the block raises.
+
+        PyTorch leaves a fresh entry behind (``_per_optimizer_states`` is a defaultdict), after
+        which the scaler refuses to be pickled, and a failing fused step would leave inf checks
+        that a retry then mixes with new ones. Once a grad has been written (``_grads_written``)
+        the new stage is the truth and is kept.
+        """
+        outer = self.__dict__.get("_write_mark")
+        mark = self.__dict__["_write_mark"] = [False]
+        states = self._per_optimizer_states
+        key = id(optimizer)
+        saved = None
+        if key in states:  # `in` does not create an entry
+            saved = dict(states[key])
+            if isinstance(saved.get("found_inf_per_device"), dict):
+                saved["found_inf_per_device"] = dict(saved["found_inf_per_device"])
+        try:
+            yield
+        except BaseException:
+            if self._per_optimizer_states is states and not mark[0]:
+                if saved is None:
+                    states.pop(key, None)
+                else:
+                    states[key] = saved
+            raise
+        finally:
+            if outer is None:
+                self.__dict__.pop("_write_mark", None)
+            else:
+                outer[0] = outer[0] or mark[0]
+                self._write_mark = outer
+
+    def _grads_written(self) -> None:
+        mark = self.__dict__.get("_write_mark")
+        if mark is not None:
+            mark[0] = True
+
+    def scale(self, outputs: Any) -> Any:
+        if self._enabled:
+            items = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+            for t in items:
+                if isinstance(t, Tensor) and t.device.type == "meta":
+                    raise RuntimeError(
+                        "GradScaler.scale: outputs is on the meta device, which holds no data: its "
+                        "gradients could not be checked for inf/NaN or unscaled, and the scale "
+                        "would be created on meta. Expected a loss on a real device: materialise "
+                        "the model first (model.to_empty(device=...), then initialise or load "
+                        "its weights)"
+                    )
+        return super().scale(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        # PyTorch's unscale_, except that an error leaves the scaler as it was.
+        if not self._enabled:
+            return
+        with self._restore_on_error(optimizer):
+            super().unscale_(optimizer)
+
     # ------------------------------------------------------------------ grads
     @staticmethod
     def _collect_grads(
-        optimizer: torch.optim.Optimizer, allow_fp16: bool
+        optimizer: torch.optim.Optimizer, allow_fp16: bool, caller: str = "unscale_"
     ) -> dict[torch.device, _DeviceGrads]:
-        """Grads of the optimizer grouped by device (all dtypes together), validated first."""
-        per_device: dict[torch.device, _DeviceGrads] = {}
+        """Grads of the optimizer grouped by device (all dtypes together), validated first: every
+        check runs before the first grad is touched (PyTorch's own errors keep their text)."""
         for g, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
                 if not isinstance(param, torch.Tensor):
@@ -179,7 +305,28 @@ class GradScaler(torch.amp.GradScaler):
                 if param.grad is None:
                     continue
                 if (not allow_fp16) and param.grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
+                    msg = "Attempting to unscale FP16 gradients."
+                    if caller != "unscale_":  # PyTorch's text stays exact where PyTorch raises it
+                        msg += (
+                            f" {caller}() unscales the grads of optimizer in place, and "
+                            f"param_groups[{g}]['params'][{i}] has a float16 grad. Expected "
+                            "float32 params under autocast (keep the model in float32), or a "
+                            "fastamp.optim optimizer, which unscales inside its kernel"
+                        )
+                    raise ValueError(msg)
+                if param.grad.device.type == "meta":
+                    raise RuntimeError(
+                        f"GradScaler.{caller}: the grad of optimizer.param_groups[{g}]['params'][{i}] "
+                        "is on the meta device, which holds no data: it cannot be checked for "
+                        "inf/NaN or unscaled. Expected grads on a real device: materialise the "
+                        "model before training (model.to_empty(device=...), then initialise or "
+                        "load its weights)"
+                    )
+        per_device: dict[torch.device, _DeviceGrads] = {}
+        for g, group in enumerate(optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                if param.grad is None:
+                    continue
                 if param.grad.is_sparse:
                     # Duplicate indices of scaled fp16 values may overflow only once summed, so
                     # check the coalesced values (as PyTorch does).
@@ -217,6 +364,7 @@ class GradScaler(torch.amp.GradScaler):
             for dev, entry in per_device.items():
                 f = found_inf.to(device=dev, non_blocking=True, copy=True)
                 flags[dev] = _ops.non_finite_check_and_unscale_(entry.grads, f, _to(inv_scale, dev))
+                self._grads_written()  # the op checks all its input before writing any
                 found[dev] = f
         self._record_flags(optimizer, per_device, flags)
         return found
@@ -266,28 +414,50 @@ class GradScaler(torch.amp.GradScaler):
         Counts as this iteration's ``unscale_`` for ``optimizer`` (calling ``unscale_`` afterwards
         raises, as a second ``unscale_`` would). If ``unscale_`` was already called, only clips.
         """
+        if not isinstance(getattr(optimizer, "param_groups", None), list):
+            raise TypeError(
+                "clip_grad_norm_: optimizer must be the torch.optim.Optimizer whose grads to clip, "
+                f"got {type(optimizer).__name__}. fastamp clips an optimizer's params, not an "
+                "iterable of tensors: expected scaler.clip_grad_norm_(optimizer, max_norm)"
+            )
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (max_norm >= 0):
             raise ValueError(
-                f"clip_grad_norm_: max_norm must be a non-negative number, got {max_norm!r}"
+                f"clip_grad_norm_: max_norm must be a non-negative number, got {max_norm!r} "
+                "(expected e.g. 1.0; inf disables clipping)"
             )
-        norm_type = float(norm_type)
-        if not (norm_type > 0):
+        norm_arg = norm_type
+        try:
+            norm_type = float(norm_type)
+        except (TypeError, ValueError):
+            norm_type = math.nan
+        if isinstance(norm_arg, bool) or not (norm_type > 0):
             raise ValueError(
-                f"clip_grad_norm_: norm_type must be a positive number or inf, got {norm_type!r}"
+                f"clip_grad_norm_: norm_type must be a positive number or inf, got {norm_arg!r} "
+                "(expected e.g. 2.0, 1.0 or float('inf'))"
             )
         if not self._enabled:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
+        with self._restore_on_error(optimizer):
+            return self._clip_grad_norm(optimizer, scale, float(max_norm), norm_type)
+
+    def _clip_grad_norm(
+        self, optimizer: torch.optim.Optimizer, scale: Tensor, max_norm: float, norm_type: float
+    ) -> Tensor:
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("clip_grad_norm_() is being called after step().")
+            raise RuntimeError(
+                "clip_grad_norm_() is being called after step(). Expected once per iteration, "
+                "between scaler.scale(loss).backward() and scaler.step(optimizer) (after "
+                "scaler.update() it may be called again)"
+            )
         already_unscaled = state["stage"] is OptState.UNSCALED
         # A fastamp fused optimizer takes the clip coefficient into its own kernel: the grads are
         # only read here (so fp16 grads are fine), and unscaled + clipped in the update pass.
         fused = _is_fastamp_fused(optimizer) and not already_unscaled
-        per_device = self._collect_grads(optimizer, allow_fp16=already_unscaled or fused)
+        per_device = self._collect_grads(optimizer, already_unscaled or fused, "clip_grad_norm_")
 
         if already_unscaled:
             inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
@@ -329,6 +499,7 @@ class GradScaler(torch.amp.GradScaler):
             else:
                 for dev, entry in per_device.items():
                     _ops.clip_unscale_(entry.grads, invs[dev], _to(total_norm, dev), float(max_norm))
+                    self._grads_written()
 
         if already_unscaled:
             # Keep the inf checks of the earlier unscale_: they saw the grads before clipping.
@@ -378,9 +549,13 @@ class GradScaler(torch.amp.GradScaler):
         return total
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
-        if self._enabled and _is_fastamp_fused(optimizer):
-            return self._fused_step(optimizer, *args, **kwargs)
-        retval = super().step(optimizer, *args, **kwargs)
+        if not self._enabled:
+            return super().step(optimizer, *args, **kwargs)
+        if _is_fastamp_fused(optimizer):
+            with self._restore_on_error(optimizer):
+                return self._fused_step(optimizer, *args, **kwargs)
+        with self._restore_on_error(optimizer):
+            retval = super().step(optimizer, *args, **kwargs)
         if self._enabled:
             state = self._per_optimizer_states[id(optimizer)]
             if state["found_inf_per_device"]:
@@ -423,6 +598,15 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         if new_scale is not None:
+            self._check_scale_growth_tracker("update")  # PyTorch's error first
+            if is_real(new_scale):
+                # PyTorch fills a float as is (0, inf and NaN included) and fails on an int.
+                new_scale = _check_scale(new_scale, "GradScaler.update", "new_scale")
+            elif not isinstance(new_scale, Tensor):
+                raise TypeError(
+                    "GradScaler.update: new_scale must be a float or a one-element float tensor, "
+                    f"got {type(new_scale).__name__}"
+                )
             super().update(new_scale)
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
@@ -527,6 +711,21 @@ class GradScaler(torch.amp.GradScaler):
                 stacklevel=3,
             )
 
+    def set_growth_factor(self, new_factor: float) -> None:
+        super().set_growth_factor(
+            _check_growth_factor(new_factor, "GradScaler.set_growth_factor", "new_factor")
+        )
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        super().set_backoff_factor(
+            _check_backoff_factor(new_factor, "GradScaler.set_backoff_factor", "new_factor")
+        )
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        super().set_growth_interval(
+            _check_growth_interval(new_interval, "GradScaler.set_growth_interval", "new_interval")
+        )
+
     def get_scale(self) -> float:
         value = super().get_scale()
         if self._enabled:
@@ -557,6 +756,11 @@ class GradScaler(torch.amp.GradScaler):
         """Accepts dicts from ``torch.amp.GradScaler`` and from ``fastamp.GradScaler``."""
         if not self._enabled:
             return
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                "GradScaler.load_state_dict: state_dict must be the dict returned by "
+                f"GradScaler.state_dict() (torch.amp or fastamp), got {type(state_dict).__name__}"
+            )
         if len(state_dict) == 0:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved "
@@ -572,6 +776,7 @@ class GradScaler(torch.amp.GradScaler):
                 f"GradScaler.load_state_dict: the state dict lacks {missing}; expected the dict "
                 "returned by GradScaler.state_dict() (torch.amp or fastamp)"
             )
+        self._check_state_dict(state_dict)  # everything, before anything is changed
         super().load_state_dict(state_dict)
         if "hysteresis" in state_dict:
             self._hysteresis = int(state_dict["hysteresis"])
@@ -581,6 +786,35 @@ class GradScaler(torch.amp.GradScaler):
         self._init_hysteresis_tracker = tracker
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(tracker)
+
+    @staticmethod
+    def _check_state_dict(sd: Mapping[str, Any]) -> None:
+        where = "GradScaler.load_state_dict"
+        scale = sd["scale"]
+        if isinstance(scale, Tensor) and scale.numel() == 1:
+            scale = scale.item()
+        _check_scale(scale, where, "state_dict['scale']")
+        _check_growth_factor(sd["growth_factor"], where, "state_dict['growth_factor']")
+        _check_backoff_factor(sd["backoff_factor"], where, "state_dict['backoff_factor']")
+        _check_growth_interval(sd["growth_interval"], where, "state_dict['growth_interval']")
+        for key in ("_growth_tracker", "_hysteresis_tracker"):
+            if key not in sd:
+                continue
+            tracker = integer(sd[key], where, f"state_dict[{key!r}]", "an int >= 0")
+            if not 0 <= tracker <= _INT32_MAX:
+                raise ValueError(
+                    f"{where}: state_dict[{key!r}] must be an int in [0, 2**31 - 1] (an int32 "
+                    f"counter), got {tracker}"
+                )
+        if "hysteresis" in sd:
+            _check_hysteresis(sd["hysteresis"], where, "state_dict['hysteresis']")
+            lo = real(sd.get("min_scale", 0.0), where, "state_dict['min_scale']", "a finite number >= 0")
+            hi = real(sd.get("max_scale", math.inf), where, "state_dict['max_scale']", "a number >= min_scale")
+            if not (0.0 <= lo <= _FLOAT32_MAX and hi >= lo):
+                raise ValueError(
+                    f"{where}: state_dict['min_scale'], state_dict['max_scale'] = {lo!r}, {hi!r}; "
+                    "expected 0 <= min_scale <= max_scale with min_scale finite"
+                )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
