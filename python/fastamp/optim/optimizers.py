@@ -18,12 +18,14 @@ with PyTorch; only ``step()`` differs:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from itertools import chain
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from fastamp._checks import is_real
 from fastamp.optim import _ops  # noqa: F401  (fake kernels for torch.compile)
 
 __all__ = ["SGD", "Adam", "AdamW"]
@@ -37,13 +39,16 @@ def _on(t: Tensor | None, device: torch.device) -> Tensor | None:
     return t if t.device == device else t.to(device, non_blocking=True)
 
 
-def _check_masters(masters: list[Tensor], params: list[Tensor]) -> None:
-    # The kernel takes either no master list or one master per param.
-    if masters and len(masters) != len(params):
-        raise RuntimeError(
-            "fastamp.optim: with master_weights=True a param group must not mix float32 "
-            "params with float16/bfloat16 ones; put them in separate param groups"
-        )
+def _where(g: int, i: int) -> str:
+    return f"param_groups[{g}]['params'][{i}]"
+
+
+def _grad_like(p: Tensor) -> Tensor:
+    """The grad with the param's strides: the kernel walks both as one flat span. PyTorch accepts a
+    grad of any layout; a re-strided copy (read-only, so a temporary) keeps that working."""
+    g = p.grad
+    assert g is not None
+    return g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
 
 
 class _FusedStepMixin:
@@ -68,30 +73,273 @@ class _FusedStepMixin:
                     f"use torch.optim.{type(self).__name__}"
                 )
 
-    def _check_params(self, group: dict[str, Any]) -> list[Tensor]:
-        """Params of the group that have grads, validated before any state is created."""
+    # Per-element state the kernel reads and writes (set by each optimizer), and the group
+    # hyperparameters a loaded state_dict must carry (those PyTorch does not default in
+    # __setstate__; without them the step fails with a KeyError after the load has replaced
+    # the state).
+    _ELEMENTWISE: tuple[str, ...] = ()
+    _GROUP_KEYS: tuple[str, ...] = ()
+
+    def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self._ELEMENTWISE
+
+    def _check_params(self, g: int, group: dict[str, Any]) -> list[Tensor]:
+        """Params of group ``g`` that have grads, with all that the kernel needs checked: nothing
+        is created or written until every group has passed (so an error leaves the params, the
+        grads and the state as they were)."""
         name = type(self).__name__
-        params = []
-        for p in group["params"]:
+        params: list[Tensor] = []
+        places: list[int] = []
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
+                if name == "SGD":
+                    msg = "SGD does not support sparse gradients"
+                    fix = "use torch.optim.SGD for these parameters (it takes sparse grads)"
+                else:  # PyTorch's Adam and AdamW raise this text
+                    msg = "Adam does not support sparse gradients, please consider SparseAdam instead"
+                    fix = "put these parameters in a torch.optim.SparseAdam"
                 raise RuntimeError(
-                    f"{name} does not support sparse gradients"
-                    + (", please consider SparseAdam instead" if name != "SGD" else "")
+                    f"{msg} (fastamp.optim.{name}: {_where(g, i)} has a sparse grad, e.g. from "
+                    f"nn.Embedding(sparse=True); expected dense grads: build the module with "
+                    f"sparse=False, or {fix})"
                 )
             if p.dtype not in _FLOAT_TYPES:
                 raise TypeError(
-                    f"fastamp.optim.{name}: a parameter has dtype {p.dtype}; the fused kernels take "
-                    "float32, float16 and bfloat16 params (use torch.optim for others)"
+                    f"fastamp.optim.{name}: {_where(g, i)} has dtype {p.dtype}; the fused kernels "
+                    "take float32, float16 and bfloat16 params (expected one of those: convert "
+                    "the model, or use torch.optim for others)"
                 )
             if p.grad.dtype != p.dtype:
                 raise TypeError(
-                    f"fastamp.optim.{name}: a parameter of dtype {p.dtype} has a grad of dtype "
+                    f"fastamp.optim.{name}: {_where(g, i)} of dtype {p.dtype} has a grad of dtype "
                     f"{p.grad.dtype}; expected the same dtype"
                 )
+            if params and p.device != params[0].device:
+                raise RuntimeError(
+                    f"fastamp.optim.{name}: {_where(g, i)} is on {p.device} but "
+                    f"{_where(g, places[0])} is on {params[0].device}; expected every parameter "
+                    "of a param group on one device (one fused launch per group): move the "
+                    "model with model.to(device), or put each device's parameters in its own "
+                    "param group"
+                )
             params.append(p)
+            places.append(i)
+        if params:
+            self._check_state(g, group, params, places)
         return params
+
+    def _check_state(self, g: int, group: dict[str, Any], params: list[Tensor],
+                     places: list[int]) -> None:
+        name = type(self).__name__
+        halves = [i for p, i in zip(params, places) if p.dtype != torch.float32]
+        if self._master_weights and halves and len(halves) != len(params):
+            fp32 = next(i for p, i in zip(params, places) if p.dtype == torch.float32)
+            raise RuntimeError(
+                f"fastamp.optim.{name}: with master_weights=True a param group must not mix "
+                f"float32 params with float16/bfloat16 ones ({_where(g, fp32)} is float32, "
+                f"{_where(g, halves[0])} is not); put them in separate param groups"
+            )
+        keys = self._elementwise_keys(group)
+        for p, i in zip(params, places):
+            state = self.state.get(p)  # .get: reading must not create an entry
+            if not state:
+                continue
+            master = self._master_weights and p.dtype != torch.float32
+            want = torch.float32 if master else p.dtype
+            shape, device, stride = p.shape, p.device, p.stride()
+            for key in keys + (("master_param",) if master else ()):
+                v = state.get(key)
+                if v is None:
+                    if key in self._required_state(state, group):
+                        raise KeyError(
+                            f"fastamp.optim.{name}: the state of {_where(g, i)} has no {key!r} "
+                            f"(it has {sorted(state)}); expected the state this optimizer creates "
+                            "-- was it saved with other settings (e.g. amsgrad)? Load the matching "
+                            "state_dict, or clear optimizer.state[param] to start it afresh"
+                        )
+                    continue
+                # Fast path first: this runs for every parameter at every step.
+                if not (isinstance(v, Tensor) and v.shape == shape and v.device == device
+                        and v.dtype == want and v.stride() == stride):
+                    self._state_error(f"fastamp.optim.{name}: state[{key!r}] of {_where(g, i)}", v, p, want)
+            step = state.get("step")
+            if step is not None and not (
+                isinstance(step, Tensor) and step.numel() == 1 or is_real(step)
+            ):
+                raise TypeError(
+                    f"fastamp.optim.{name}: state['step'] of {_where(g, i)} is {step!r}; expected "
+                    "a number or a one-element tensor"
+                )
+
+    @staticmethod
+    def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype) -> None:
+        if not isinstance(v, Tensor):
+            raise TypeError(f"{what} is a {type(v).__name__}; expected a tensor like the parameter")
+        if v.shape != p.shape:
+            raise ValueError(
+                f"{what} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}: "
+                "the state belongs to another model (or to parameters in another order). Expected "
+                "state made for these parameters: load the state_dict saved with this model, or "
+                "start from a fresh optimizer"
+            )
+        if v.device != p.device or v.dtype != want:
+            raise TypeError(
+                f"{what} is a {v.dtype} tensor on {v.device}; expected {want} on {p.device} (the "
+                "parameter's device, and float32 with master_weights=True)"
+            )
+        raise ValueError(
+            f"{what} has strides {v.stride()} but the parameter has {p.stride()}; expected the "
+            "parameter's memory layout (convert the model to the memory format it had when the "
+            "state was saved)"
+        )
+
+    def _required_state(self, state: dict[str, Any], group: dict[str, Any]) -> tuple[str, ...]:
+        """Keys that must be present in a non-empty state (the rest is created when missing)."""
+        return ()
+
+    # ------------------------------------------------------------------ state_dict
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """PyTorch's ``load_state_dict``, with the dict checked before anything is replaced.
+
+        PyTorch checks only the number and sizes of the param groups; a dict of another model or
+        optimizer type loads, and the step after it fails (or the load itself fails halfway, in
+        ``__setstate__``, with the state already replaced). Here such a dict raises first, naming
+        the entry. With ``master_weights=True`` the fp32 state of fp16/bf16 params stays fp32
+        (PyTorch casts all floating state to the param's dtype).
+        """
+        name = type(self).__name__
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"fastamp.optim.{name}.load_state_dict: state_dict must be the dict returned by "
+                f"optimizer.state_dict(), got {type(state_dict).__name__}"
+            )
+        loaded: list[Mapping[str, Any]] = []
+
+        def check(optimizer: Any, sd: Mapping[str, Any]) -> None:
+            # Registered last, so it sees the dict as the user's pre-hooks left it.
+            self._check_state_dict(sd)
+            loaded.append(sd)
+
+        handle = self.register_load_state_dict_pre_hook(check)
+        try:
+            super().load_state_dict(state_dict)  # type: ignore[misc]
+        finally:
+            handle.remove()
+        if self._master_weights and loaded:
+            self._restore_fp32_state(loaded[-1])
+
+    def _check_state_dict(self, sd: Mapping[str, Any]) -> None:
+        name = type(self).__name__
+        where = f"fastamp.optim.{name}.load_state_dict"
+        for key in ("state", "param_groups"):
+            if key not in sd:
+                raise KeyError(
+                    f"{where}: state_dict has no {key!r} entry (it has {sorted(map(str, sd))[:8]}); "
+                    "expected the dict returned by optimizer.state_dict(), with 'state' and "
+                    "'param_groups' -- was a model's state_dict or a whole checkpoint passed?"
+                )
+        saved_groups, saved_state = sd["param_groups"], sd["state"]
+        if not isinstance(saved_groups, (list, tuple)) or not all(
+            isinstance(sg, Mapping) and isinstance(sg.get("params"), (list, tuple)) for sg in saved_groups
+        ):
+            raise TypeError(
+                f"{where}: state_dict['param_groups'] must be a list of dicts, each with a "
+                "'params' list, as optimizer.state_dict() returns"
+            )
+        if not isinstance(saved_state, Mapping):
+            raise TypeError(
+                f"{where}: state_dict['state'] is a {type(saved_state).__name__}; expected a dict "
+                "from parameter index to that parameter's state"
+            )
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(sg["params"]) != len(g["params"]) for sg, g in zip(saved_groups, self.param_groups)
+        ):
+            return  # PyTorch raises its own ValueError for these, before changing anything
+        family = "SGD" if name == "SGD" else "Adam/AdamW"
+        for g, sg in enumerate(saved_groups):
+            missing = [k for k in self._GROUP_KEYS if k not in sg]
+            if missing:
+                other = " (it looks like an Adam/AdamW state_dict)" if "betas" in sg else (
+                    " (it looks like an SGD state_dict)" if "momentum" in sg else "")
+                raise KeyError(
+                    f"{where}: state_dict['param_groups'][{g}] has no {missing}{other}; expected "
+                    f"the state_dict of an {family} optimizer: load the state saved by the same "
+                    "optimizer type, or start this optimizer afresh"
+                )
+            self._check_hyperparameters(where, g, sg)
+        id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved_groups),
+                          ((g, i, p) for g, group in enumerate(self.param_groups)
+                           for i, p in enumerate(group["params"]))))
+        for pid, st in saved_state.items():
+            if pid not in id_map:
+                continue  # kept as is by PyTorch (state of no param)
+            g, i, p = id_map[pid]
+            entry = f"{where}: state_dict['state'][{pid!r}]"
+            if not isinstance(st, Mapping):
+                raise TypeError(f"{entry} is a {type(st).__name__}; expected a dict of state tensors")
+            for key in self._ELEMENTWISE + ("master_param",):
+                v = st.get(key)
+                if v is None:
+                    continue
+                if not isinstance(v, Tensor):
+                    raise TypeError(
+                        f"{entry}[{key!r}] is a {type(v).__name__}; expected a tensor (was the "
+                        "checkpoint converted, e.g. through JSON? save it with torch.save)"
+                    )
+                if v.shape != p.shape:
+                    raise ValueError(
+                        f"{entry}[{key!r}] has shape {tuple(v.shape)} but the parameter it loads "
+                        f"into, {_where(g, i)}, has shape {tuple(p.shape)}: the state_dict belongs "
+                        "to another model (or its parameters were in another order). Expected "
+                        "the optimizer state saved with this model"
+                    )
+            required = self._required_state(st, saved_groups[g])
+            for key in required + (("step",) if self._needs_step(st) else ()):
+                if key not in st:
+                    raise KeyError(
+                        f"{entry} has no {key!r} (it has {sorted(map(str, st))}); expected the "
+                        f"state an {family} optimizer saves for a parameter"
+                    )
+            step = st.get("step")
+            if step is not None and not (is_real(step) or (isinstance(step, Tensor) and step.numel() == 1)):
+                raise TypeError(f"{entry}['step'] is {step!r}; expected a number or a one-element tensor")
+
+    def _needs_step(self, state: Mapping[str, Any]) -> bool:
+        return False
+
+    def _check_hyperparameters(self, where: str, g: int, sg: Mapping[str, Any]) -> None:
+        # The constructor's ranges (PyTorch does not check a loaded dict); dampening has none.
+        for key in self._GROUP_KEYS:
+            v = sg[key]
+            if key == "betas":
+                ok = isinstance(v, (list, tuple)) and len(v) == 2 and all(
+                    (is_real(b) or (isinstance(b, Tensor) and b.numel() == 1)) and 0 <= b < 1 for b in v)
+            elif key == "lr" and isinstance(v, Tensor):
+                ok = v.numel() == 1
+            else:
+                ok = is_real(v) and (key == "dampening" or v >= 0)
+            if not ok:
+                expected = "two numbers in [0, 1)" if key == "betas" else (
+                    "a number" if key == "dampening" else "a number >= 0")
+                raise ValueError(
+                    f"{where}: state_dict['param_groups'][{g}][{key!r}] is {v!r}; expected "
+                    f"{expected}, as the constructor accepts"
+                )
+
+    def _restore_fp32_state(self, sd: Mapping[str, Any]) -> None:
+        saved_ids = chain.from_iterable(sg["params"] for sg in sd["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(saved_ids, params):
+            src = sd["state"].get(pid)
+            if not src or p.dtype == torch.float32 or p not in self.state:
+                continue
+            state = self.state[p]
+            for key in self._ELEMENTWISE + ("master_param",):
+                v = src.get(key)
+                if isinstance(v, Tensor) and v.is_floating_point():
+                    state[key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
 
     def _master(self, p: Tensor, state: dict[str, Any]) -> Tensor | None:
         if not self._master_weights or p.dtype == torch.float32:
@@ -120,9 +368,10 @@ class _FusedStepMixin:
 
     def _fastamp_step(self, inv_scale: Tensor | None, found_inf: Tensor | None,
                       clip_coef: Tensor | None) -> None:
+        # Every group is checked before the first one is stepped.
+        checked = [(group, self._check_params(g, group)) for g, group in enumerate(self.param_groups)]
         stepped = None
-        for group in self.param_groups:
-            params = self._check_params(group)
+        for group, params in checked:
             if not params:
                 continue
             dev = params[0].device
@@ -154,6 +403,20 @@ class _FusedStepMixin:
 
 
 class _AdamBase(_FusedStepMixin):
+    _ELEMENTWISE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+    def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self._ELEMENTWISE if group.get("amsgrad") else self._ELEMENTWISE[:2]
+
+    def _required_state(self, state, group) -> tuple[str, ...]:
+        if "exp_avg" not in state:
+            return ()
+        return ("exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg_sq",)
+
+    def _needs_step(self, state) -> bool:
+        return len(state) > 0  # PyTorch's Adam.__setstate__ reads it (KeyError after the load)
+
     def _group_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
         amsgrad = group["amsgrad"]
         grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters = [], [], [], [], [], []
@@ -167,14 +430,13 @@ class _AdamBase(_FusedStepMixin):
                 if amsgrad:
                     state["max_exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
             steps.append(self._step_tensor(p, state))
-            grads.append(p.grad)
+            grads.append(_grad_like(p))
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             if amsgrad:
                 max_sqs.append(state["max_exp_avg_sq"])
             if master is not None:
                 masters.append(master)
-        _check_masters(masters, params)
         beta1, beta2 = group["betas"]
         lr, lr_t = self._lr(group, params[0].device)
         torch.ops.fastamp.adam_step_(
@@ -227,6 +489,12 @@ class SGD(_FusedStepMixin, torch.optim.SGD):
     its first value, exactly as PyTorch's ``None`` buffer does, even when that step is skipped.
     """
 
+    _ELEMENTWISE = ("momentum_buffer",)
+    _GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay")
+
+    def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self._ELEMENTWISE if group["momentum"] != 0 else ()
+
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
                  fused=None, master_weights=False) -> None:  # fmt: skip
@@ -265,10 +533,9 @@ class SGD(_FusedStepMixin, torch.optim.SGD):
                     like = master if master is not None else p
                     state["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
                 bufs.append(state["momentum_buffer"])
-            grads.append(p.grad)
+            grads.append(_grad_like(p))
             if master is not None:
                 masters.append(master)
-        _check_masters(masters, params)
         lr, lr_t = self._lr(group, params[0].device)
         torch.ops.fastamp.sgd_step_(
             params, grads, bufs, counts, masters, lr, lr_t, float(group["weight_decay"]),
