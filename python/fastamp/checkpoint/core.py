@@ -157,6 +157,28 @@ class _Both:
         return self.stack.__exit__(*exc)
 
 
+def _checked_context_fn(context_fn: Callable[[], Any]) -> Callable[[], tuple[Any, Any]]:
+    """context_fn, with its result checked before the forward runs (PyTorch unpacks it and says
+    only "cannot unpack non-iterable ...")."""
+
+    def checked():
+        out = context_fn()
+        ok = isinstance(out, tuple) and len(out) == 2 and all(
+            hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in out)
+        if not ok:
+            hint = (
+                " -- a function: was the policy factory passed uncalled (context_fn=selective "
+                "instead of context_fn=selective())?" if callable(out) else "")
+            raise TypeError(
+                "fastamp.checkpoint.checkpoint: context_fn must return two context managers "
+                f"(forward, recompute), but it returned a {type(out).__name__}{hint}; expected "
+                "e.g. context_fn=fastamp.checkpoint.selective()"
+            )
+        return out
+
+    return checked
+
+
 def _bitwise_context_fn(user_context_fn: Callable[[], tuple[Any, Any]]):
     def context_fn():
         fwd, rec = user_context_fn()
@@ -192,6 +214,22 @@ def checkpoint(
 
     A graph break under ``torch.compile``: the block runs eagerly, with the same numbers.
     """
+    if not callable(function):
+        raise TypeError(
+            "fastamp.checkpoint.checkpoint: function must be callable (the block to run and "
+            f"recompute), got {type(function).__name__}; expected checkpoint(block, *inputs)"
+        )
+    if use_reentrant is not None and not isinstance(use_reentrant, bool):
+        raise TypeError(
+            f"fastamp.checkpoint.checkpoint: use_reentrant must be False (or None), got "
+            f"{use_reentrant!r} (a {type(use_reentrant).__name__}); expected use_reentrant=False"
+        )
+    if not callable(context_fn):
+        raise TypeError(
+            "fastamp.checkpoint.checkpoint: context_fn must be a callable returning two context "
+            f"managers (forward, recompute), got {type(context_fn).__name__}; expected e.g. "
+            "context_fn=fastamp.checkpoint.selective()"
+        )
     if use_reentrant:
         raise ValueError(
             "fastamp.checkpoint.checkpoint: use_reentrant=True is not supported; fastamp implements "
@@ -219,6 +257,8 @@ def checkpoint(
             )
         context_fn = _bitwise_context_fn(context_fn)
         torch_check = "default"
+    if context_fn is not noop_context_fn:
+        context_fn = _checked_context_fn(context_fn)
     out = torch.utils.checkpoint.checkpoint(
         run,
         *args,
@@ -257,8 +297,23 @@ def checkpoint_sequential(
 ) -> Any:
     """``torch.utils.checkpoint.checkpoint_sequential`` on :func:`checkpoint`: the functions are cut
     into ``segments`` runs of ``len // segments``; every run but the last is checkpointed."""
-    fns = list(functions.children()) if isinstance(functions, torch.nn.Sequential) else list(functions)
-    if not isinstance(segments, int) or segments < 1:
+    if isinstance(functions, torch.nn.Sequential):
+        fns = list(functions.children())
+    elif isinstance(functions, (torch.nn.Module, Tensor)) or not isinstance(functions, Iterable):
+        raise TypeError(
+            "checkpoint_sequential: functions must be an nn.Sequential or a list of callables, got "
+            f"{type(functions).__name__}; expected e.g. nn.Sequential(*blocks) (a single block: "
+            "use fastamp.checkpoint.checkpoint(block, input))"
+        )
+    else:
+        fns = list(functions)
+        bad = next((i for i, f in enumerate(fns) if not callable(f)), None)
+        if bad is not None:
+            raise TypeError(
+                f"checkpoint_sequential: functions[{bad}] is a {type(fns[bad]).__name__}, not "
+                "callable; expected modules or functions applied in order"
+            )
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"checkpoint_sequential: segments must be an int >= 1, got {segments!r}")
     if segments > len(fns):
         raise ValueError(

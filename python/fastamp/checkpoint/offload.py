@@ -74,6 +74,19 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, min_bytes: int = 1 << 16, pool: PinnedPool | None = None,
                  device_types: tuple[str, ...] = ("cuda",)):
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"offload_activations: min_bytes must be an int >= 0, got {min_bytes!r}")
+        if pool is not None and not isinstance(pool, PinnedPool):
+            raise TypeError(
+                f"offload_activations: pool must be a fastamp.checkpoint.PinnedPool, got "
+                f"{type(pool).__name__}"
+            )
+        if not isinstance(device_types, (tuple, list)) or not all(isinstance(d, str) for d in device_types):
+            # A bare string would be iterated letter by letter and match no device: nothing offloaded.
+            raise TypeError(
+                f"offload_activations: device_types must be a tuple of device type names, got "
+                f"{device_types!r}; expected e.g. device_types=('cuda',)"
+            )
         self.min_bytes = min_bytes
         self.pool = pool or PinnedPool()
         self.device_types = tuple(device_types)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -190,8 +191,45 @@ def measure_blocks(
 ) -> tuple[list[BlockStats], int]:
     """Runs one forward of ``model(sample_input)`` and returns per-block stats and the total; with
     ``measure_selective``, also each block once under selective checkpointing."""
-    names = list(blocks) if blocks is not None else _default_blocks(model)
+    names = _check_blocks(model, blocks) if blocks is not None else _default_blocks(model)
     modules = {n: model.get_submodule(n) for n in names}
+    with _scratch_buffers(model):
+        return _measure(model, sample_input, names, modules, measure_selective)
+
+
+@contextlib.contextmanager
+def _scratch_buffers(model: nn.Module) -> Iterator[None]:
+    """The measuring forwards run on copies of the buffers, so a BatchNorm's running statistics
+    (and any other buffer a forward updates) are as they were afterwards."""
+    saved = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+    for m, k, b in saved:
+        m._buffers[k] = b.detach().clone()
+    try:
+        yield
+    finally:
+        for m, k, b in saved:
+            m._buffers[k] = b
+
+
+def _check_blocks(model: nn.Module, blocks: Sequence[str]) -> list[str]:
+    if isinstance(blocks, str) or not all(isinstance(b, str) for b in blocks):
+        raise TypeError(
+            f"fastamp.checkpoint.apply: blocks must be a list of submodule names, got {blocks!r}; "
+            "expected e.g. blocks=['layers.0', 'layers.1']"
+        )
+    names = dict(model.named_modules())
+    for i, b in enumerate(blocks):
+        if b not in names or b == "":
+            some = [n for n in names if n][:6]
+            raise ValueError(
+                f"fastamp.checkpoint.apply: blocks[{i}]={b!r} is not a submodule of the model; "
+                f"expected names from model.named_modules(), such as {some}"
+            )
+    return list(blocks)
+
+
+def _measure(model: nn.Module, sample_input: Any, names: list[str], modules: dict[str, nn.Module],
+             measure_selective: bool) -> tuple[list[BlockStats], int]:
     stats: dict[str, dict[str, float]] = {n: {"in": 0, "t": 0.0} for n in names}
     inputs: dict[str, Any] = {}
     handles = []
@@ -268,8 +306,16 @@ def apply(
     to the budget from below. Returns the plan;
     ``plan.remove()`` undoes it. Raises ValueError when even checkpointing every block cannot fit.
     """
-    if budget_bytes <= 0:
-        raise ValueError(f"fastamp.checkpoint.apply: budget_bytes must be > 0, got {budget_bytes}")
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
+        raise TypeError(
+            f"fastamp.checkpoint.apply: budget_bytes must be a number of bytes, got {budget_bytes!r}; "
+            "expected e.g. budget_bytes=2 * 2**30 for 2 GiB"
+        )
+    if not (math.isfinite(budget_bytes) and budget_bytes > 0):
+        raise ValueError(
+            f"fastamp.checkpoint.apply: budget_bytes must be a finite number > 0, got {budget_bytes}; "
+            "expected the activation memory to fit, in bytes (e.g. 2 * 2**30 for 2 GiB)"
+        )
     stats, total = measure_blocks(model, sample_input, blocks)
     plan = CheckpointPlan(int(budget_bytes), total, stats)
     # Whole blocks are coarse (a 12-block model moves in ~8% steps), so one block may instead be

@@ -46,8 +46,33 @@ def selective(
     """A ``context_fn`` for :func:`checkpoint`: ``checkpoint(block, x, context_fn=selective())``.
 
     ``policy`` is a function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy`` or a list of ops to
-    save, as PyTorch's ``create_selective_checkpoint_contexts`` takes.
+    save, as PyTorch's ``create_selective_checkpoint_contexts`` takes. It is checked here, not at
+    the first forward.
     """
+    if isinstance(policy, (list, tuple)):
+        for i, op in enumerate(policy):
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                raise TypeError(
+                    f"selective: policy[{i}] is {op} (an OpOverloadPacket), which never matches an "
+                    f"op that runs; expected an overload such as {op}.default"
+                )
+            if not isinstance(op, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+                raise TypeError(
+                    f"selective: policy[{i}] is a {type(op).__name__}; expected an op overload such "
+                    "as torch.ops.aten.mm.default"
+                )
+        policy = list(policy)
+    elif isinstance(policy, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        raise TypeError(
+            f"selective: policy is the op {policy}, which would be called as a policy function; "
+            "expected a list of ops to save, e.g. selective([torch.ops.aten.mm.default])"
+        )
+    elif not callable(policy):
+        raise TypeError(
+            "selective: policy must be a callable (ctx, op, *args, **kwargs) -> CheckpointPolicy or "
+            f"a list of ops to save, got {type(policy).__name__}; expected e.g. "
+            "selective([torch.ops.aten.mm.default]) or selective(save_compute_intensive)"
+        )
     def context_fn():
         caching, cached = create_selective_checkpoint_contexts(policy)
         # The outputs the policy saves live in this cache, not in autograd's saved tensors; let
