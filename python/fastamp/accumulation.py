@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from fastamp._checks import is_real
+
 __all__ = ["GradientAccumulator", "scale_lr"]
 
 
@@ -31,6 +33,11 @@ def scale_lr(base_lr: float, base_batch: int, effective_batch: int, rule: str = 
     """The learning rate for ``effective_batch`` given one tuned at ``base_batch``:
     ``"linear"`` (Goyal et al., 2017: lr grows with the batch) or ``"sqrt"`` (for Adam-type
     optimizers, Krizhevsky 2014 / Hoffer et al. 2017)."""
+    if not is_real(base_lr):
+        raise TypeError(
+            f"scale_lr: base_lr must be a positive number, got {base_lr!r} (a {type(base_lr).__name__}); "
+            "expected e.g. 1e-3"
+        )
     if not base_lr > 0 or not math.isfinite(base_lr):
         raise ValueError(f"scale_lr: base_lr must be a positive number, got {base_lr!r}")
     for name, v in (("base_batch", base_batch), ("effective_batch", effective_batch)):
@@ -52,6 +59,7 @@ class _Micro:
         self.group_size = group_size
         self.last = last_in_group
         self._stack: contextlib.ExitStack | None = None
+        self._inside = False
         self.stepped = False
         self._backward_done = False
 
@@ -60,9 +68,22 @@ class _Micro:
         model = self.acc.model
         if not self.last and model is not None and hasattr(model, "no_sync"):
             self._stack.enter_context(model.no_sync())
+        self._inside = True
         return self
 
     def backward(self, loss: torch.Tensor) -> None:
+        if not self._inside:
+            raise RuntimeError(
+                "GradientAccumulator: micro.backward(loss) was called outside `with micro:`; "
+                "expected `with micro: micro.backward(loss)` (the block enters no_sync() and "
+                "steps the optimizer after the last micro-batch of a group)"
+            )
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"GradientAccumulator: micro.backward(loss) takes the loss tensor, got "
+                f"{type(loss).__name__} (was .item() called on it?); expected a tensor that "
+                "requires grad"
+            )
         loss = loss / self.group_size
         scaler = self.acc.scaler
         (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -70,6 +91,7 @@ class _Micro:
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         assert self._stack is not None
+        self._inside = False
         self._stack.close()
         if exc_type is None:
             if not self._backward_done:
@@ -93,10 +115,27 @@ class GradientAccumulator:
 
     def __init__(self, optimizer: torch.optim.Optimizer, accum_steps: int, scaler: Any = None,
                  model: Any = None, max_grad_norm: float | None = None):
+        if not (isinstance(getattr(optimizer, "param_groups", None), list) and callable(getattr(optimizer, "step", None))):
+            raise TypeError(
+                "GradientAccumulator: optimizer must be a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}; expected GradientAccumulator(torch.optim.AdamW(model."
+                "parameters()), accum_steps)"
+            )
         if isinstance(accum_steps, bool) or not isinstance(accum_steps, int) or accum_steps < 1:
-            raise ValueError(f"GradientAccumulator: accum_steps must be an int >= 1, got {accum_steps!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"GradientAccumulator: max_grad_norm must be > 0, got {max_grad_norm!r}")
+            raise ValueError(
+                f"GradientAccumulator: accum_steps must be an int >= 1, got {accum_steps!r} "
+                "(expected the number of micro-batches per optimizer step, e.g. 4)"
+            )
+        if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "step", "update")):
+            raise TypeError(
+                f"GradientAccumulator: scaler must be a GradScaler (or None), got {type(scaler).__name__}; "
+                "expected e.g. scaler=fastamp.GradScaler('cuda')"
+            )
+        if max_grad_norm is not None and not (is_real(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(
+                f"GradientAccumulator: max_grad_norm must be a number > 0 (or None), got {max_grad_norm!r}; "
+                "expected e.g. 1.0"
+            )
         self.optimizer = optimizer
         self.accum_steps = accum_steps
         self.scaler = scaler
@@ -126,7 +165,16 @@ class GradientAccumulator:
     def iterate(self, batches: Iterable[Any]) -> Iterator[tuple[Any, _Micro]]:
         """Yields ``(batch, micro)``. Reads one group of ``accum_steps`` batches ahead, so the size
         of a short last group is known before its first backward (loaders of unknown length too)."""
-        it = iter(batches)
+        try:
+            it = iter(batches)
+        except TypeError:
+            raise TypeError(
+                f"GradientAccumulator.iterate: batches must be an iterable of batches (e.g. a "
+                f"DataLoader), got {type(batches).__name__}"
+            ) from None
+        return self._groups(it)
+
+    def _groups(self, it: Iterator[Any]) -> Iterator[tuple[Any, _Micro]]:
         while True:
             group = list(itertools.islice(it, self.accum_steps))
             if not group:

@@ -107,6 +107,16 @@ def track(device: str | torch.device | None = None, print_: bool = False) -> Ite
     dev = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and torch.cuda.is_initialized()
         else torch.device("cpu"))
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"fastamp.memory.track: device={str(dev)!r} has no memory to track; expected 'cpu' or a "
+            "CUDA device (or None for the current one)"
+        )
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"fastamp.memory.track: device={str(dev)!r} but CUDA is not available in this process; "
+            "expected device='cpu' (or None for the current device)"
+        )
     result = Peak(str(dev))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
