@@ -90,8 +90,14 @@ class DistributedDataParallel(nn.Module):
                 "fastamp.parallel.DistributedDataParallel: one device per process; got "
                 f"device_ids={device_ids}"
             )
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if bucket_cap_mb is not None and (
+            isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+            or not 0 < bucket_cap_mb < float("inf")
+        ):
+            raise ValueError(
+                "fastamp.parallel.DistributedDataParallel: bucket_cap_mb must be a positive, finite "
+                f"number of megabytes (e.g. 25, PyTorch's default), got {bucket_cap_mb!r}"
+            )
         self.module = module
         self.device_ids = device_ids
         self.output_device = output_device
