@@ -59,7 +59,10 @@ REPORT_RE='ERROR: AddressSanitizer|: runtime error: |SUMMARY: (Address|Undefined
 if command -v llvm-symbolizer >/dev/null 2>&1; then
   export ASAN_SYMBOLIZER_PATH=$(command -v llvm-symbolizer)
 fi
-export PYTHONFAULTHANDLER=1
+# A crash in native code must be reported by ASan from the faulting instruction: Python's
+# faulthandler (pytest turns it on) would catch SIGSEGV first and re-raise it, so ASan would only
+# see the re-raise. Hence -p no:faulthandler, and -v so that the log names the test that crashed.
+unset PYTHONFAULTHANDLER
 
 # --- 1. the harness must be able to fail ----------------------------------------------------------
 selftest() {  # kind, text the report must contain ("" = must run clean)
@@ -111,7 +114,7 @@ run_pass() {  # name [VAR=value...] -- pytest args...
   shift
   echo "sanitize: pass '$name': ${envs[*]} pytest $*"
   set +e
-  env "${envs[@]}" "$PY" -m pytest -q -p no:cacheprovider --capture=sys \
+  env "${envs[@]}" "$PY" -m pytest -v -p no:cacheprovider -p no:faulthandler --capture=sys \
     --junitxml="$LOG_DIR/$name.junit.xml" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
   r=${PIPESTATUS[0]}
   set -e
