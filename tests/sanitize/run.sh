@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs fastamp's tests against a build with -DFASTAMP_SANITIZE="address;undefined" (`make sanitize`
-# builds one into .venv-asan and calls this) and fails on any sanitizer report.
+# Runs fastamp's tests against a build with -DFASTAMP_SANITIZE="address;undefined;..."
+# (`make sanitize` builds one into .venv-asan and calls this) and fails on any sanitizer report.
 #
 #   tests/sanitize/run.sh PYTHON [pytest paths/args...]     (default: the passes of step 2)
 #
