@@ -16,6 +16,20 @@ namespace {
 // sizes (4, 4) overlaps without either. Sorted by stride, a layout is free of overlap when each
 // stride exceeds the span of the dims below it (the usual case: slices, transposes, gaps); the
 // rare interleaved layouts that fail this test are decided by listing their element offsets.
+// Listing element offsets costs 8 bytes per element; beyond this size a layout that needs the
+// listing is refused instead.
+constexpr int64_t kMaxListed = int64_t{1} << 24;
+
+// The storage offset (in elements) of every element of `t`, on the CPU.
+at::Tensor element_offsets(const at::Tensor& t) {
+  at::Tensor offsets = at::full({1}, t.storage_offset(), at::kLong);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;
+    offsets = (offsets.unsqueeze(1) + at::arange(t.size(d), at::kLong).mul_(t.stride(d))).reshape(-1);
+  }
+  return offsets;
+}
+
 bool elements_overlap(const at::Tensor& t) {
   if (t.numel() <= 1) return false;
   switch (at::has_internal_overlap(t)) {
@@ -38,14 +52,8 @@ bool elements_overlap(const at::Tensor& t) {
     span += stride * (size - 1);
   }
   if (separable) return false;
-  // Listing the offsets costs 8 bytes per element; beyond this size the layout is refused.
-  constexpr int64_t kMaxListed = int64_t{1} << 24;
   if (t.numel() > kMaxListed) return true;
-  at::Tensor offsets = at::zeros({1}, at::kLong);
-  for (const auto& [stride, size] : dims) {
-    offsets = (offsets.unsqueeze(1) + at::arange(size, at::kLong).mul_(stride)).reshape(-1);
-  }
-  const at::Tensor sorted = std::get<0>(offsets.sort());
+  const at::Tensor sorted = std::get<0>(element_offsets(t).sort());
   return sorted.slice(0, 1).eq(sorted.slice(0, 0, -1)).any().item<bool>();
 }
 
@@ -88,6 +96,7 @@ FlatTensorList FlatTensorList::prepare(at::TensorList tensors, const char* op, c
                   "storage (.clone())");
     }
   }
+  if (writable) check_disjoint(op, {{arg, tensors}});
   // Pass 2: flatten.
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -107,6 +116,58 @@ FlatTensorList FlatTensorList::prepare(at::TensorList tensors, const char* op, c
 void FlatTensorList::write_back() {
   for (auto& [dst, tmp] : staged_) {
     if (dst.defined()) dst.copy_(tmp);
+  }
+}
+
+void check_disjoint(const char* op,
+                    const std::vector<std::pair<const char*, at::TensorList>>& lists) {
+  struct Span {
+    uintptr_t begin, end;  // bytes [begin, end) that bound the tensor's elements
+    const char* arg;
+    size_t index;
+    const at::Tensor* t;
+  };
+  std::vector<Span> spans;
+  for (const auto& [arg, list] : lists) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      const at::Tensor& t = list[i];
+      if (!t.defined() || t.numel() == 0) continue;
+      int64_t lo = 0, hi = 0;  // element offsets reachable from data_ptr (strides may be < 0)
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        const int64_t reach = t.stride(d) * (t.size(d) - 1);
+        (reach < 0 ? lo : hi) += reach;
+      }
+      const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+      const auto item = static_cast<uintptr_t>(t.element_size());
+      spans.push_back(Span{base + static_cast<uintptr_t>(lo) * item,
+                           base + static_cast<uintptr_t>(hi + 1) * item, arg, i, &t});
+    }
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  for (size_t i = 0; i < spans.size(); ++i) {
+    for (size_t j = i + 1; j < spans.size() && spans[j].begin < spans[i].end; ++j) {
+      const Span& a = spans[i];
+      const Span& b = spans[j];
+      // Overlapping bounds: exact for dense tensors; strided views may still interleave.
+      auto status = at::MemOverlapStatus::Partial;
+      if (!(a.t->is_non_overlapping_and_dense() && b.t->is_non_overlapping_and_dense())) {
+        status = at::get_overlap_status(*a.t, *b.t);
+        // Strided views of one storage (e.g. x[::2] and x[1::2]): compare the elements.
+        if (status == at::MemOverlapStatus::TooHard && a.t->is_alias_of(*b.t) &&
+            a.t->element_size() == b.t->element_size() && a.t->numel() <= kMaxListed &&
+            b.t->numel() <= kMaxListed) {
+          const bool shared =
+              at::isin(element_offsets(*b.t), element_offsets(*a.t)).any().item<bool>();
+          status = shared ? at::MemOverlapStatus::Partial : at::MemOverlapStatus::No;
+        }
+      }
+      TORCH_CHECK(status == at::MemOverlapStatus::No, op, ": ", b.arg, "[", b.index, "] and ",
+                  a.arg, "[", a.index, "] ",
+                  status == at::MemOverlapStatus::TooHard ? "may share memory" : "share memory",
+                  "; both are written, so shared elements would be updated twice. Pass each "
+                  "tensor once, with its own storage (deduplicate the list, or .clone())");
+    }
   }
 }
 

@@ -48,6 +48,13 @@ class FlatTensorList {
   int64_t list_size_ = 0;
 };
 
+/// Refuses written tensors that share memory with each other, within one list or across the
+/// given lists (e.g. `[a, a]`, two overlapping slices, a param passed again as its own exp_avg):
+/// each element would be updated twice. Tensors that share a storage without sharing elements
+/// (disjoint slices, interleaved strided views, DDP's bucket views) are accepted.
+void check_disjoint(const char* op,
+                    const std::vector<std::pair<const char*, at::TensorList>>& lists);
+
 /// Checks a one-element float32 tensor argument that carries a per-step scalar on the device.
 void check_scalar_tensor(const at::Tensor& t, const char* op, const char* arg,
                          const c10::Device& device, c10::ScalarType dtype);

@@ -28,7 +28,7 @@ inline std::vector<Slot> check_bucket(const char* op, const at::Tensor& bucket,
   TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
                    ": bucket has dtype ", dt, "; expected float32, float16 or bfloat16");
   TORCH_CHECK_VALUE(offsets.size() == grads.size(), op, ": ", grads.size(), " grads but ",
-                    offsets.size(), " offsets");
+                    offsets.size(), " offsets; expected one offset per grad");
   std::vector<Slot> slots;
   slots.reserve(grads.size());
   int64_t prev_end = 0;
@@ -58,6 +58,7 @@ inline std::vector<Slot> check_bucket_unpack(const at::Tensor& bucket, at::Tenso
   constexpr const char* op = "fastamp::bucket_unpack_";
   auto slots = check_bucket(op, bucket, grads, offsets);
   check_scalar_tensor(inv_scale, op, "inv_scale", bucket.device(), at::kFloat);
+  check_disjoint(op, {{"grads", grads}});
   return slots;
 }
 

@@ -64,6 +64,13 @@ StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
                   "strides of params[", i, "] on ", dev);
     }
   }
+  // Everything written, across lists: a param passed again as a state tensor (or twice) would be
+  // updated twice.
+  std::vector<std::pair<const char*, at::TensorList>> written = {{"params", params},
+                                                                 {"state_steps", state_steps}};
+  written.insert(written.end(), state.begin(), state.end());
+  if (has_master) written.emplace_back("master_params", master_params);
+  check_disjoint(op, written);
   const std::initializer_list<c10::ScalarType> dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
   plan.params = FlatTensorList::prepare(params, op, "params", dev, true, dtypes);
   plan.grads = FlatTensorList::prepare(grads, op, "grads", dev, false, dtypes);
