@@ -240,7 +240,8 @@ def random_values(n: int, dtype: torch.dtype, gen: torch.Generator, magnitude: f
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a tensor's elements in logical order, for comparisons that treat NaN == NaN."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    # clone, not contiguous(): a tensor with a size-1 dim can be "contiguous" with a stride != 1.
+    return t.detach().clone(memory_format=torch.contiguous_format).reshape(-1).view(torch.uint8)
 
 
 @dataclass
