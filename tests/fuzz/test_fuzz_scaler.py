@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import example, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from fastamp.scaler import ops
@@ -61,7 +61,23 @@ def grad_lists(draw, device: str, *, max_len: int = 5, defects: bool = True, lay
             spec = _replace(spec, device=draw(st.sampled_from(foreign_devices(device))))
             bad[i] = "device"
         specs.append(spec)
+    if n >= 2 and (n - 1) not in bad and defects and draw(st.integers(0, 9)) == 0:
+        bad[n - 1] = "alias"  # the last entry is the first tensor again
     return specs, bad
+
+
+def _build_grads(specs, bad, *, written: bool):
+    """Builds a grad list; returns (guarded, names of entries an error must name). An "alias" last
+    entry repeats the first tensor: fine to read twice, refused when written (it would be updated
+    twice)."""
+    grads = [build(s) for s in specs]
+    names = []
+    if bad.get(len(specs) - 1) == "alias":
+        event("first tensor repeated at the end")
+        grads[-1] = grads[0]
+        if written and grads[0].view.numel() > 0:
+            names = ["grads[0]", f"grads[{len(specs) - 1}]"]
+    return grads, names
 
 
 def _replace(spec, **kw):
@@ -186,9 +202,9 @@ def _check_grad_stats(case):
     """grad_stats: found_inf and the per-tensor flags exact, the fp32 sum within its rounding bound
     of float64, nothing written anywhere; bad arguments named."""
     device, specs, bad, (inv_t, inv_defect), p, sparse = case
-    grads = [build(s) for s in specs]
+    grads, _ = _build_grads(specs, bad, written=False)
     views = [g.view for g in grads]
-    if sparse and specs[-1].dtype in GRAD_DTYPES:
+    if sparse and specs[-1].dtype in GRAD_DTYPES and bad.get(len(specs) - 1) != "alias":
         views[-1] = (
             views[-1].detach().cpu().to_sparse() if views[-1].device.type != "meta" else views[-1]
         )
@@ -280,13 +296,13 @@ def _check_non_finite_check_and_unscale(case):
     OR-ed into found_inf/tensor_found_inf; overlapping grads, bad dtypes/devices/sizes rejected
     with nothing written."""
     device, specs, bad, (inv_t, inv_defect), (found_t, found_defect), flags0, tfi_defect = case
-    grads = [build(s) for s in specs]
+    grads, names = _build_grads(specs, bad, written=True)
     views = [g.view for g in grads]
     tfi, tfi_defect = _tensor_found_inf(flags0, device, tfi_defect)
     for g in grads:
         g.freeze()
     found_before, tfi_before, inv_before = found_t.clone(), tfi.clone(), inv_t.clone()
-    names = [f"grads[{i}]" for i, why in bad.items() if why == "dtype"]
+    names += [f"grads[{i}]" for i, why in bad.items() if why == "dtype"]
     dev_names = _device_defects(
         inv_t.device,
         [(f"grads[{i}]", v) for i, v in enumerate(views)]
@@ -365,11 +381,11 @@ def _check_clip_unscale(case):
     """clip_unscale_: grads equal to fp32 (v * inv) * coef rounded once to their dtype (fp64 op-math
     for float64 grads) and within 2 ulp of float64; bad arguments rejected, nothing written."""
     device, specs, bad, (inv_t, inv_defect), (tot_t, tot_defect), max_norm = case
-    grads = [build(s) for s in specs]
+    grads, names = _build_grads(specs, bad, written=True)
     views = [g.view for g in grads]
     for g in grads:
         g.freeze()
-    names = [f"grads[{i}]" for i, why in bad.items() if why == "dtype"]
+    names += [f"grads[{i}]" for i, why in bad.items() if why == "dtype"]
     dev_names = _device_defects(
         inv_t.device, [(f"grads[{i}]", v) for i, v in enumerate(views)] + [("total_norm", tot_t)]
     )
