@@ -298,11 +298,11 @@ def _check_bucket_unpack(case):
         )
 
 
-test_bucket_pack, test_bucket_pack_slow = tiered(default=150, slow=4000, case=bucket_cases("pack"))(
+test_bucket_pack, test_bucket_pack_slow = tiered(default=100, slow=4000, case=bucket_cases("pack"))(
     _check_bucket_pack
 )
 test_bucket_unpack, test_bucket_unpack_slow = tiered(
-    default=150, slow=4000, case=bucket_cases("unpack")
+    default=120, slow=4000, case=bucket_cases("unpack")
 )(_check_bucket_unpack)
 
 

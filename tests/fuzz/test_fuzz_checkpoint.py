@@ -274,7 +274,7 @@ def _check_tensor_digest(specs):
         assert all(int(changed[j]) == int(out[j]) for j in range(len(dense)) if j != k)
 
 
-test_tensor_digest, test_tensor_digest_slow = tiered(default=150, slow=4000, specs=digest_cases())(
+test_tensor_digest, test_tensor_digest_slow = tiered(default=120, slow=4000, specs=digest_cases())(
     _check_tensor_digest
 )
 

@@ -519,10 +519,10 @@ def _check_sgd_step(case):
     _check_step(case)
 
 
-test_adam_step, test_adam_step_slow = tiered(default=150, slow=4000, case=step_cases("adam"))(
+test_adam_step, test_adam_step_slow = tiered(default=100, slow=4000, case=step_cases("adam"))(
     _check_adam_step
 )
-test_sgd_step, test_sgd_step_slow = tiered(default=150, slow=4000, case=step_cases("sgd"))(
+test_sgd_step, test_sgd_step_slow = tiered(default=120, slow=4000, case=step_cases("sgd"))(
     _check_sgd_step
 )
 

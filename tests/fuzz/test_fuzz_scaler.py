@@ -242,7 +242,7 @@ def _check_grad_stats(case):
     assert torch.equal(again.view(torch.int32), pow_sum.view(torch.int32))
 
 
-test_grad_stats, test_grad_stats_slow = tiered(default=200, slow=5000, case=grad_stats_cases())(
+test_grad_stats, test_grad_stats_slow = tiered(default=150, slow=5000, case=grad_stats_cases())(
     _check_grad_stats
 )
 
@@ -348,7 +348,7 @@ def _check_non_finite_check_and_unscale(case):
 
 
 test_non_finite_check_and_unscale, test_non_finite_check_and_unscale_slow = tiered(
-    default=200, slow=5000, case=unscale_cases()
+    default=130, slow=5000, case=unscale_cases()
 )(_check_non_finite_check_and_unscale)
 
 
@@ -428,7 +428,7 @@ def _check_clip_unscale(case):
         g.assert_outside_untouched(f"grads[{i}]")
 
 
-test_clip_unscale, test_clip_unscale_slow = tiered(default=150, slow=4000, case=clip_cases())(
+test_clip_unscale, test_clip_unscale_slow = tiered(default=120, slow=4000, case=clip_cases())(
     _check_clip_unscale
 )
 
@@ -581,7 +581,7 @@ def _check_update_scale(case):
         assert math.isfinite(got[0]) or math.isnan(got[0]), "the scale grew to inf"
 
 
-test_update_scale, test_update_scale_slow = tiered(default=400, slow=10000, case=update_cases())(
+test_update_scale, test_update_scale_slow = tiered(default=300, slow=10000, case=update_cases())(
     _check_update_scale
 )
 
