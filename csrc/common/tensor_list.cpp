@@ -96,7 +96,6 @@ FlatTensorList FlatTensorList::prepare(at::TensorList tensors, const char* op, c
                   "storage (.clone())");
     }
   }
-  if (writable) check_disjoint(op, {{arg, tensors}});
   // Pass 2: flatten.
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];

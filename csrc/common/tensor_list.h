@@ -32,7 +32,9 @@ class FlatTensorList {
   /// @param op        op name for error messages ("fastamp::grad_stats")
   /// @param arg       argument name for error messages ("grads")
   /// @param device    device every tensor must be on
-  /// @param writable  the op writes into these tensors (overlapping views are rejected)
+  /// @param writable  the op writes into these tensors (a view whose own elements overlap is
+  ///                  rejected; memory shared *between* written tensors is check_disjoint's job,
+  ///                  which the op runs once over everything it writes)
   /// @param allowed   accepted dtypes
   static FlatTensorList prepare(at::TensorList tensors, const char* op, const char* arg,
                                 const c10::Device& device, bool writable,

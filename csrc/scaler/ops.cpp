@@ -39,7 +39,10 @@ FlatTensorList check_unscale(at::TensorList grads, const at::Tensor& found_inf,
                         tensor_found_inf.is_contiguous(),
                     op, ": tensor_found_inf must be a contiguous 1-D tensor of len(grads)=",
                     grads.size(), " elements, got shape ", tensor_found_inf.sizes());
-  return FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
+  auto list =
+      FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
+  check_disjoint(op, {{"grads", grads}});
+  return list;
 }
 
 FlatTensorList check_clip_unscale(at::TensorList grads, const at::Tensor& inv_scale,
@@ -51,7 +54,10 @@ FlatTensorList check_clip_unscale(at::TensorList grads, const at::Tensor& inv_sc
   check_scalar_tensor(total_norm, op, "total_norm", dev, at::kFloat);
   TORCH_CHECK_VALUE(!std::isnan(max_norm) && max_norm >= 0.0, op,
                     ": max_norm must be a non-negative number, got ", max_norm);
-  return FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
+  auto list =
+      FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
+  check_disjoint(op, {{"grads", grads}});
+  return list;
 }
 
 void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
