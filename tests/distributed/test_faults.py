@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+from fastamp.testing import assert_bitwise_equal
 from tests.distributed import _fault_workers as W
 
 STEPS, SAVE_AT, FAULT_AT = 12, 6, 8
@@ -39,30 +40,12 @@ def _load(path):
     return torch.load(path, weights_only=False)
 
 
-def _bitwise_equal(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _bitwise_equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _bitwise_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and a != a:
-        assert b != b, where
-    else:
-        assert a == b, (where, a, b)
-
-
 def test_bitwise_helper_catches_one_flipped_bit():
     a = torch.randn(5)
     b = a.clone()
     b.view(torch.int32)[3] ^= 1
     with pytest.raises(AssertionError):
-        _bitwise_equal({"x": [a]}, {"x": [b]})
+        assert_bitwise_equal({"x": [a]}, {"x": [b]})
 
 
 def test_killed_rank_then_resume_is_bit_identical(tmp_path):
@@ -88,8 +71,8 @@ def test_killed_rank_then_resume_is_bit_identical(tmp_path):
         got = _load(interrupted / f"resume.rank{rank}.pt")
         assert got["start"] == SAVE_AT
         # every step after the restart: same loss, norm, scale and skip decision, to the bit
-        _bitwise_equal(got["log"], ref["log"][SAVE_AT:], f"rank{rank}.log")
-        _bitwise_equal(got["state"], ref["state"], f"rank{rank}.state")
+        assert_bitwise_equal(got["log"], ref["log"][SAVE_AT:], f"rank{rank}.log")
+        assert_bitwise_equal(got["state"], ref["state"], f"rank{rank}.state")
         assert got["buckets"] == ref["buckets"]
         # the resumed run starts with the saved (rebuilt) layout, not a fresh one it would rebuild
         assert got["initial_buckets"] == ref["buckets"], "bucket layout not restored"

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import fastamp
+from fastamp.testing import assert_bitwise_equal
 
 
 class _Net(nn.Module):
@@ -51,17 +52,6 @@ def _snapshot(net, opt, scaler):
     return ([p.detach().clone() for p in net.parameters()], opt.state_dict(), scaler.state_dict())
 
 
-def _equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a.view(torch.uint8) if a.dim() else a.reshape(1).view(torch.uint8),
-                           b.view(torch.uint8) if b.dim() else b.reshape(1).view(torch.uint8))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def test_resume_is_bit_identical(tmp_path):
     random.seed(1)
     np.random.seed(1)
@@ -86,7 +76,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert st.step == 5 and st.extra == {"epoch": 0} and st.world_size == 1
     rest = [_step(net, scaler, opt, sched, i) for i in range(5, 10)]
     assert rest == full[5:]
-    assert _equal(_snapshot(net, opt, scaler), want)
+    assert_bitwise_equal(_snapshot(net, opt, scaler), want)
     assert scaler._get_hysteresis_tracker() == want[2]["_hysteresis_tracker"]
 
 
@@ -103,7 +93,7 @@ def _unchanged_after(fn, objs):
     before = _snapshot(net, opt, scaler)
     rng = torch.get_rng_state()
     fn()
-    assert _equal(_snapshot(net, opt, scaler), before)
+    assert_bitwise_equal(_snapshot(net, opt, scaler), before)
     assert torch.equal(torch.get_rng_state(), rng)
 
 

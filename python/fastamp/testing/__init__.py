@@ -2,6 +2,7 @@
 
 from fastamp.testing.reference import (
     adam_ref,
+    assert_bitwise_equal,
     clip_unscale_ref,
     grad_stats_ref,
     make_grads,
@@ -14,6 +15,7 @@ from fastamp.testing.syncs import count_host_syncs
 
 __all__ = [
     "adam_ref",
+    "assert_bitwise_equal",
     "sgd_ref",
     "clip_unscale_ref",
     "count_host_syncs",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -170,3 +171,24 @@ def sgd_ref(p, g, buf, first, *, lr, momentum, dampening, weight_decay, nesterov
         buf = g.clone() if first else momentum * buf.detach().double().cpu() + (1 - dampening) * g
         g = g + momentum * buf if nesterov else buf
     return p - lr * g, buf
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
+    """Asserts two nested structures (dicts, lists, tuples of tensors and Python values) are equal
+    bit for bit: tensors byte by byte (NaN payloads and signed zeros included), floats with NaN
+    equal to NaN. ``where`` names the path of the first difference in the AssertionError."""
+    if isinstance(a, Tensor):
+        assert isinstance(b, Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert isinstance(b, float) and b != b, where
+    else:
+        assert a == b, (where, a, b)
