@@ -3,11 +3,9 @@
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include "checkpoint/digest_checks.h"
+#include "common/gpu.cuh"
 #include "checkpoint/digest_math.h"
 
 namespace fastamp {
@@ -46,9 +44,10 @@ __global__ void finish_kernel(unsigned long long* sums, const int64_t* nbytes, i
 at::Tensor tensor_digest_cuda(at::TensorList tensors) {
   TORCH_CHECK(!tensors.empty(), "fastamp::tensor_digest: the CUDA kernel needs a tensor");
   const c10::Device device = tensors[0].device();
+  gpu::check_device(device, "fastamp::tensor_digest", "tensors[0]");
   const auto dense = check_digest(tensors, device);
-  c10::cuda::CUDAGuard guard(device);
-  const auto stream = c10::cuda::getCurrentCUDAStream();
+  gpu::DeviceGuard guard(device);
+  const gpu::Stream stream = gpu::current_stream(device);
   const auto n = static_cast<int64_t>(tensors.size());
   at::Tensor sums = at::zeros({n}, tensors[0].options().dtype(at::kLong));
   std::vector<int64_t> sizes(static_cast<size_t>(n));
@@ -58,18 +57,17 @@ at::Tensor tensor_digest_cuda(at::TensorList tensors) {
     if (t.nbytes() == 0) continue;
     const int64_t nwords = (static_cast<int64_t>(t.nbytes()) + 7) / 8;
     const int blocks = static_cast<int>(std::min<int64_t>((nwords + kThreads - 1) / kThreads, 1024));
-    digest_kernel<<<blocks, kThreads, 0, stream>>>(
-        static_cast<const uint8_t*>(t.data_ptr()), static_cast<int64_t>(t.nbytes()),
-        reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>()) + i);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gpu::launch("digest_kernel", &digest_kernel, dim3(static_cast<unsigned>(blocks)),
+                dim3(kThreads), stream, static_cast<const uint8_t*>(t.data_ptr()),
+                static_cast<int64_t>(t.nbytes()),
+                reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>()) + i);
   }
   // The sizes travel as a small host-to-device copy from a CPU tensor (stream-ordered).
   at::Tensor nbytes = at::tensor(sizes, at::kLong).to(device, /*non_blocking=*/false);
   at::Tensor out = at::empty({n}, sums.options());
-  finish_kernel<<<static_cast<int>((n + 255) / 256), 256, 0, stream>>>(
-      reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>()), nbytes.data_ptr<int64_t>(),
-      n, out.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  gpu::launch("finish_kernel", &finish_kernel, dim3(static_cast<unsigned>((n + 255) / 256)),
+              dim3(256), stream, reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>()),
+              static_cast<const int64_t*>(nbytes.data_ptr<int64_t>()), n, out.data_ptr<int64_t>());
   return out;
 }
 
@@ -77,6 +75,6 @@ at::Tensor tensor_digest_cuda(at::TensorList tensors) {
 }  // namespace checkpoint
 }  // namespace fastamp
 
-TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
+FASTAMP_CUDA_KERNELS(m) {
   m.impl("tensor_digest", &fastamp::checkpoint::tensor_digest_cuda);
 }

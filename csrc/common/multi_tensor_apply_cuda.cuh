@@ -19,12 +19,10 @@
 /// mta_read / mta_update run a per-element lambda over a chunk with 16-byte vector accesses.
 #pragma once
 
+#include "common/gpu.cuh"
 #include "common/multi_tensor_apply.h"
 
 #include <c10/core/ScalarType.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
@@ -213,12 +211,13 @@ void cuda_multi_tensor_apply(const std::array<const std::vector<FlatTensor>*, De
   static_assert(std::is_trivially_copyable_v<Op>, "the op is passed by value as a kernel argument");
   static_assert(sizeof(MtaMeta<Depth>) + sizeof(Op) <= kMtaParamBytes,
                 "metadata + op exceed the 4 KiB kernel-argument limit; make the op smaller");
-  TORCH_INTERNAL_ASSERT(device.is_cuda(), "multi_tensor_apply: ", device, " is not a CUDA device");
-  c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index());
+  TORCH_INTERNAL_ASSERT(device.type() == gpu::kDeviceType, "multi_tensor_apply: ", device,
+                        " is not a ", gpu::kDeviceName, " device");
+  gpu::DeviceGuard guard(device);
+  const gpu::Stream stream = gpu::current_stream(device);
   detail::mta_pack<Depth>(lists, [&](const MtaMeta<Depth>& meta, int nblocks) {
-    detail::multi_tensor_apply_kernel<Depth, Op><<<nblocks, kMtaThreads, 0, stream>>>(meta, op);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gpu::launch("multi_tensor_apply_kernel", &detail::multi_tensor_apply_kernel<Depth, Op>,
+                dim3(static_cast<unsigned>(nblocks)), dim3(kMtaThreads), stream, meta, op);
   });
 }
 
@@ -271,7 +270,7 @@ __host__ __device__ __forceinline__ void mta_chunk_loop(std::conditional_t<kWrit
       const int left = n - i * V;
       valid[k] = left <= 0 ? 0 : (left < V ? left : V);
       if (aligned && valid[k] == V) {
-        r[k] = reinterpret_cast<const MtaVec<T>*>(p)[i];
+        r[k] = gpu::vec_load(reinterpret_cast<const MtaVec<T>*>(p) + i);
       } else {
         FASTAMP_MTA_UNROLL
         for (int j = 0; j < V; ++j) {
@@ -294,7 +293,7 @@ __host__ __device__ __forceinline__ void mta_chunk_loop(std::conditional_t<kWrit
       }
       if constexpr (kWrite) {
         if (aligned && valid[k] == V) {
-          reinterpret_cast<MtaVec<T>*>(p)[i] = r[k];
+          gpu::vec_store(reinterpret_cast<MtaVec<T>*>(p) + i, r[k]);
         } else {
           FASTAMP_MTA_UNROLL
           for (int j = 0; j < V; ++j) {

@@ -4,10 +4,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
+#include "common/gpu.cuh"
 #include "common/multi_tensor_apply.h"
 #include "distributed/bucket_checks.h"
 #include "scaler/scaler_math.h"
@@ -36,7 +34,7 @@ at::Tensor chunk_table(const std::vector<Slot>& slots, size_t elem, const c10::D
   const auto chunks = plan_chunks(flat);
   *n_out = static_cast<int64_t>(chunks.size());
   at::Tensor host = at::empty({static_cast<int64_t>(chunks.size() * sizeof(DevChunk))},
-                              at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+                              gpu::staging_options());
   auto* t = reinterpret_cast<DevChunk*>(host.data_ptr());
   for (size_t c = 0; c < chunks.size(); ++c) {
     const Slot& s = slots[static_cast<size_t>(chunks[c].item)];
@@ -76,7 +74,7 @@ __global__ void unpack_kernel(const T* bucket, const DevChunk* table, const floa
   sums[threadIdx.x] = acc;
   __syncthreads();
   for (int s = kThreads / 2; s > 0; s >>= 1) {  // fixed tree: deterministic
-    if (threadIdx.x < s) sums[threadIdx.x] += sums[threadIdx.x + s];
+    if (static_cast<int>(threadIdx.x) < s) sums[threadIdx.x] += sums[threadIdx.x + s];
     __syncthreads();
   }
   if (threadIdx.x == 0) partials[blockIdx.x] = sums[0];
@@ -89,7 +87,7 @@ __global__ void sum_partials(const float* partials, int64_t n, float* out) {
   sums[threadIdx.x] = acc;
   __syncthreads();
   for (int s = kThreads / 2; s > 0; s >>= 1) {
-    if (threadIdx.x < s) sums[threadIdx.x] += sums[threadIdx.x + s];
+    if (static_cast<int>(threadIdx.x) < s) sums[threadIdx.x] += sums[threadIdx.x + s];
     __syncthreads();
   }
   if (threadIdx.x == 0) *out = sums[0];
@@ -97,17 +95,17 @@ __global__ void sum_partials(const float* partials, int64_t n, float* out) {
 
 void bucket_pack_cuda(at::Tensor& bucket, at::TensorList grads, at::IntArrayRef offsets,
                       double scale) {
+  gpu::check_device(bucket.device(), "fastamp::bucket_pack_", "bucket");
   const auto slots = check_bucket("fastamp::bucket_pack_", bucket, grads, offsets);
-  c10::cuda::CUDAGuard guard(bucket.device());
+  gpu::DeviceGuard guard(bucket.device());
   int64_t n = 0;
   at::Tensor table = chunk_table(slots, bucket.element_size(), bucket.device(), &n);
   if (n == 0) return;
-  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const gpu::Stream stream = gpu::current_stream(bucket.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bucket.scalar_type(), "bucket_pack_", [&] {
-    pack_kernel<scalar_t><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
-        bucket.data_ptr<scalar_t>(), reinterpret_cast<const DevChunk*>(table.data_ptr()),
-        static_cast<float>(scale));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gpu::launch("pack_kernel", &pack_kernel<scalar_t>, dim3(static_cast<unsigned>(n)),
+                dim3(kThreads), stream, bucket.data_ptr<scalar_t>(),
+                reinterpret_cast<const DevChunk*>(table.data_ptr()), static_cast<float>(scale));
   });
 }
 
@@ -115,8 +113,9 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
                                                       at::TensorList grads,
                                                       at::IntArrayRef offsets,
                                                       const at::Tensor& inv_scale) {
+  gpu::check_device(bucket.device(), "fastamp::bucket_unpack_", "bucket");
   const auto slots = check_bucket_unpack(bucket, grads, offsets, inv_scale);
-  c10::cuda::CUDAGuard guard(bucket.device());
+  gpu::DeviceGuard guard(bucket.device());
   const auto opts = bucket.options().dtype(at::kFloat);
   at::Tensor found = at::zeros({}, opts);
   at::Tensor pow_sum = at::zeros({}, opts);
@@ -124,15 +123,16 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
   at::Tensor table = chunk_table(slots, bucket.element_size(), bucket.device(), &n);
   if (n == 0) return {found, pow_sum};
   at::Tensor partials = at::empty({n}, opts);
-  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const gpu::Stream stream = gpu::current_stream(bucket.device());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bucket.scalar_type(), "bucket_unpack_", [&] {
-    unpack_kernel<scalar_t><<<static_cast<unsigned>(n), kThreads, 0, stream>>>(
-        bucket.data_ptr<scalar_t>(), reinterpret_cast<const DevChunk*>(table.data_ptr()),
-        inv_scale.data_ptr<float>(), partials.data_ptr<float>(), found.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gpu::launch("unpack_kernel", &unpack_kernel<scalar_t>, dim3(static_cast<unsigned>(n)),
+                dim3(kThreads), stream, static_cast<const scalar_t*>(bucket.data_ptr<scalar_t>()),
+                reinterpret_cast<const DevChunk*>(table.data_ptr()),
+                static_cast<const float*>(inv_scale.data_ptr<float>()), partials.data_ptr<float>(),
+                found.data_ptr<float>());
   });
-  sum_partials<<<1, kThreads, 0, stream>>>(partials.data_ptr<float>(), n, pow_sum.data_ptr<float>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  gpu::launch("sum_partials", &sum_partials, dim3(1), dim3(kThreads), stream,
+              static_cast<const float*>(partials.data_ptr<float>()), n, pow_sum.data_ptr<float>());
   return {found, pow_sum};
 }
 
@@ -140,7 +140,7 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
 }  // namespace distributed
 }  // namespace fastamp
 
-TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
+FASTAMP_CUDA_KERNELS(m) {
   m.impl("bucket_pack_", &fastamp::distributed::bucket_pack_cuda);
   m.impl("bucket_unpack_", &fastamp::distributed::bucket_unpack_cuda);
 }

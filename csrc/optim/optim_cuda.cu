@@ -13,12 +13,12 @@
 // pass 2 can see a counter that has already moved, whatever the block order.
 #include <torch/library.h>
 
+#include "common/gpu.cuh"
 #include "common/multi_tensor_apply_cuda.cuh"
 #include "optim/optim_checks.h"
 #include "optim/optim_math.h"
 
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
 
 #include <array>
 #include <cstdint>
@@ -52,7 +52,7 @@ template <typename T>
 __device__ __forceinline__ void load_pack(const T* p, int e, int valid, bool vec,
                                           float (&x)[kPack]) {
   if (vec) {
-    const Pack<T> r = *reinterpret_cast<const Pack<T>*>(p + e);
+    const Pack<T> r = gpu::vec_load(reinterpret_cast<const Pack<T>*>(p + e));
 #pragma unroll
     for (int j = 0; j < kPack; ++j) x[j] = static_cast<float>(r.v[j]);
   } else {
@@ -69,7 +69,7 @@ __device__ __forceinline__ void store_pack(T* p, int e, int valid, bool vec,
 #pragma unroll
   for (int j = 0; j < kPack; ++j) r.v[j] = static_cast<T>(x[j]);
   if (vec) {
-    *reinterpret_cast<Pack<T>*>(p + e) = r;
+    gpu::vec_store(reinterpret_cast<Pack<T>*>(p + e), r);
   } else {
 #pragma unroll
     for (int j = 0; j < kPack; ++j) {
@@ -292,11 +292,10 @@ void run_update(const StepPlan& plan, const Op& op) {
 template <typename Update>
 void run_step(const char* op, StepPlan& plan, at::TensorList state_steps,
               const StepScalars& scalars, const Update& update) {
-  TORCH_CHECK(plan.device.is_cuda(), op, ": params are on ", plan.device,
-              "; expected a CUDA device");
+  gpu::check_device(plan.device, op, "params");
   FlatTensorList steps =
       FlatTensorList::prepare(state_steps, op, "state_steps", plan.device, true, {at::kFloat});
-  c10::cuda::CUDAGuard guard(plan.device);
+  gpu::DeviceGuard guard(plan.device);
   at::Tensor old_steps =
       at::empty({steps.list_size()}, at::TensorOptions().dtype(at::kFloat).device(plan.device));
   float* old = old_steps.data_ptr<float>();
@@ -357,7 +356,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
 }  // namespace optim
 }  // namespace fastamp
 
-TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
+FASTAMP_CUDA_KERNELS(m) {
   m.impl("adam_step_", &fastamp::optim::adam_step_cuda);
   m.impl("sgd_step_", &fastamp::optim::sgd_step_cuda);
 }

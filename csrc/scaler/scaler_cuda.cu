@@ -4,13 +4,10 @@
 // through pointers, so none of these ops synchronises with the host.
 #include <torch/library.h>
 
+#include "common/gpu.cuh"
 #include "common/multi_tensor_apply_cuda.cuh"
 #include "scaler/scaler_checks.h"
 #include "scaler/scaler_math.h"
-
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <tuple>
 #include <type_traits>
@@ -134,9 +131,9 @@ void launch_grad_stats(const std::vector<FlatTensor>& items, const c10::Device& 
                        const StatsOp<K>& op, int64_t nchunks, float* norm_out) {
   cuda_multi_tensor_apply(items, device, op);
   constexpr NormKind C = kCombineKind<K>;
-  combine_partials_kernel<C><<<1, kFinalizeThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      op.partials, nchunks, norm_out);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  gpu::launch("combine_partials_kernel", &combine_partials_kernel<C>, dim3(1),
+              dim3(kFinalizeThreads), gpu::current_stream(device),
+              static_cast<const float*>(op.partials), nchunks, norm_out);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads,
@@ -144,9 +141,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList gr
                                                                double norm_type) {
   StatsPlan plan = check_grad_stats(grads, inv_scale, norm_type);
   const c10::Device device = inv_scale.device();
-  TORCH_CHECK(device.is_cuda(), "fastamp::grad_stats: inv_scale is on ", device,
-              "; expected a CUDA device");
-  c10::cuda::CUDAGuard guard(device);
+  gpu::check_device(device, "fastamp::grad_stats", "inv_scale");
+  gpu::DeviceGuard guard(device);
   const auto opts = inv_scale.options();
   at::Tensor found_inf = at::zeros({}, opts.dtype(at::kFloat));
   at::Tensor pow_sum = at::zeros({}, opts.dtype(at::kFloat));
@@ -176,9 +172,8 @@ void non_finite_check_and_unscale_cuda(at::TensorList grads, at::Tensor& found_i
                                        const at::Tensor& inv_scale, at::Tensor& tensor_found_inf) {
   FlatTensorList list = check_unscale(grads, found_inf, inv_scale, tensor_found_inf);
   const c10::Device device = inv_scale.device();
-  TORCH_CHECK(device.is_cuda(), "fastamp::non_finite_check_and_unscale_: inv_scale is on ", device,
-              "; expected a CUDA device");
-  c10::cuda::CUDAGuard guard(device);
+  gpu::check_device(device, "fastamp::non_finite_check_and_unscale_", "inv_scale");
+  gpu::DeviceGuard guard(device);
   cuda_multi_tensor_apply(list.items(), device,
                           UnscaleOp{inv_scale.data_ptr<float>(), found_inf.data_ptr<float>(),
                                     tensor_found_inf.data_ptr<bool>()});
@@ -190,9 +185,8 @@ void clip_unscale_cuda(at::TensorList grads, const at::Tensor& inv_scale,
                        const at::Tensor& total_norm, double max_norm) {
   FlatTensorList list = check_clip_unscale(grads, inv_scale, total_norm, max_norm);
   const c10::Device device = inv_scale.device();
-  TORCH_CHECK(device.is_cuda(), "fastamp::clip_unscale_: inv_scale is on ", device,
-              "; expected a CUDA device");
-  c10::cuda::CUDAGuard guard(device);
+  gpu::check_device(device, "fastamp::clip_unscale_", "inv_scale");
+  gpu::DeviceGuard guard(device);
   cuda_multi_tensor_apply(list.items(), device,
                           ClipUnscaleOp{inv_scale.data_ptr<float>(), total_norm.data_ptr<float>(),
                                         static_cast<float>(max_norm)});
@@ -206,21 +200,20 @@ void update_scale_cuda(at::Tensor& scale, at::Tensor& growth_tracker,
   check_update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
                      backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
   const c10::Device device = scale.device();
-  TORCH_CHECK(device.is_cuda(), "fastamp::update_scale_: scale is on ", device,
-              "; expected a CUDA device");
-  c10::cuda::CUDAGuard guard(device);
-  update_scale_kernel<<<1, 1, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-      hysteresis_tracker.data_ptr<int32_t>(), found_inf.data_ptr<float>(), growth_factor,
-      backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  gpu::check_device(device, "fastamp::update_scale_", "scale");
+  gpu::DeviceGuard guard(device);
+  gpu::launch("update_scale_kernel", &update_scale_kernel, dim3(1), dim3(1),
+              gpu::current_stream(device), scale.data_ptr<float>(),
+              growth_tracker.data_ptr<int32_t>(), hysteresis_tracker.data_ptr<int32_t>(),
+              static_cast<const float*>(found_inf.data_ptr<float>()), growth_factor,
+              backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
 }
 
 }  // namespace
 }  // namespace scaler
 }  // namespace fastamp
 
-TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
+FASTAMP_CUDA_KERNELS(m) {
   m.impl("grad_stats", &fastamp::scaler::grad_stats_cuda);
   m.impl("non_finite_check_and_unscale_", &fastamp::scaler::non_finite_check_and_unscale_cuda);
   m.impl("clip_unscale_", &fastamp::scaler::clip_unscale_cuda);

@@ -1,0 +1,111 @@
+/// @file gpu.cuh
+/// Everything the CUDA sources take from the CUDA runtime and from c10's CUDA layer, in one small
+/// header, so that each .cu file compiles unchanged
+///  - with nvcc, for GPUs (the product), and
+///  - with a host C++ compiler and FASTAMP_CUDA_EMULATOR defined, for the CUDA emulator
+///    (csrc/emu), which runs the same kernels and host launchers on the CPU in CI.
+/// Kernels are launched with gpu::launch (never `<<<...>>>` at a call site), registered with
+/// FASTAMP_CUDA_KERNELS, and do 16-byte vector accesses through gpu::vec_load / vec_store.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <utility>
+
+#if defined(FASTAMP_CUDA_EMULATOR)
+#include "emu/cuda_shim.h"
+#else
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace fastamp {
+namespace gpu {
+
+#if defined(FASTAMP_CUDA_EMULATOR)
+/// The emulated GPU's memory is host memory: its "device tensors" are CPU tensors.
+constexpr c10::DeviceType kDeviceType = c10::DeviceType::CPU;
+constexpr const char* kDeviceName = "CPU (the CUDA emulator's device memory)";
+
+struct DeviceGuard {
+  explicit DeviceGuard(const c10::Device& /*device*/) {}
+};
+
+/// The emulator runs each launch to completion before returning: one implicit, ordered stream.
+struct Stream {};
+
+inline Stream current_stream(const c10::Device& /*device*/) { return Stream{}; }
+
+/// Options of a host staging buffer for a small host-to-device copy.
+inline at::TensorOptions staging_options() { return at::TensorOptions().dtype(at::kByte); }
+#else
+constexpr c10::DeviceType kDeviceType = c10::DeviceType::CUDA;
+constexpr const char* kDeviceName = "CUDA";
+
+using DeviceGuard = c10::cuda::CUDAGuard;
+using Stream = cudaStream_t;
+
+inline Stream current_stream(const c10::Device& device) {
+  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
+}
+
+/// Pinned, so that the copy to the device is asynchronous and stream-ordered.
+inline at::TensorOptions staging_options() {
+  return at::TensorOptions().dtype(at::kByte).pinned_memory(true);
+}
+#endif
+
+/// The device check every CUDA launcher starts with.
+inline void check_device(const c10::Device& device, const char* op, const char* arg) {
+  TORCH_CHECK(device.type() == kDeviceType, op, ": ", arg, " is on ", device, "; expected a ",
+              kDeviceName, " device");
+}
+
+/// kernel<<<grid, block, 0, stream>>>(args...), then the launch-error check. Under the emulator
+/// the launch runs to completion here, with the checks CUDA makes at launch (grid and block
+/// limits, the 4 KiB parameter limit).
+template <typename... P, typename... A>
+void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, Stream stream,
+            A&&... args) {
+#if defined(FASTAMP_CUDA_EMULATOR)
+  (void)stream;
+  ::fastamp::emu::launch(name, kernel, grid, block, std::forward<A>(args)...);
+#else
+  (void)name;
+  kernel<<<grid, block, 0, stream>>>(std::forward<A>(args)...);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+#endif
+}
+
+/// Vector load of a V (e.g. 16 bytes) from p, which must be aligned to alignof(V): a GPU faults
+/// on a misaligned vector access, and the emulator reports one.
+template <typename V>
+__host__ __device__ __forceinline__ V vec_load(const V* p) {
+#if defined(FASTAMP_CUDA_EMULATOR)
+  ::fastamp::emu::check_aligned(p, alignof(V), "vector load");
+#endif
+  return *p;
+}
+
+template <typename V>
+__host__ __device__ __forceinline__ void vec_store(V* p, const V& v) {
+#if defined(FASTAMP_CUDA_EMULATOR)
+  ::fastamp::emu::check_aligned(p, alignof(V), "vector store");
+#endif
+  *p = v;
+}
+
+}  // namespace gpu
+}  // namespace fastamp
+
+/// Registers a capability's CUDA kernels: with the fastamp ops' CUDA dispatch key on GPU builds;
+/// under the emulator, as CPU kernels of the mirror namespace `fastamp_emu` (whose schemas the
+/// test harness copies from fastamp's), so emulated and CPU kernels can be compared side by side.
+#if defined(FASTAMP_CUDA_EMULATOR)
+#define FASTAMP_CUDA_KERNELS(m) TORCH_LIBRARY_IMPL(fastamp_emu, CPU, m)
+#else
+#define FASTAMP_CUDA_KERNELS(m) TORCH_LIBRARY_IMPL(fastamp, CUDA, m)
+#endif

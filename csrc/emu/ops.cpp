@@ -1,0 +1,49 @@
+// Control ops of the CUDA emulator library (namespace fastamp_emu): the launch order and the
+// launch statistics the tests read. The emulated fastamp kernels register themselves (through
+// FASTAMP_CUDA_KERNELS in each .cu file) as CPU kernels of fastamp_emu::<op>.
+#include <torch/library.h>
+
+#include "emu/runtime.h"
+
+#include <string>
+#include <tuple>
+
+namespace fastamp {
+namespace emu {
+namespace {
+
+void set_order_op(const std::string& order, int64_t seed) {
+  Order o;
+  if (order == "ascending") {
+    o = Order::kAscending;
+  } else if (order == "descending") {
+    o = Order::kDescending;
+  } else if (order == "random") {
+    o = Order::kRandom;
+  } else {
+    TORCH_CHECK_VALUE(false, "fastamp_emu::set_order: order is '", order,
+                      "'; expected 'ascending', 'descending' or 'random'");
+  }
+  set_order(o, static_cast<uint64_t>(seed));
+}
+
+std::tuple<int64_t, int64_t, int64_t, int64_t> stats_op() {
+  const Stats s = stats();
+  return {s.launches, s.blocks, s.threads, s.switches};
+}
+
+std::vector<std::string> launched_kernels_op() { return launched_kernels(); }
+
+}  // namespace
+}  // namespace emu
+}  // namespace fastamp
+
+TORCH_LIBRARY_FRAGMENT(fastamp_emu, m) {
+  // Sets the order in which every later launch starts its blocks and its threads.
+  m.def("set_order(str order, int seed=0) -> ()", &fastamp::emu::set_order_op);
+  // (launches, blocks, threads, fiber switches) since the last reset_stats().
+  m.def("stats() -> (int, int, int, int)", &fastamp::emu::stats_op);
+  m.def("reset_stats() -> ()", &fastamp::emu::reset_stats);
+  // Names of every kernel launched since the library was loaded (for the coverage test).
+  m.def("launched_kernels() -> str[]", &fastamp::emu::launched_kernels_op);
+}
