@@ -1,0 +1,144 @@
+"""Planted faults: the emulated tests must catch each of them, or the harness proves nothing.
+
+Each mutant replaces one exact snippet of one .cu file (the snippet must occur exactly once, so a
+mutant cannot silently stop applying when the source changes), is built into its own emulator
+library (only that file is recompiled), and a chosen subset of tests/cuda_emu is run against it
+in a fresh process, which must FAIL with the expected report.
+
+    python tests/cuda_emu/mutants.py            # every mutant; exit 1 if one survives
+    python tests/cuda_emu/mutants.py NAME ...   # some
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+CSRC = ROOT / "csrc"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    file: str  # relative to csrc/
+    old: str
+    new: str
+    tests: str  # pytest -k expression over tests/cuda_emu/test_emulated_ops.py
+    expect: str  # regex the failing run's output must contain
+    what: str
+
+
+MUTANTS = {
+    # The Adam kernel's barrier between thread 0 writing the step coefficients to shared memory
+    # and every thread reading them.
+    "removed_barrier": Mutant(
+        "optim/optim_cuda.cu",
+        "        coefs_shared = adam_coefs(h, lr_v, static_cast<double>(steps[blk.index]) + 1.0);\n"
+        "      }\n      __syncthreads();\n",
+        "        coefs_shared = adam_coefs(h, lr_v, static_cast<double>(steps[blk.index]) + 1.0);\n"
+        "      }\n",
+        "test_adam_step and fp32 and 0",
+        r"differ from the CPU kernel|differs between launch orders",
+        "removed __syncthreads() in the Adam kernel",
+    ),
+    # Each block writes its norm partial to its tensor's slot instead of its chunk's.
+    "wrong_chunk_index": Mutant(
+        "scaler/scaler_cuda.cu",
+        "if (threadIdx.x == 0) partials[blk.chunk_id] = total;",
+        "if (threadIdx.x == 0) partials[blk.index] = total;",
+        "test_grad_stats and fp32-edges and 2.0",
+        r"reduction 1: emulated .* vs float64",
+        "norm partial written at the tensor index instead of the chunk index",
+    ),
+    # Half of each warp skips the stats reduction's shuffles.
+    "divergent_shuffle": Mutant(
+        "scaler/scaler_cuda.cu",
+        "    const float total = mta_block_reduce<kMtaThreads>(\n"
+        "        acc, [](float a, float b) { return norm_combine<kCombineKind<K>>(a, b); }, 0.0f);",
+        "    const float total = (threadIdx.x % 32) < 16 ? mta_block_reduce<kMtaThreads>(\n"
+        "        acc, [](float a, float b) { return norm_combine<kCombineKind<K>>(a, b); }, 0.0f)"
+        " : 0.0f;",
+        "test_grad_stats and fp32-edges and 2.0",
+        r"CUDA emulator: kernel multi_tensor_apply_kernel: .*(__shfl_down_sync|__syncthreads|exited)",
+        "warp shuffle executed by half of the lanes of its mask",
+    ),
+    # The optimizer's vector path taken without checking alignment.
+    "misaligned_vector_load": Mutant(
+        "optim/optim_cuda.cu",
+        "  return reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kPack) == 0;",
+        "  return reinterpret_cast<uintptr_t>(p) % 4 == 0;",
+        "test_adam_step and fp32 and 0",
+        r"misaligned 16-byte vector (load|store)",
+        "16-byte vector load from an address that is not 16-byte aligned",
+    ),
+    # The pack kernel writes one element past each chunk.
+    "out_of_bounds_write": Mutant(
+        "distributed/bucket_cuda.cu",
+        "  for (int64_t i = threadIdx.x; i < c.len; i += kThreads) {\n"
+        "    bucket[c.offset + i] = static_cast<T>(static_cast<float>(g[i]) * scale);",
+        "  for (int64_t i = threadIdx.x; i <= c.len; i += kThreads) {\n"
+        "    bucket[c.offset + i] = static_cast<T>(static_cast<float>(g[i]) * scale);",
+        "test_bucket_pack",
+        r"wrote outside tensor|differ from the CPU kernel",
+        "bucket pack writes one element past its slot",
+    ),
+}
+
+
+def apply(name: str) -> dict[str, str]:
+    """{file: mutated source} for mutant `name`."""
+    m = MUTANTS[name]
+    text = (CSRC / m.file).read_text()
+    count = text.count(m.old)
+    if count != 1:
+        raise RuntimeError(f"mutant {name}: the snippet occurs {count} times in csrc/{m.file} "
+                           f"(expected once); update mutants.py to the current source")
+    return {m.file: text.replace(m.old, m.new)}
+
+
+def run(name: str, sanitize: bool = False) -> tuple[bool, str]:
+    """Builds and runs one mutant; returns (caught, summary)."""
+    m = MUTANTS[name]
+    sys.path.insert(0, str(HERE))
+    import build
+
+    out = build.DEFAULT_OUT / ("asan" if sanitize else "default")
+    lib = build.build(out, sanitize=sanitize, overrides=apply(name), name=f"_cuda_emu_{name}.so")
+    env = dict(os.environ, FASTAMP_EMU_LIB=str(lib))
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+           str(HERE / "test_emulated_ops.py"), "-k", m.tests]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    output = r.stdout + r.stderr
+    ran = re.search(r"(\d+) (passed|failed)", output)
+    if r.returncode == 0:
+        return False, f"SURVIVED: {m.what}: the tests passed ({ran.group(0) if ran else 'no tests?'})"
+    if not ran or "failed" not in output:
+        return False, f"NOT RUN: {m.what}: pytest exited {r.returncode} without a failing test:\n{output[-2000:]}"
+    hit = re.search(m.expect, output)
+    if not hit:
+        return False, (f"WRONG REPORT: {m.what}: tests failed but without /{m.expect}/:\n"
+                       f"{output[-3000:]}")
+    line = next((ln for ln in output.splitlines() if re.search(m.expect, ln)), hit.group(0))
+    return True, f"caught: {m.what}: {line.strip()[:220]}"
+
+
+def main(argv: list[str]) -> int:
+    names = argv or list(MUTANTS)
+    failed = 0
+    for name in names:
+        t0 = time.time()
+        caught, summary = run(name)
+        failed += not caught
+        print(f"[{name}] {summary} ({time.time() - t0:.0f}s)", flush=True)
+    print(f"planted faults: {len(names) - failed} of {len(names)} caught")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

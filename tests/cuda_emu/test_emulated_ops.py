@@ -1,0 +1,353 @@
+"""Every CUDA op of fastamp (host launcher + kernels), run by the CUDA emulator, against the CPU
+kernel on the same inputs (see harness.py for what is compared).
+
+The inputs cover what the CUDA side handles differently from the CPU side: sizes around the
+16-byte vector width and the 64 Ki-element chunk, starting addresses misaligned by 1-5 elements
+(no vector loads for those), strided tensors that the launcher stages and writes back, empty
+tensors, more tensors than one launch's argument table holds, a tensor split across two launches,
+more than 512 per-chunk partial sums, inf/-inf/NaN, and the device-side scalars (found_inf set:
+nothing written; clip coefficients; tensor learning rates).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness import Mem, run_case
+
+F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
+CHUNK = 65536
+# Sizes: below / not a multiple of the vector width (4 fp32, 8 half, 2 fp64), and around a chunk.
+EDGE_SIZES = [1, 3, 7, 13, 100, CHUNK - 1, CHUNK, CHUNK + 3]
+
+
+def grads(mem: Mem, spec, scale: float = 1.0, inject=None):
+    """spec: list of (numel, dtype, offset, stride). inject: {tensor index: [(element, value)]}."""
+    out = []
+    for i, (n, dt, off, stride) in enumerate(spec):
+        vals = mem.randn(n, dt, scale)
+        for j, v in (inject or {}).get(i, []):
+            vals[j] = v
+        out.append(mem.place(vals, off, stride))
+    return out
+
+
+def spec_of(sizes, dtypes, offsets=(0,), strides=(1,)):
+    return [(n, dtypes[i % len(dtypes)], offsets[i % len(offsets)], strides[i % len(strides)])
+            for i, n in enumerate(sizes)]
+
+
+LIST_CASES = {
+    # name: (spec, inject)
+    "fp32-edges": (spec_of(EDGE_SIZES, [F32]), None),
+    "fp16-edges-misaligned": (spec_of(EDGE_SIZES, [F16], offsets=[1, 2, 3, 4, 5]), None),
+    "bf16-edges-misaligned": (spec_of(EDGE_SIZES, [BF16], offsets=[5, 0, 3]), None),
+    "fp64-edges": (spec_of(EDGE_SIZES, [F64], offsets=[0, 1]), None),
+    "mixed-with-empty": (spec_of([300, 0, 7, 4099, 0, 1, 65537], [F32, F16, BF16, F64], offsets=[0, 3, 1, 2]), None),
+    "strided-staged": (spec_of([100, 7, 5000, 33], [F32, F16, BF16, F64], offsets=[0, 1], strides=[2, 3, 1]), None),
+    "inf": (spec_of([1000, 70000, 13], [F32, F16, BF16]), {1: [(66000, math.inf)]}),
+    "neg-inf-nan": (spec_of([1000, 70000, 13, 9], [F32, F16, BF16, F64]), {0: [(3, -math.inf)], 3: [(8, math.nan)]}),
+}
+
+
+def _stats_ref(gs, inv, p):
+    total = 0.0
+    for g in gs:
+        u = g.double() * inv
+        if not torch.isfinite(u).all():
+            return math.nan
+        if math.isinf(p):
+            total = max(total, float(u.abs().max()) if u.numel() else 0.0)
+        else:
+            total += float(u.abs().pow(p).sum())
+    return total
+
+
+@pytest.mark.parametrize("case", sorted(LIST_CASES))
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
+def test_grad_stats(case, norm_type):
+    spec, inject = LIST_CASES[case]
+    inv = 1.0 / 64.0
+
+    def build(mem):
+        return grads(mem, spec, 64.0, inject), torch.tensor(inv), norm_type
+
+    # The inf-norm is a max: exact, so it must match the CPU bit for bit like everything else.
+    red = () if math.isinf(norm_type) else (1,)
+    run_case("grad_stats", build, reductions=red,
+             reduction_ref=lambda a: [_stats_ref(a[0], inv, norm_type)],
+             rtol=2e-5 if norm_type != 3.0 else 1e-4)
+
+
+@pytest.mark.parametrize("case", sorted(LIST_CASES))
+def test_non_finite_check_and_unscale(case):
+    spec, inject = LIST_CASES[case]
+
+    def build(mem):
+        gs = grads(mem, spec, 1024.0, inject)
+        return gs, torch.zeros(()), torch.tensor(1.0 / 1024.0), torch.zeros(len(gs), dtype=torch.bool)
+
+    run_case("non_finite_check_and_unscale_", build)
+
+
+@pytest.mark.parametrize("case", sorted(LIST_CASES))
+@pytest.mark.parametrize("total_norm,max_norm", [(10.0, 1.0), (0.5, 1.0), (math.inf, 1.0), (3.0, 3.0)])
+def test_clip_unscale(case, total_norm, max_norm):
+    spec, inject = LIST_CASES[case]
+
+    def build(mem):
+        return grads(mem, spec, 8.0, inject), torch.tensor(0.125), torch.tensor(total_norm), max_norm
+
+    run_case("clip_unscale_", build)
+
+
+# --- launch-table edges -------------------------------------------------------------------------
+
+def test_more_tensors_than_one_launch_holds_and_many_partials():
+    # 600 one-chunk tensors: 6 launches for a one-list op (105 tensors each), 600 partial sums
+    # (more than the 512 threads of the combining kernel).
+    spec = spec_of([5 + (i * 37) % 300 for i in range(600)], [F32, F16, BF16, F64], offsets=[0, 1, 2])
+    inject_none = None
+
+    def build_stats(mem):
+        return grads(mem, spec, 2.0, inject_none), torch.tensor(0.5), 2.0
+
+    run_case("grad_stats", build_stats, reductions=(1,),
+             reduction_ref=lambda a: [_stats_ref(a[0], 0.5, 2.0)], orders=("ascending", "random"))
+
+    def build_unscale(mem):
+        gs = grads(mem, spec, 2.0, {599: [(0, math.nan)]})
+        return gs, torch.zeros(()), torch.tensor(0.5), torch.zeros(len(gs), dtype=torch.bool)
+
+    run_case("non_finite_check_and_unscale_", build_unscale, orders=("descending",))
+
+
+def test_tensor_split_across_two_launches():
+    # 320 blocks per launch: 3 small tensors then one of 330 chunks, which the first launch cuts.
+    spec = spec_of([10, 20, 30, 330 * CHUNK - 17], [F32], offsets=[0, 1, 2, 3])
+
+    def build_stats(mem):
+        return grads(mem, spec, 1.0, {3: [(318 * CHUNK, -math.inf)]}), torch.tensor(1.0), 2.0
+
+    run_case("grad_stats", build_stats, reductions=(1,), orders=("ascending", "random"))
+
+    def build_clip(mem):
+        return grads(mem, spec, 1.0), torch.tensor(0.5), torch.tensor(7.0), 2.0
+
+    run_case("clip_unscale_", build_clip, orders=("descending",))
+
+
+# --- update_scale_ ----------------------------------------------------------------------------
+
+INT32_MAX = 2**31 - 1
+SCALE_STATES = [
+    # scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff, interval,
+    # hysteresis, min_scale, max_scale
+    (65536.0, 0, 1, 0.0, 2.0, 0.5, 2000, 1, 0.0, math.inf),
+    (65536.0, 1999, 1, 0.0, 2.0, 0.5, 2000, 1, 0.0, math.inf),
+    (65536.0, 5, 1, 1.0, 2.0, 0.5, 2000, 1, 0.0, math.inf),
+    (2.0**127, 9, 1, 0.0, 2.0, 0.5, 10, 1, 0.0, math.inf),  # growth to inf is refused
+    (1.0, INT32_MAX - 1, 1, 0.0, 2.0, 0.5, INT32_MAX, 1, 0.0, math.inf),  # tracker reaches INT32_MAX
+    (1.0, INT32_MAX - 2, 1, 0.0, 2.0, 0.5, INT32_MAX, 1, 0.0, math.inf),
+    (8.0, 3, 3, 1.0, 2.0, 0.5, 100, 3, 0.0, math.inf),  # hysteresis absorbs an overflow
+    (8.0, 3, 1, 1.0, 2.0, 0.5, 100, 3, 4.0, 16.0),  # backoff clamped at min_scale
+    (16.0, 99, 1, 0.0, 2.0, 0.5, 100, 1, 1.0, 16.0),  # growth clamped at max_scale
+    (3.0, 0, 1, math.nan, 1.5, 0.25, 1, 2, 0.0, math.inf),
+]
+
+
+@pytest.mark.parametrize("state", SCALE_STATES, ids=range(len(SCALE_STATES)))
+def test_update_scale(state):
+    scale, gt, ht, found, gf, bf, interval, hyst, lo, hi = state
+
+    def build(mem):
+        return (mem.place(torch.tensor([scale]), 1).view(()), mem.place(torch.tensor([gt], dtype=torch.int32), 2).view(()),
+                mem.place(torch.tensor([ht], dtype=torch.int32)).view(()), torch.tensor(found), gf, bf,
+                interval, hyst, lo, hi)
+
+    run_case("update_scale_", build)
+
+
+# --- optimizers -------------------------------------------------------------------------------
+
+OPT_SPECS = {
+    "fp32": spec_of([1, 3, 7, 13, 1000, CHUNK + 5], [F32], offsets=[0, 1, 2, 3, 4, 5]),
+    "fp16": spec_of([1, 9, 4097, CHUNK - 1], [F16], offsets=[0, 3, 1]),
+    "bf16": spec_of([2, 31, 5000], [BF16], offsets=[1, 0]),
+}
+
+
+def _adam_build(spec, *, amsgrad, master, decoupled, maximize, lr_tensor, found, clip, inject=None):
+    def build(mem):
+        params = grads(mem, spec, 1.0)
+        gs = grads(mem, spec, 256.0, inject)
+        sdt = [F32 if master else dt for (_, dt, _, _) in spec]
+        ms = [mem.place(mem.randn(n, s, 0.1), off) for (n, _, off, _), s in zip(spec, sdt)]
+        vs = [mem.place(mem.randn(n, s, 0.1).abs(), off) for (n, _, off, _), s in zip(spec, sdt)]
+        vmax = [mem.place(mem.randn(n, s, 0.2).abs(), off) for (n, _, off, _), s in zip(spec, sdt)] if amsgrad else []
+        masters = [mem.place(p.float() + 1e-3, off) for p, (_, _, off, _) in zip(params, spec)] if master else []
+        steps = [mem.place(torch.tensor([float(i % 4)]), i % 3).view(()) for i in range(len(spec))]
+        lr_t = torch.tensor(3e-3) if lr_tensor else None
+        return (params, gs, ms, vs, vmax, steps, masters, 1e-2, lr_t, 0.9, 0.999, 0.05, 1e-8, amsgrad,
+                decoupled, maximize, torch.tensor(1 / 256), torch.tensor(found), torch.tensor(clip))
+    return build
+
+
+ADAM_VARIANTS = [
+    dict(amsgrad=False, master=False, decoupled=True, maximize=False, lr_tensor=False),
+    dict(amsgrad=True, master=False, decoupled=False, maximize=True, lr_tensor=False),
+    dict(amsgrad=False, master=True, decoupled=True, maximize=False, lr_tensor=True),
+    dict(amsgrad=True, master=True, decoupled=False, maximize=False, lr_tensor=False),
+]
+
+
+@pytest.mark.parametrize("dtype", sorted(OPT_SPECS))
+@pytest.mark.parametrize("variant", range(len(ADAM_VARIANTS)))
+def test_adam_step(dtype, variant):
+    v = ADAM_VARIANTS[variant]
+    if v["master"] and dtype == "fp32":
+        pytest.skip("master weights are for fp16/bf16 params (refused for fp32 by the op's checks)")
+    run_case("adam_step_", _adam_build(OPT_SPECS[dtype], found=0.0, clip=0.7, **v))
+
+
+@pytest.mark.parametrize("variant", range(len(ADAM_VARIANTS)))
+def test_adam_step_found_inf_writes_nothing(variant):
+    v = ADAM_VARIANTS[variant]
+    spec = OPT_SPECS["bf16"] if v["master"] else OPT_SPECS["fp32"]
+    build = _adam_build(spec, found=1.0, clip=0.5, inject={0: [(0, math.inf)]}, **v)
+    out = run_case("adam_step_", build, orders=("ascending", "random"))
+    fresh = [t.clone() for t in _flat(build(Mem(0)))]
+    for i, (a, b) in enumerate(zip(out["emu"], fresh)):
+        assert torch.equal(a.view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), (
+            f"adam_step_ with found_inf=1 wrote into argument tensor {i}")
+
+
+def _flat(args):
+    from harness import tensors_of
+    return tensors_of(list(args))
+
+
+def test_adam_step_mixed_dtypes_many_params():
+    # 130 params (more than a 4-list launch's table), fp32/fp16/bf16 mixed in one group.
+    spec = spec_of([3 + (i * 53) % 700 for i in range(130)], [F32, F16, BF16], offsets=[0, 1, 2, 3, 4, 5])
+    build = _adam_build(spec, amsgrad=False, master=False, decoupled=True, maximize=False,
+                        lr_tensor=False, found=0.0, clip=1.0)
+    run_case("adam_step_", build, orders=("ascending", "random"))
+
+
+SGD_VARIANTS = [
+    dict(momentum=0.0, dampening=0.0, nesterov=False, master=False, first=True),
+    dict(momentum=0.9, dampening=0.1, nesterov=False, master=False, first=False),
+    dict(momentum=0.9, dampening=0.0, nesterov=True, master=False, first=True),
+    dict(momentum=0.9, dampening=0.0, nesterov=True, master=True, first=False),
+    dict(momentum=0.5, dampening=0.3, nesterov=False, master=True, first=True),
+]
+
+
+def _sgd_build(spec, *, momentum, dampening, nesterov, master, first, found=0.0, lr_tensor=False):
+    def build(mem):
+        params = grads(mem, spec, 1.0)
+        gs = grads(mem, spec, 64.0)
+        sdt = [F32 if master else dt for (_, dt, _, _) in spec]
+        bufs = [mem.place(mem.randn(n, s), off) for (n, _, off, _), s in zip(spec, sdt)] if momentum else []
+        masters = [mem.place(p.float(), off) for p, (_, _, off, _) in zip(params, spec)] if master else []
+        counts = [torch.tensor(0.0 if first else 4.0) for _ in spec]
+        return (params, gs, bufs, counts, masters, 0.05, torch.tensor(0.02) if lr_tensor else None, 0.01,
+                momentum, dampening, nesterov, False, torch.tensor(1 / 64), torch.tensor(found),
+                torch.tensor(0.5))
+    return build
+
+
+@pytest.mark.parametrize("dtype", sorted(OPT_SPECS))
+@pytest.mark.parametrize("variant", range(len(SGD_VARIANTS)))
+def test_sgd_step(dtype, variant):
+    v = SGD_VARIANTS[variant]
+    if v["master"] and dtype == "fp32":
+        pytest.skip("master weights are for fp16/bf16 params (refused for fp32 by the op's checks)")
+    run_case("sgd_step_", _sgd_build(OPT_SPECS[dtype], lr_tensor=variant == 1, **v))
+
+
+def test_sgd_step_found_inf_writes_nothing():
+    build = _sgd_build(OPT_SPECS["fp16"], momentum=0.9, dampening=0.0, nesterov=False, master=True,
+                       first=False, found=1.0)
+    out = run_case("sgd_step_", build, orders=("descending",))
+    fresh = _flat(build(Mem(0)))
+    for i, (a, b) in enumerate(zip(out["emu"], fresh)):
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), i
+
+
+# --- gradient buckets -------------------------------------------------------------------------
+
+def _bucket_build(dtype, sizes, gap, scale_or_inv, unpack, inject=None, offsets=(0, 1, 2, 3, 4, 5)):
+    def build(mem):
+        spec = spec_of(sizes, [dtype], offsets=offsets)
+        gs = grads(mem, spec, 10.0, inject)
+        offs, n = [], 0
+        for g in gs:
+            offs.append(n)
+            n += g.numel() + gap
+        bucket = mem.tensor(n, dtype, 3.0, offset=1)
+        if unpack:
+            return bucket, gs, offs, torch.tensor(scale_or_inv)
+        return bucket, gs, offs, scale_or_inv
+    return build
+
+
+BUCKET_SIZES = [1, 7, 300, CHUNK + 1, 0, 13]
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("gap", [0, 3])
+def test_bucket_pack(dtype, gap):
+    run_case("bucket_pack_", _bucket_build(dtype, BUCKET_SIZES, gap, 0.25, unpack=False))
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("inject", [None, {2: [(5, math.nan)]}, {3: [(CHUNK, -math.inf)]}])
+def test_bucket_unpack(dtype, inject):
+    build = _bucket_build(dtype, BUCKET_SIZES, 2, 0.125, unpack=True)
+
+    def build_injected(mem):
+        bucket, gs, offs, inv = build(mem)
+        for i, pos in (inject or {}).items():
+            for j, v in pos:
+                bucket[offs[i] + j] = v
+        return bucket, gs, offs, inv
+
+    def ref(args):
+        bucket, gs, offs, inv = args
+        total = 0.0
+        for g, o in zip(gs, offs):
+            u = bucket[o:o + g.numel()].double() * float(inv)
+            if not torch.isfinite(u).all():
+                return [math.nan]
+            total += float(u.square().sum())
+        return [total]
+
+    run_case("bucket_unpack_", build_injected, reductions=(1,), reduction_ref=ref, rtol=2e-5)
+
+
+def test_bucket_unpack_many_chunks():
+    # 600 chunks: more partials than the 256 threads of the combining kernel.
+    build = _bucket_build(F32, [CHUNK] * 5 + [7] * 595, 0, 0.5, unpack=True, offsets=(0,))
+    run_case("bucket_unpack_", build, reductions=(1,), orders=("ascending", "random"))
+
+
+# --- tensor digest ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64, torch.int64, torch.uint8])
+def test_tensor_digest(dtype):
+    sizes = [1, 3, 7, 8, 9, 1000, 300000]
+
+    def build(mem):
+        out = []
+        for i, n in enumerate(sizes):
+            vals = (mem.randn(n, F64, 100.0)).to(dtype)
+            out.append(mem.place(vals, offset=i % 6))
+        out.append(mem.place(torch.zeros(0, dtype=dtype)))
+        return (out,)
+
+    run_case("tensor_digest", build)
