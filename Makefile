@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench cuda-build sanitize lint clean
+.PHONY: demo test bench cuda-build emu emu-faults sanitize lint clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,20 @@ $(VENV)/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cm
 demo: $(VENV)/.built
 	$(PY) examples/demo.py
 
-test: $(VENV)/.built
+# The CUDA emulator library: every csrc/**/*.cu compiled by g++ against this venv's torch
+# (tests/cuda_emu/build.py; cached objects, so this is quick when nothing changed). tests/cuda_emu
+# runs the CUDA host launchers and kernels on it against the CPU kernels.
+emu: $(VENV)/.built
+	$(PY) tests/cuda_emu/build.py
+
+test: emu
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Planted faults (a removed barrier, a wrong chunk index, a divergent shuffle, a misaligned 16-byte
+# load, an out-of-bounds write): each is built into its own emulator library and must make the
+# emulated tests fail with the expected report (tests/cuda_emu/mutants.py).
+emu-faults: emu
+	$(PY) tests/cuda_emu/mutants.py
 
 bench: $(VENV)/.built
 	$(PY) benchmarks/scaler/bench_grad_scaler.py
@@ -43,6 +55,8 @@ cuda-build:
 # The CPU kernels under AddressSanitizer + UndefinedBehaviorSanitizer: a non-editable, unstripped
 # -O1 -g build into its own venv (build/asan), then tests/sanitize/run.sh: the harness self-test,
 # then the op, fuzz and class tests with the sanitizer runtime preloaded; fails on any report.
+# tests/sanitize/run.sh also builds the CUDA emulator library with the same sanitizers and runs the
+# emulated CUDA tests on it.
 # float-cast-overflow is not part of GCC's "undefined" but is UB the inf/NaN tests could reach
 # (a non-finite float converted to an integer); float-divide-by-zero stays off: x/0 -> inf is the
 # IEEE behaviour the kernels rely on.

@@ -289,6 +289,7 @@ void run_block(BlockRun& run, const dim3& block, const uint3& bidx, const dim3& 
 void set_order(Order order, uint64_t seed) {
   g_order.store(static_cast<int>(order));
   g_seed.store(seed);
+  g_launch_counter.store(0);  // the same launches after the same set_order: the same schedules
 }
 
 Order order() { return static_cast<Order>(g_order.load()); }
@@ -468,7 +469,7 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, size_t param_size,
               " from inside a kernel (dynamic parallelism is not supported)");
 
   const Order ord = order();
-  // A fresh stream per launch, reproducible from the seed and the launch's ordinal.
+  // A fresh stream per launch, reproducible from the seed and the launch's ordinal since set_order.
   std::mt19937_64 rng(g_seed.load() ^ (0x9e3779b97f4a7c15ull * (g_launch_counter.fetch_add(1) + 1)));
   const uint64_t nblocks = uint64_t{grid.x} * grid.y * grid.z;
   // Block order: the same three orders as the threads within a block.

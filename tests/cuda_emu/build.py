@@ -5,7 +5,8 @@ that registers the CUDA host launchers as CPU kernels of ``torch.ops.fastamp_emu
 
     python tests/cuda_emu/build.py [--out DIR] [--sanitize] [--mutant NAME]
 
-Object files are cached by the hash of (flags, the translation unit, every non-.cu file of csrc),
+Object files are cached by the hash of (flags, the translation unit and the .cpp files it includes,
+every header of csrc),
 so a planted-fault build (``--mutant``, see mutants.py) recompiles only the .cu file it changes.
 Prints the library's path on its last line.
 """
@@ -16,6 +17,7 @@ import argparse
 import concurrent.futures
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +33,7 @@ DEFAULT_OUT = ROOT / "build" / "cuda_emu"
 HOST_SOURCES = [
     "emu/runtime.cpp",
     "emu/ops.cpp",
+    "emu/selftest.cpp",
     "emu/checks_scaler.cpp",
     "emu/checks_optim.cpp",
     "common/tensor_list.cpp",
@@ -75,13 +78,18 @@ def base_flags(sanitize: bool) -> list[str]:
 
 
 def shared_hash() -> str:
-    """Hash of every csrc file a translation unit may include (all but the .cu files)."""
+    """Hash of every header a translation unit may include (.h, .cuh, .inc under csrc)."""
     h = hashlib.sha256()
     for p in sorted(CSRC.rglob("*")):
-        if p.is_file() and p.suffix != ".cu":
+        if p.is_file() and p.suffix in (".h", ".cuh", ".inc"):
             h.update(str(p.relative_to(CSRC)).encode())
             h.update(p.read_bytes())
     return h.hexdigest()
+
+
+def included_sources(text: str) -> str:
+    """Text of the .cpp files a unit #includes (the checks wrappers include ops.cpp files)."""
+    return "".join((CSRC / m).read_text() for m in re.findall(r'#include "([^"]+\.cpp)"', text))
 
 
 def build(out: Path, sanitize: bool = False, overrides: dict[str, str] | None = None,
@@ -102,7 +110,9 @@ def build(out: Path, sanitize: bool = False, overrides: dict[str, str] | None = 
 
     def compile_one(rel: str) -> Path:
         text = overrides[rel] if rel in overrides else (CSRC / rel).read_text()
-        key = hashlib.sha256("\0".join([cxx, *flags, shared, rel, text]).encode()).hexdigest()[:24]
+        key = hashlib.sha256(
+            "\0".join([cxx, *flags, shared, rel, text, included_sources(text)]).encode()
+        ).hexdigest()[:24]
         obj = objdir / f"{Path(rel).stem}-{key}.o"
         if obj.exists():
             return obj

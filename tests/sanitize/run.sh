@@ -105,6 +105,13 @@ CLASS_TESTS=(tests/scaler/test_grad_scaler.py tests/scaler/test_cpu_capabilities
   tests/scaler/test_compile.py tests/optim/test_optimizers.py tests/checkpoint/test_checkpoint.py
   tests/distributed/test_ddp.py tests/toolkit tests/test_library.py)
 
+# The CUDA emulator library with the same sanitizers (its objects are cached in build/cuda_emu/asan).
+# Its fibers tell ASan about every stack switch, so the fibers' stacks are not reported.
+emu_lib=$("$PY" tests/cuda_emu/build.py --sanitize | tail -n 1)
+[ -f "$emu_lib" ] || { echo "sanitize: building the CUDA emulator library failed" >&2; exit 1; }
+export FASTAMP_EMU_LIB=$emu_lib
+EMU_TESTS=(tests/cuda_emu/test_emulator.py tests/cuda_emu/test_emulated_ops.py)
+
 rc=0
 passes=()
 run_pass() {  # name [VAR=value...] -- pytest args...
@@ -124,7 +131,7 @@ run_pass() {  # name [VAR=value...] -- pytest args...
 if [ $# -gt 0 ]; then
   run_pass custom -- "$@"
 else
-  run_pass suite -- "${OP_TESTS[@]}" "${CLASS_TESTS[@]}"
+  run_pass suite -- "${OP_TESTS[@]}" "${CLASS_TESTS[@]}" "${EMU_TESTS[@]}"
   run_pass ops-baseline-isa FASTAMP_CPU_CAPABILITY=default -- "${OP_TESTS[@]}"
 fi
 
