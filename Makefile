@@ -32,6 +32,7 @@ emu: $(VENV)/.built
 	$(PY) tests/cuda_emu/build.py
 
 test: emu
+	$(PY) .ci/check_fp_contract.py build/$(notdir $(VENV))
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Planted faults (a removed barrier, a wrong chunk index, a divergent shuffle, a misaligned 16-byte
@@ -46,10 +47,12 @@ bench: $(VENV)/.built
 	$(PY) benchmarks/checkpoint/bench_checkpoint.py
 
 # The CUDA flavour: torch 2.14.1 (CUDA 13.0) + nvcc; builds the CUDA kernels (no GPU needed),
-# checks every op has a CUDA kernel registered, and runs the host-side checks of the CUDA driver.
+# checks every op has a CUDA kernel registered, that no multiply-add is fused (CPU objects, PTX),
+# and runs the host-side checks of the CUDA driver.
 cuda-build:
 	$(MAKE) $(VENV)-cuda/.built VENV=$(VENV)-cuda TORCH_SPEC=torch==2.14.1 FASTAMP_CUDA=ON
 	$(VENV)-cuda/bin/python .ci/check_cuda_build.py
+	$(VENV)-cuda/bin/python .ci/check_fp_contract.py build/$(notdir $(VENV))-cuda
 	tests/cuda_host/run.sh $(VENV)-cuda/bin/python
 
 # The CPU kernels under AddressSanitizer + UndefinedBehaviorSanitizer: a non-editable, unstripped
