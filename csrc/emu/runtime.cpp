@@ -1,10 +1,12 @@
 // The CUDA execution emulator's scheduler (see runtime.h for the model). One block at a time: its
-// threads are fibers (ucontext) on the calling OS thread; a fiber runs until it reaches a barrier
+// threads are fibers on the calling OS thread; a fiber runs until it reaches a barrier
 // or a warp collective that cannot complete yet, or exits, and the scheduler then picks the next
 // runnable fiber in the launch's order.
 #include "emu/runtime.h"
 
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -58,6 +60,95 @@ std::mutex g_stats_mu;
 Stats g_stats;
 std::set<std::string> g_launched;
 
+// --- fiber contexts ----------------------------------------------------------------------------
+// x86-64: a minimal switch that saves the callee-saved registers and the FP control words on the
+// old stack and swaps stack pointers (glibc's swapcontext makes a sigprocmask system call per
+// switch, which made the emulator several times slower). Elsewhere: ucontext.
+#if defined(__x86_64__)
+extern "C" void fastamp_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .p2align 4
+  .globl fastamp_emu_switch
+  .hidden fastamp_emu_switch
+  .type fastamp_emu_switch,@function
+fastamp_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $16, %rsp
+  stmxcsr 8(%rsp)
+  fnstcw (%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  fldcw (%rsp)
+  ldmxcsr 8(%rsp)
+  addq $16, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size fastamp_emu_switch,.-fastamp_emu_switch
+)");
+
+struct Context {
+  void* sp = nullptr;
+  char* stack = nullptr;
+  size_t size = 0;
+};
+
+/// Prepares ctx to start entry() on [stack, stack + size) at its first switch_to.
+void init_context(Context& ctx, char* stack, size_t size, void (*entry)()) {
+  ctx.stack = stack;
+  ctx.size = size;
+  auto top = reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t{15};
+  auto* w = reinterpret_cast<uint64_t*>(top);
+  w[-1] = 0;                                     // entry's return address: it never returns
+  w[-2] = reinterpret_cast<uint64_t>(entry);     // popped by `ret`
+  for (int r = 3; r <= 8; ++r) w[-r] = 0;        // rbp rbx r12 r13 r14 r15
+  uint32_t mxcsr;
+  uint16_t fcw;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fcw));
+  auto* cw = reinterpret_cast<char*>(&w[-10]);  // 16 bytes: fcw at +0, mxcsr at +8
+  std::memcpy(cw, &fcw, sizeof(fcw));
+  std::memcpy(cw + 8, &mxcsr, sizeof(mxcsr));
+  ctx.sp = cw;
+}
+
+inline void switch_to(Context& from, Context& to) { fastamp_emu_switch(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc;
+  char* stack = nullptr;
+  size_t size = 0;
+};
+
+void init_context(Context& ctx, char* stack, size_t size, void (*entry)()) {
+  static thread_local ucontext_t tmpl;
+  static thread_local bool have_tmpl = false;
+  if (!have_tmpl) {  // getcontext makes a system call: once per OS thread
+    getcontext(&tmpl);
+    have_tmpl = true;
+  }
+  ctx.stack = stack;
+  ctx.size = size;
+  ctx.uc = tmpl;
+  ctx.uc.uc_stack.ss_sp = stack;
+  ctx.uc.uc_stack.ss_size = size;
+  ctx.uc.uc_link = nullptr;
+  makecontext(&ctx.uc, entry, 0);
+}
+
+inline void switch_to(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 enum class State : uint8_t { kReady, kBarrier, kWarp, kDone };
 
 const char* warp_op_name(WarpOp op) {
@@ -72,7 +163,7 @@ const char* warp_op_name(WarpOp op) {
 }
 
 struct Fiber {
-  ucontext_t uc;
+  Context uc;
   ThreadCtx ctx;
   State state = State::kReady;
   unsigned tid = 0;  // linear thread index within the block
@@ -99,7 +190,7 @@ struct BlockRun {
   const char* kernel = nullptr;
   const std::function<void()>* body = nullptr;
   std::vector<Fiber> fibers;
-  ucontext_t sched;
+  Context sched;
   Fiber* cur = nullptr;
   unsigned live = 0;
   unsigned at_barrier = 0;
@@ -131,10 +222,10 @@ void to_scheduler(BlockRun& run) {
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(f->state == State::kDone ? nullptr : &fake, run.sched_bottom,
                                  run.sched_size);
-  swapcontext(&f->uc, &run.sched);
+  switch_to(f->uc, run.sched);
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #else
-  swapcontext(&f->uc, &run.sched);
+  switch_to(f->uc, run.sched);
 #endif
   tl_ctx = &f->ctx;  // resumed: this fiber runs again
 }
@@ -202,11 +293,11 @@ void resume(BlockRun& run, Fiber& f) {
   ++run.switches;
 #if defined(FASTAMP_EMU_ASAN)
   void* fake = nullptr;
-  __sanitizer_start_switch_fiber(&fake, f.uc.uc_stack.ss_sp, f.uc.uc_stack.ss_size);
-  swapcontext(&run.sched, &f.uc);
+  __sanitizer_start_switch_fiber(&fake, f.uc.stack, f.uc.size);
+  switch_to(run.sched, f.uc);
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #else
-  swapcontext(&run.sched, &f.uc);
+  switch_to(run.sched, f.uc);
 #endif
   tl_ctx = nullptr;
   run.cur = nullptr;
@@ -239,13 +330,6 @@ std::vector<unsigned> make_order(unsigned n, Order order, std::mt19937_64& rng) 
 void run_block(BlockRun& run, const dim3& block, const uint3& bidx, const dim3& grid,
                Order order, std::mt19937_64& rng) {
   const unsigned n = block.x * block.y * block.z;
-  // getcontext once per OS thread (it makes a system call); each fiber starts from a copy.
-  static thread_local ucontext_t tmpl;
-  static thread_local bool have_tmpl = false;
-  if (!have_tmpl) {
-    getcontext(&tmpl);
-    have_tmpl = true;
-  }
   run.fibers.resize(n);
   run.live = n;
   run.at_barrier = 0;
@@ -258,11 +342,7 @@ void run_block(BlockRun& run, const dim3& block, const uint3& bidx, const dim3& 
     f.ctx.block_idx = bidx;
     f.ctx.block_dim = block;
     f.ctx.grid_dim = grid;
-    f.uc = tmpl;
-    f.uc.uc_stack.ss_sp = tl_stacks.get(t);
-    f.uc.uc_stack.ss_size = kStackBytes;
-    f.uc.uc_link = nullptr;
-    makecontext(&f.uc, &fiber_main, 0);
+    init_context(f.uc, tl_stacks.get(t), kStackBytes, &fiber_main);
   }
   std::vector<unsigned> ord = make_order(n, order, rng);
   while (run.live > 0 && run.error.empty()) {

@@ -45,6 +45,7 @@ def test_every_cuda_launcher_has_a_differential_test():
     untested = sorted(n for n in launchers if f'"{n}"' not in tests)
     assert not untested, f"CUDA launchers with no emulated differential test: {untested}"
     # and each is registered in the emulator library
+    emu.load()
     for n in launchers:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"fastamp_emu::{n}", "CPU"), n
 
