@@ -252,14 +252,16 @@ namespace detail {
 /// [i*V, i*V + V)), visited in increasing order and, within a slot, element by element. The order
 /// is the same whether a slot is read with one 16-byte load (aligned, full) or element by element
 /// (misaligned base, or the chunk's ragged end), so reductions do not depend on alignment.
-/// Every loop over j is unrolled with a predicate instead of a variable bound: a variable index
-/// into r[] would move it from registers to local memory.
+/// Reads src; with kWrite stores f(x) to dst (which may be src, or another chunk of the same
+/// size); without, calls f(x) only. Every loop over j is unrolled with a predicate instead of a
+/// variable bound: a variable index into r[] would move it from registers to local memory.
 /// Host-callable with an explicit `tid` so that tests can check coverage and order without a GPU.
 template <bool kWrite, typename T, typename F>
-__host__ __device__ __forceinline__ void mta_chunk_loop(std::conditional_t<kWrite, T*, const T*> p,
-                                                        int n, F& f, int tid) {
+__host__ __device__ __forceinline__ void mta_chunk_loop(const T* src, T* dst, int n, F& f,
+                                                        int tid) {
   constexpr int V = kMtaVec<T>;
-  const bool aligned = (reinterpret_cast<uintptr_t>(p) % 16) == 0;
+  bool aligned = (reinterpret_cast<uintptr_t>(src) % 16) == 0;
+  if constexpr (kWrite) aligned = aligned && (reinterpret_cast<uintptr_t>(dst) % 16) == 0;
   const int nvec = (n + V - 1) / V;
   for (int base = tid; base < nvec; base += kMtaThreads * kMtaIlp) {
     MtaVec<T> r[kMtaIlp];
@@ -270,11 +272,11 @@ __host__ __device__ __forceinline__ void mta_chunk_loop(std::conditional_t<kWrit
       const int left = n - i * V;
       valid[k] = left <= 0 ? 0 : (left < V ? left : V);
       if (aligned && valid[k] == V) {
-        r[k] = gpu::vec_load(reinterpret_cast<const MtaVec<T>*>(p) + i);
+        r[k] = gpu::vec_load(reinterpret_cast<const MtaVec<T>*>(src) + i);
       } else {
         FASTAMP_MTA_UNROLL
         for (int j = 0; j < V; ++j) {
-          if (j < valid[k]) r[k].v[j] = p[i * V + j];
+          if (j < valid[k]) r[k].v[j] = src[i * V + j];
         }
       }
     }
@@ -293,11 +295,11 @@ __host__ __device__ __forceinline__ void mta_chunk_loop(std::conditional_t<kWrit
       }
       if constexpr (kWrite) {
         if (aligned && valid[k] == V) {
-          gpu::vec_store(reinterpret_cast<MtaVec<T>*>(p) + i, r[k]);
+          gpu::vec_store(reinterpret_cast<MtaVec<T>*>(dst) + i, r[k]);
         } else {
           FASTAMP_MTA_UNROLL
           for (int j = 0; j < V; ++j) {
-            if (j < valid[k]) p[i * V + j] = r[k].v[j];
+            if (j < valid[k]) dst[i * V + j] = r[k].v[j];
           }
         }
       }
@@ -312,14 +314,23 @@ __host__ __device__ __forceinline__ void mta_chunk_loop(std::conditional_t<kWrit
 /// aligned.
 template <typename T, typename F>
 __device__ __forceinline__ void mta_read(const T* p, int n, F&& f) {
-  detail::mta_chunk_loop<false, T>(p, n, f, static_cast<int>(threadIdx.x));
+  detail::mta_chunk_loop<false, T>(p, static_cast<T*>(nullptr), n, f,
+                                   static_cast<int>(threadIdx.x));
 }
 
 /// Replaces each element x of the chunk [p, p + n) owned by this thread with f(x), with 16-byte
 /// loads and stores where p is 16-byte aligned.
 template <typename T, typename F>
 __device__ __forceinline__ void mta_update(T* p, int n, F&& f) {
-  detail::mta_chunk_loop<true, T>(p, n, f, static_cast<int>(threadIdx.x));
+  detail::mta_chunk_loop<true, T>(p, p, n, f, static_cast<int>(threadIdx.x));
+}
+
+/// Writes dst[e] = f(src[e]) for each element of the chunk owned by this thread, in the same
+/// per-thread order as mta_read over src (so a reduction inside f sums exactly as mta_read's
+/// would), with 16-byte accesses where both chunks are 16-byte aligned.
+template <typename T, typename F>
+__device__ __forceinline__ void mta_transform(const T* src, T* dst, int n, F&& f) {
+  detail::mta_chunk_loop<true, T>(src, dst, n, f, static_cast<int>(threadIdx.x));
 }
 
 namespace detail {

@@ -5,10 +5,12 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
-#include "common/multi_tensor_apply.h"
+#include "common/multi_tensor_apply_cpu.h"
 #include "distributed/bucket_checks.h"
+#include "scaler/scaler_cpu_kernels.h"
 #include "scaler/scaler_math.h"
 
+#include <algorithm>
 #include <vector>
 
 namespace fastamp {
@@ -32,20 +34,20 @@ void bucket_pack_cpu(at::Tensor& bucket, at::TensorList grads, at::IntArrayRef o
   const float s = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bucket.scalar_type(), "bucket_pack_", [&] {
     scalar_t* b = bucket.data_ptr<scalar_t>();
-    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t c = lo; c < hi; ++c) {
-        const Chunk& ch = chunks[static_cast<size_t>(c)];
-        const Slot& sl = slots[static_cast<size_t>(ch.item)];
-        const scalar_t* g = static_cast<const scalar_t*>(sl.grad) + ch.start;
-        scalar_t* dst = b + sl.offset + ch.start;
-        for (int64_t i = 0; i < ch.len; ++i) {
-          dst[i] = static_cast<scalar_t>(static_cast<float>(g[i]) * s);
-        }
+    cpu_for_each_chunk(chunks, [&](int64_t, const Chunk& ch) {
+      const Slot& sl = slots[static_cast<size_t>(ch.item)];
+      const scalar_t* g = static_cast<const scalar_t*>(sl.grad) + ch.start;
+      scalar_t* dst = b + sl.offset + ch.start;
+      for (int64_t i = 0; i < ch.len; ++i) {
+        dst[i] = static_cast<scalar_t>(static_cast<float>(g[i]) * s);
       }
     });
   });
 }
 
+// The copy, then the scaler's own stats kernel over the copied chunk (still in cache): the norm and
+// inf flag DDP hands the scaler are grad_stats' on the unpacked grads, bit for bit (same chunks,
+// same per-chunk kernel, partials combined in chunk order).
 std::tuple<at::Tensor, at::Tensor> bucket_unpack_cpu(const at::Tensor& bucket, at::TensorList grads,
                                                      at::IntArrayRef offsets,
                                                      const at::Tensor& inv_scale) {
@@ -54,53 +56,24 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cpu(const at::Tensor& bucket, a
   std::vector<float> partial(chunks.size(), 0.0f);
   std::vector<uint8_t> bad(chunks.size(), 0);
   const float inv = *inv_scale.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bucket.scalar_type(), "bucket_unpack_", [&] {
+  const auto dtype = bucket.scalar_type();
+  const scaler::CpuKernels& k = scaler::cpu_kernels();
+  constexpr auto kL2 = static_cast<int32_t>(scaler::NormKind::kL2);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "bucket_unpack_", [&] {
     const scalar_t* b = bucket.data_ptr<scalar_t>();
-    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
-      for (int64_t c = lo; c < hi; ++c) {
-        const Chunk& ch = chunks[static_cast<size_t>(c)];
-        const Slot& sl = slots[static_cast<size_t>(ch.item)];
-        const scalar_t* src = b + sl.offset + ch.start;
-        scalar_t* g = static_cast<scalar_t*>(sl.grad) + ch.start;
-        // Independent lanes, as in the scaler's stats pass: accurate fp32 sums over 64 Ki terms.
-        // A fixed inner loop over the lanes (not acc[i % kLanes]) so that it vectorises.
-        constexpr int kLanes = 16;
-        float acc[kLanes] = {};
-        float probe[kLanes] = {};
-        int64_t i = 0;
-        for (; i + kLanes <= ch.len; i += kLanes) {
-          for (int j = 0; j < kLanes; ++j) {
-            const scalar_t x = src[i + j];
-            g[i + j] = x;
-            const float v = static_cast<float>(x);
-            probe[j] += scaler::nonfinite_probe(v);
-            const float u = scaler::unscale(v, inv);
-            acc[j] += u * u;
-          }
-        }
-        for (int j = 0; i < ch.len; ++i, ++j) {
-          const scalar_t x = src[i];
-          g[i] = x;
-          const float v = static_cast<float>(x);
-          probe[j] += scaler::nonfinite_probe(v);
-          const float u = scaler::unscale(v, inv);
-          acc[j] += u * u;
-        }
-        float sum = 0.0f;
-        float probe_sum = 0.0f;
-        for (int j = 0; j < kLanes; ++j) {
-          sum += acc[j];
-          probe_sum += probe[j];
-        }
-        partial[static_cast<size_t>(c)] = sum;
-        bad[static_cast<size_t>(c)] = probe_sum != 0.0f;
-      }
+    cpu_for_each_chunk(chunks, [&](int64_t c, const Chunk& ch) {
+      const Slot& sl = slots[static_cast<size_t>(ch.item)];
+      scalar_t* g = static_cast<scalar_t*>(sl.grad) + ch.start;
+      std::copy_n(b + sl.offset + ch.start, ch.len, g);
+      bool nonfinite = false;
+      k.stats(dtype, kL2, g, ch.len, inv, 2.0f, &partial[static_cast<size_t>(c)], &nonfinite);
+      bad[static_cast<size_t>(c)] = nonfinite ? 1 : 0;
     });
   });
   float total = 0.0f;
   bool any = false;
   for (size_t c = 0; c < chunks.size(); ++c) {
-    total += partial[c];
+    total = scaler::norm_combine<scaler::NormKind::kL2>(total, partial[c]);
     any = any || bad[c];
   }
   const auto opts = bucket.options().dtype(at::kFloat);

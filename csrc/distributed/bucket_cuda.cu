@@ -1,112 +1,89 @@
-// CUDA kernels of the gradient-bucket ops: one launch per op over all slots (a block per chunk,
-// with the slot table in device memory), the unpack's sums combined in a fixed order.
+// CUDA kernels of the gradient-bucket ops, on the multi-tensor engine: grad i and its slice of the
+// bucket travel as item i of two parallel lists, so a launch covers many grads with no chunk table
+// to copy to the device, and 16-byte accesses where both sides are aligned.
+//
+// The unpack computes its inf check and L2 partials with the scaler's StatsAcc over the grads in
+// grad_stats' chunks and per-thread order, reduces them the same way and combines them with the
+// same kernel: the norm DDP hands the scaler is bit-identical to grad_stats on the unpacked grads.
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 
 #include "common/gpu.cuh"
-#include "common/multi_tensor_apply.h"
+#include "common/multi_tensor_apply_cuda.cuh"
 #include "distributed/bucket_checks.h"
-#include "scaler/scaler_math.h"
+#include "scaler/scaler_cuda.cuh"
 
+#include <array>
 #include <vector>
 
 namespace fastamp {
 namespace distributed {
 namespace {
 
-constexpr int kThreads = 256;
+using scaler::NormKind;
 
-struct DevChunk {
-  void* grad;        // the slot's grad, at the chunk's first element
-  int64_t offset;    // bucket element of the chunk's first element
-  int64_t len;
+// The bucket's slots and the grads as two parallel engine lists, in the caller's grad order
+// (empty grads are dropped, as FlatTensorList does).
+struct SlotLists {
+  std::vector<FlatTensor> grads;
+  std::vector<FlatTensor> slices;
 };
 
-// The chunk table travels as one small host-to-device copy (pinned, async, stream-ordered).
-at::Tensor chunk_table(const std::vector<Slot>& slots, size_t elem, const c10::Device& dev,
-                       int64_t* n_out) {
-  std::vector<FlatTensor> flat;
+SlotLists slot_lists(const at::Tensor& bucket, const std::vector<Slot>& slots) {
+  SlotLists l;
+  const auto dt = bucket.scalar_type();
+  char* base = static_cast<char*>(bucket.data_ptr());
+  const auto elem = static_cast<int64_t>(bucket.element_size());
   for (size_t i = 0; i < slots.size(); ++i) {
-    flat.push_back(FlatTensor{slots[i].grad, slots[i].numel, at::kFloat, static_cast<int64_t>(i)});
+    if (slots[i].numel == 0) continue;
+    const auto idx = static_cast<int64_t>(i);
+    l.grads.push_back(FlatTensor{slots[i].grad, slots[i].numel, dt, idx});
+    l.slices.push_back(FlatTensor{base + slots[i].offset * elem, slots[i].numel, dt, idx});
   }
-  const auto chunks = plan_chunks(flat);
-  *n_out = static_cast<int64_t>(chunks.size());
-  at::Tensor host = at::empty({static_cast<int64_t>(chunks.size() * sizeof(DevChunk))},
-                              gpu::staging_options());
-  auto* t = reinterpret_cast<DevChunk*>(host.data_ptr());
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    const Slot& s = slots[static_cast<size_t>(chunks[c].item)];
-    t[c] = DevChunk{static_cast<char*>(s.grad) + chunks[c].start * static_cast<int64_t>(elem),
-                    s.offset + chunks[c].start, chunks[c].len};
-  }
-  return host.to(dev, /*non_blocking=*/true);
+  return l;
 }
 
-template <typename T>
-__global__ void pack_kernel(T* bucket, const DevChunk* table, float scale) {
-  const DevChunk c = table[blockIdx.x];
-  const T* g = static_cast<const T*>(c.grad);
-  for (int64_t i = threadIdx.x; i < c.len; i += kThreads) {
-    bucket[c.offset + i] = static_cast<T>(static_cast<float>(g[i]) * scale);
-  }
-}
+// list 0: the bucket's slices (written), list 1: the grads.
+struct PackOp {
+  float scale;
 
-template <typename T>
-__global__ void unpack_kernel(const T* bucket, const DevChunk* table, const float* inv_scale,
-                              float* partials, float* found_inf) {
-  const DevChunk c = table[blockIdx.x];
-  T* g = static_cast<T*>(c.grad);
-  const float inv = *inv_scale;
-  float acc = 0.0f;
-  float probe = 0.0f;
-  for (int64_t i = threadIdx.x; i < c.len; i += kThreads) {
-    const T x = bucket[c.offset + i];
-    g[i] = x;
-    const float v = static_cast<float>(x);
-    probe += scaler::nonfinite_probe(v);
-    const float u = scaler::unscale(v, inv);
-    acc += u * u;
+  template <typename T>
+  __device__ void apply(const MtaBlock<2>& blk) const {
+    const float s = scale;
+    mta_transform(blk.ptr<T>(1), blk.ptr<T>(0), blk.len,
+                  [&](T x) { return static_cast<T>(static_cast<float>(x) * s); });
   }
-  if (probe != 0.0f) *found_inf = 1.0f;  // benign race: every writer stores 1
-  __shared__ float sums[kThreads];
-  sums[threadIdx.x] = acc;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {  // fixed tree: deterministic
-    if (static_cast<int>(threadIdx.x) < s) sums[threadIdx.x] += sums[threadIdx.x + s];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) partials[blockIdx.x] = sums[0];
-}
+};
 
-__global__ void sum_partials(const float* partials, int64_t n, float* out) {
-  __shared__ float sums[kThreads];
-  float acc = 0.0f;
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) acc += partials[i];
-  sums[threadIdx.x] = acc;
-  __syncthreads();
-  for (int s = kThreads / 2; s > 0; s >>= 1) {
-    if (static_cast<int>(threadIdx.x) < s) sums[threadIdx.x] += sums[threadIdx.x + s];
-    __syncthreads();
+// list 0: the grads (written), list 1: the bucket's slices.
+struct UnpackOp {
+  const float* inv_scale;
+  float* partials;  // one slot per chunk of the grads
+  float* found_inf;
+
+  template <typename T>
+  __device__ void apply(const MtaBlock<2>& blk) const {
+    scaler::StatsAcc<NormKind::kL2, T> st(*inv_scale, 2.0f);
+    mta_transform(blk.ptr<T>(1), blk.ptr<T>(0), blk.len, [&](T x) {
+      st.add(x);
+      return x;
+    });
+    if (st.nonfinite()) *found_inf = 1.0f;  // benign race: every writer stores 1
+    const float total =
+        mta_block_reduce<kMtaThreads>(st.acc, scaler::CombineFn<NormKind::kL2>{}, 0.0f);
+    if (threadIdx.x == 0) partials[blk.chunk_id] = total;
   }
-  if (threadIdx.x == 0) *out = sums[0];
-}
+};
 
 void bucket_pack_cuda(at::Tensor& bucket, at::TensorList grads, at::IntArrayRef offsets,
                       double scale) {
   gpu::check_device(bucket.device(), "fastamp::bucket_pack_", "bucket");
   const auto slots = check_bucket("fastamp::bucket_pack_", bucket, grads, offsets);
   gpu::DeviceGuard guard(bucket.device());
-  int64_t n = 0;
-  at::Tensor table = chunk_table(slots, bucket.element_size(), bucket.device(), &n);
-  if (n == 0) return;
-  const gpu::Stream stream = gpu::current_stream(bucket.device());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bucket.scalar_type(), "bucket_pack_", [&] {
-    gpu::launch("pack_kernel", &pack_kernel<scalar_t>, dim3(static_cast<unsigned>(n)),
-                dim3(kThreads), stream, bucket.data_ptr<scalar_t>(),
-                reinterpret_cast<const DevChunk*>(table.data_ptr()), static_cast<float>(scale));
-  });
+  const SlotLists l = slot_lists(bucket, slots);
+  cuda_multi_tensor_apply<2>({&l.slices, &l.grads}, bucket.device(),
+                             PackOp{static_cast<float>(scale)});
 }
 
 std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
@@ -119,20 +96,16 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
   const auto opts = bucket.options().dtype(at::kFloat);
   at::Tensor found = at::zeros({}, opts);
   at::Tensor pow_sum = at::zeros({}, opts);
-  int64_t n = 0;
-  at::Tensor table = chunk_table(slots, bucket.element_size(), bucket.device(), &n);
+  const SlotLists l = slot_lists(bucket, slots);
+  const int64_t n = scaler::count_chunks(l.grads);
   if (n == 0) return {found, pow_sum};
+  // Every slot is written by exactly one block before the combining kernel reads it.
   at::Tensor partials = at::empty({n}, opts);
-  const gpu::Stream stream = gpu::current_stream(bucket.device());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bucket.scalar_type(), "bucket_unpack_", [&] {
-    gpu::launch("unpack_kernel", &unpack_kernel<scalar_t>, dim3(static_cast<unsigned>(n)),
-                dim3(kThreads), stream, static_cast<const scalar_t*>(bucket.data_ptr<scalar_t>()),
-                reinterpret_cast<const DevChunk*>(table.data_ptr()),
-                static_cast<const float*>(inv_scale.data_ptr<float>()), partials.data_ptr<float>(),
-                found.data_ptr<float>());
-  });
-  gpu::launch("sum_partials", &sum_partials, dim3(1), dim3(kThreads), stream,
-              static_cast<const float*>(partials.data_ptr<float>()), n, pow_sum.data_ptr<float>());
+  cuda_multi_tensor_apply<2>({&l.grads, &l.slices}, bucket.device(),
+                             UnpackOp{inv_scale.data_ptr<float>(), partials.data_ptr<float>(),
+                                      found.data_ptr<float>()});
+  scaler::launch_combine<NormKind::kL2>(partials.data_ptr<float>(), n, pow_sum.data_ptr<float>(),
+                                        bucket.device());
   return {found, pow_sum};
 }
 

@@ -7,6 +7,7 @@
 #include "common/gpu.cuh"
 #include "common/multi_tensor_apply_cuda.cuh"
 #include "scaler/scaler_checks.h"
+#include "scaler/scaler_cuda.cuh"
 #include "scaler/scaler_math.h"
 
 #include <tuple>
@@ -15,16 +16,6 @@
 namespace fastamp {
 namespace scaler {
 namespace {
-
-// Same op-math types as the CPU kernels: half types compute in fp32, double stays double.
-template <typename T>
-using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
-constexpr int kFinalizeThreads = 512;
-
-// Inf-norm partials combine by max, every other norm by sum (the partials are already |x|^p).
-template <NormKind K>
-constexpr NormKind kCombineKind = K == NormKind::kInf ? NormKind::kInf : NormKind::kL2;
 
 // Marks tensor `index` and the whole list as non-finite. Every writer stores the same values, so
 // concurrent plain stores from many threads and blocks are benign; nothing ever clears them.
@@ -36,7 +27,7 @@ __device__ __forceinline__ void flag_nonfinite(float* found_inf, bool* tensor_fo
 
 // Read-only pass. Each block writes its chunk's norm partial to its own slot instead of an atomic
 // add, so that combine_partials_kernel can sum them in a fixed order: the norm then does not
-// depend on block scheduling.
+// depend on block scheduling. (bucket_cuda.cu's unpack computes its partials the same way.)
 template <NormKind K>
 struct StatsOp {
   const float* inv_scale;
@@ -47,37 +38,13 @@ struct StatsOp {
 
   template <typename T>
   __device__ void apply(const MtaBlock<1>& blk) const {
-    using acc_t = opmath_t<T>;
-    const float inv = *inv_scale;
-    const float pw = p;
-    float acc = 0.0f;
-    acc_t probe = acc_t(0);
-    mta_read(blk.ptr<T>(0), blk.len, [&](T x) {
-      const acc_t v = static_cast<acc_t>(x);
-      probe += nonfinite_probe(v);
-      const float u = static_cast<float>(unscale(v, inv));
-      acc = norm_combine<K>(acc, norm_term<K>(u, pw));
-    });
-    if (probe != acc_t(0)) flag_nonfinite(found_inf, tensor_found_inf, blk.index);
-    const float total = mta_block_reduce<kMtaThreads>(
-        acc, [](float a, float b) { return norm_combine<kCombineKind<K>>(a, b); }, 0.0f);
+    StatsAcc<K, T> st(*inv_scale, p);
+    mta_read(blk.ptr<T>(0), blk.len, [&](T x) { st.add(x); });
+    if (st.nonfinite()) flag_nonfinite(found_inf, tensor_found_inf, blk.index);
+    const float total = mta_block_reduce<kMtaThreads>(st.acc, CombineFn<K>{}, 0.0f);
     if (threadIdx.x == 0) partials[blk.chunk_id] = total;
   }
 };
-
-// Combines the per-chunk partials in a fixed order (a fixed thread-to-partial assignment, then a
-// fixed tree), so the norm is bitwise reproducible for given sizes.
-template <NormKind K>
-__global__ void __launch_bounds__(kFinalizeThreads)
-    combine_partials_kernel(const float* partials, int64_t n, float* out) {
-  float acc = 0.0f;
-  for (int64_t i = threadIdx.x; i < n; i += kFinalizeThreads) {
-    acc = norm_combine<K>(acc, partials[i]);
-  }
-  acc = mta_block_reduce<kFinalizeThreads>(
-      acc, [](float a, float b) { return norm_combine<K>(a, b); }, 0.0f);
-  if (threadIdx.x == 0) *out = acc;
-}
 
 // The non-finite test looks at the input, before unscaling, as PyTorch's kernel does, so found_inf
 // means "backward produced an inf/NaN" on both backends.
@@ -130,10 +97,7 @@ template <NormKind K>
 void launch_grad_stats(const std::vector<FlatTensor>& items, const c10::Device& device,
                        const StatsOp<K>& op, int64_t nchunks, float* norm_out) {
   cuda_multi_tensor_apply(items, device, op);
-  constexpr NormKind C = kCombineKind<K>;
-  gpu::launch("combine_partials_kernel", &combine_partials_kernel<C>, dim3(1),
-              dim3(kFinalizeThreads), gpu::current_stream(device),
-              static_cast<const float*>(op.partials), nchunks, norm_out);
+  launch_combine<K>(op.partials, nchunks, norm_out, device);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads,
@@ -149,8 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList gr
   at::Tensor tensor_found_inf = at::zeros({plan.grads.list_size()}, opts.dtype(at::kBool));
 
   const auto& items = plan.grads.items();
-  int64_t nchunks = 0;
-  for (const auto& t : items) nchunks += (t.numel + kChunkElems - 1) / kChunkElems;
+  const int64_t nchunks = count_chunks(items);
   if (nchunks == 0) return {found_inf, pow_sum, tensor_found_inf};
 
   // Every slot is written by exactly one block before the finalize kernel reads it.

@@ -59,11 +59,9 @@ MUTANTS = {
     # Half of each warp skips the stats reduction's shuffles.
     "divergent_shuffle": Mutant(
         "scaler/scaler_cuda.cu",
-        "    const float total = mta_block_reduce<kMtaThreads>(\n"
-        "        acc, [](float a, float b) { return norm_combine<kCombineKind<K>>(a, b); }, 0.0f);",
-        "    const float total = (threadIdx.x % 32) < 16 ? mta_block_reduce<kMtaThreads>(\n"
-        "        acc, [](float a, float b) { return norm_combine<kCombineKind<K>>(a, b); }, 0.0f)"
-        " : 0.0f;",
+        "    const float total = mta_block_reduce<kMtaThreads>(st.acc, CombineFn<K>{}, 0.0f);",
+        "    const float total = (threadIdx.x % 32) < 16 ?"
+        " mta_block_reduce<kMtaThreads>(st.acc, CombineFn<K>{}, 0.0f) : 0.0f;",
         "test_grad_stats and fp32-edges and 2.0",
         r"CUDA emulator: kernel multi_tensor_apply_kernel: .*(__shfl_down_sync|__syncthreads|exited)",
         "warp shuffle executed by half of the lanes of its mask",
@@ -77,13 +75,14 @@ MUTANTS = {
         r"misaligned 16-byte vector (load|store)",
         "16-byte vector load from an address that is not 16-byte aligned",
     ),
-    # The pack kernel writes one element past each chunk.
+    # The pack writes one element past each chunk of the bucket.
     "out_of_bounds_write": Mutant(
         "distributed/bucket_cuda.cu",
-        "  for (int64_t i = threadIdx.x; i < c.len; i += kThreads) {\n"
-        "    bucket[c.offset + i] = static_cast<T>(static_cast<float>(g[i]) * scale);",
-        "  for (int64_t i = threadIdx.x; i <= c.len; i += kThreads) {\n"
-        "    bucket[c.offset + i] = static_cast<T>(static_cast<float>(g[i]) * scale);",
+        "    mta_transform(blk.ptr<T>(1), blk.ptr<T>(0), blk.len,\n"
+        "                  [&](T x) { return static_cast<T>(static_cast<float>(x) * s); });",
+        "    mta_transform(blk.ptr<T>(1), blk.ptr<T>(0), blk.len,\n"
+        "                  [&](T x) { return static_cast<T>(static_cast<float>(x) * s); });\n"
+        "    if (threadIdx.x == 0) blk.ptr<T>(0)[blk.len] = T(0);",
         "test_bucket_pack",
         r"wrote outside tensor|differ from the CPU kernel",
         "bucket pack writes one element past its slot",

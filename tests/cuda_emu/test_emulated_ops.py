@@ -16,7 +16,8 @@ import math
 import pytest
 import torch
 
-from harness import Mem, run_case
+import emu
+from harness import Mem, bits, run_case
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 CHUNK = 65536
@@ -348,3 +349,20 @@ def test_tensor_digest(dtype):
         return (out,)
 
     run_case("tensor_digest", build)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulated-cuda"])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_bucket_unpack_norm_is_grad_stats_bit_for_bit(backend, dtype):
+    # What DDP hands the scaler must be grad_stats' result over the same grads, not an
+    # approximation of it: same chunks, same per-thread order, same reduction, same combine.
+    ns = torch.ops.fastamp if backend == "cpu" else None
+    build = _bucket_build(dtype, [5, CHUNK * 2 + 9, 0, 300, 17], 1, 0.25, unpack=True,
+                          offsets=(0, 1, 2))
+    bucket, gs, offs, inv = build(Mem(3))
+    unpack = ns.bucket_unpack_ if ns else emu.op("bucket_unpack_")
+    stats = ns.grad_stats if ns else emu.op("grad_stats")
+    found, pow_sum = unpack(bucket, gs, offs, inv)
+    s_found, s_pow, _ = stats(gs, inv, 2.0)
+    assert float(found) == float(s_found) == 0.0
+    assert bits(pow_sum).item() == bits(s_pow).item(), (float(pow_sum), float(s_pow))

@@ -25,7 +25,7 @@ int check(int n, int misalign_elems) {
     // Visit via values: store the element index in a side table keyed by call order.
     std::vector<int>& o = order[tid];
     auto g = [&](T x) { o.push_back(int(float(x))); ++cursor; };
-    fastamp::detail::mta_chunk_loop<false, T>(p, n, g, tid);
+    fastamp::detail::mta_chunk_loop<false, T>(p, static_cast<T*>(nullptr), n, g, tid);
   }
   // Recover indices: values are i % 200, so compare against the expected per-thread sequence.
   constexpr int V = kMtaVec<T>;
@@ -41,7 +41,7 @@ int check(int n, int misalign_elems) {
   for (int i = 0; i < n + 16; ++i) base[i] = T(float(i % 200));
   for (int tid = 0; tid < kMtaThreads; ++tid) {
     auto h = [](T x) { return T(float(x) + 1.0f); };
-    fastamp::detail::mta_chunk_loop<true, T>(base, n, h, tid);
+    fastamp::detail::mta_chunk_loop<true, T>(base, base, n, h, tid);
   }
   for (int i = 0; i < n + 16; ++i) {
     float want = float(i % 200) + (i < n ? 1.0f : 0.0f);
