@@ -86,6 +86,14 @@ void rng_set_state(at::TensorList states) {
 // tensor_digest([]) has no tensor to dispatch on: its digest list is empty. A non-empty call
 // lands here only on a device with no fastamp kernel, which is refused by name.
 at::Tensor tensor_digest_no_kernel(at::TensorList tensors) {
+  // Sparse tensors dispatch here too (there is no Sparse* kernel): say so, not "no kernel".
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].layout() == at::kStrided, "fastamp::tensor_digest: tensors[", i,
+                "] has layout ", tensors[i].layout(),
+                "; expected dense (strided) tensors: a digest covers a tensor's elements in "
+                "memory. Digest a sparse tensor's parts (t.coalesce()._indices() and "
+                "._values()) or t.to_dense()");
+  }
   TORCH_CHECK(tensors.empty(), "fastamp::tensor_digest: no kernel for tensors on ",
               tensors[0].device(), " in this build");
   return at::empty({0}, at::kLong);

@@ -175,6 +175,10 @@ void sgd_step_no_kernel(at::TensorList params, at::TensorList grads,
               " in this build");
 }
 
+std::vector<int64_t> shared_memory_pair(at::TensorList tensors) {
+  return find_shared_memory(tensors);
+}
+
 }  // namespace
 }  // namespace optim
 }  // namespace fastamp
@@ -204,9 +208,16 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
       "Tensor(c!)[] state_steps, Tensor(d!)[] master_params, float lr, Tensor? lr_tensor, "
       "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, "
       "Tensor? inv_scale, Tensor? found_inf, Tensor? clip_coef) -> ()");
+
+  // The first pair [i, j] (i <= j) of `tensors` that share an element of memory ([i, i]: the
+  // tensor's own elements overlap, as after expand()), or [] when none does. Reads only sizes,
+  // strides and addresses (no data, no sync); the same on every device. The optimizers run it
+  // over the params of all their groups before stepping any group.
+  m.def("shared_memory_pair(Tensor[] tensors) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
+  m.impl("shared_memory_pair", &fastamp::optim::shared_memory_pair);
   m.impl("adam_step_", &fastamp::optim::adam_step_no_kernel);
   m.impl("sgd_step_", &fastamp::optim::sgd_step_no_kernel);
 }
