@@ -212,15 +212,23 @@ std::vector<int64_t> find_shared_memory(at::TensorList tensors) {
 }
 
 void check_scalar_tensor(const at::Tensor& t, const char* op, const char* arg,
-                         const c10::Device& device, c10::ScalarType dtype) {
+                         const c10::Device& device, c10::ScalarType dtype,
+                         bool as_runtime_error) {
   TORCH_CHECK(t.defined(), op, ": ", arg, " is undefined; expected a one-element ",
               c10::toString(dtype), " tensor");
   TORCH_CHECK(t.device() == device, op, ": ", arg, " is on ", t.device(), "; expected ", device);
-  // RuntimeErrors, as PyTorch's amp ops raise for a scalar tensor of the wrong dtype or size.
-  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
-              "; expected ", c10::toString(dtype));
-  TORCH_CHECK(t.numel() == 1, op, ": ", arg, " has ", t.numel(),
-                    " elements; expected a one-element tensor");
+  if (as_runtime_error) {
+    // PyTorch's amp ops raise RuntimeError for a scalar tensor of the wrong dtype or size.
+    TORCH_CHECK(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
+                "; expected ", c10::toString(dtype));
+    TORCH_CHECK(t.numel() == 1, op, ": ", arg, " has ", t.numel(),
+                " elements; expected a one-element tensor");
+  } else {
+    TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
+                     "; expected ", c10::toString(dtype));
+    TORCH_CHECK_VALUE(t.numel() == 1, op, ": ", arg, " has ", t.numel(),
+                      " elements; expected a one-element tensor");
+  }
   TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " must be a dense tensor");
 }
 

@@ -64,7 +64,10 @@ void check_disjoint(const char* op,
 std::vector<int64_t> find_shared_memory(at::TensorList tensors);
 
 /// Checks a one-element float32 tensor argument that carries a per-step scalar on the device.
+/// A wrong dtype or size is a TypeError / ValueError, or with `as_runtime_error` a RuntimeError
+/// (what PyTorch's amp ops raise: the scaler and optimizer ops match them).
 void check_scalar_tensor(const at::Tensor& t, const char* op, const char* arg,
-                         const c10::Device& device, c10::ScalarType dtype);
+                         const c10::Device& device, c10::ScalarType dtype,
+                         bool as_runtime_error = false);
 
 }  // namespace fastamp

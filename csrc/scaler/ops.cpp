@@ -17,7 +17,7 @@ StatsPlan check_grad_stats(at::TensorList grads, const at::Tensor& inv_scale, do
   constexpr const char* op = "fastamp::grad_stats";
   TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
   const auto dev = inv_scale.device();  // its scalar tensors place an op, so [] works too
-  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat);
+  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat, true);
   TORCH_CHECK(!std::isnan(norm_type) && norm_type > 0.0, op,
                     ": norm_type must be a positive number or inf, got ", norm_type);
   auto list = FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/false,
@@ -30,8 +30,8 @@ FlatTensorList check_unscale(at::TensorList grads, const at::Tensor& found_inf,
   constexpr const char* op = "fastamp::non_finite_check_and_unscale_";
   TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
   const auto dev = inv_scale.device();  // its scalar tensors place an op, so [] works too
-  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat);
-  check_scalar_tensor(found_inf, op, "found_inf", dev, at::kFloat);
+  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat, true);
+  check_scalar_tensor(found_inf, op, "found_inf", dev, at::kFloat, true);
   TORCH_CHECK(tensor_found_inf.defined() && tensor_found_inf.device() == dev, op,
               ": tensor_found_inf must be a tensor on ", dev);
   TORCH_CHECK(tensor_found_inf.scalar_type() == at::kBool, op,
@@ -53,8 +53,8 @@ FlatTensorList check_clip_unscale(at::TensorList grads, const at::Tensor& inv_sc
   constexpr const char* op = "fastamp::clip_unscale_";
   TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
   const auto dev = inv_scale.device();  // its scalar tensors place an op, so [] works too
-  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat);
-  check_scalar_tensor(total_norm, op, "total_norm", dev, at::kFloat);
+  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat, true);
+  check_scalar_tensor(total_norm, op, "total_norm", dev, at::kFloat, true);
   TORCH_CHECK(!std::isnan(max_norm) && max_norm >= 0.0, op,
                     ": max_norm must be a non-negative number, got ", max_norm);
   auto list =
@@ -70,10 +70,10 @@ void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracke
   constexpr const char* op = "fastamp::update_scale_";
   TORCH_CHECK(scale.defined(), op, ": scale is undefined");
   const auto dev = scale.device();
-  check_scalar_tensor(scale, op, "scale", dev, at::kFloat);
-  check_scalar_tensor(growth_tracker, op, "growth_tracker", dev, at::kInt);
-  check_scalar_tensor(hysteresis_tracker, op, "hysteresis_tracker", dev, at::kInt);
-  check_scalar_tensor(found_inf, op, "found_inf", dev, at::kFloat);
+  check_scalar_tensor(scale, op, "scale", dev, at::kFloat, true);
+  check_scalar_tensor(growth_tracker, op, "growth_tracker", dev, at::kInt, true);
+  check_scalar_tensor(hysteresis_tracker, op, "hysteresis_tracker", dev, at::kInt, true);
+  check_scalar_tensor(found_inf, op, "found_inf", dev, at::kFloat, true);
   TORCH_CHECK(std::isfinite(growth_factor) && growth_factor > 0.0, op,
                     ": growth_factor must be a positive finite number, got ", growth_factor);
   TORCH_CHECK(std::isfinite(backoff_factor) && backoff_factor > 0.0, op,
