@@ -9,6 +9,12 @@ the difference per region and the ratio fastamp / torch. Both run with their def
 (preserve_rng_state=True: torch stashes the CPU generator and the devices of the arguments, fastamp
 the CPU generator and every initialised CUDA device).
 
+Clock: on CPU the default is one intra-op thread and the CPU time of the calling thread
+(time.thread_time, which runs the forward and, for CPU tensors, the backward too): on a shared
+machine it counts the work of this process only, where wall time also counts the time other
+processes hold the cores. --clock wall --threads N times wall clock instead (CUDA: always wall
+clock with a synchronize).
+
     python benchmarks/checkpoint/bench_checkpoint_region.py
     python benchmarks/checkpoint/bench_checkpoint_region.py --runs 3 --json out.json
 """
@@ -53,16 +59,19 @@ def blocks(device: str):
     ]
 
 
+CLOCK = time.thread_time
+
+
 def time_regions(ckpt, module, x, ctx, regions: int, device: str) -> float:
     """Seconds per region: `regions` checkpointed forwards, then one backward through all."""
     sync(device)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     with ctx():
         outs = [ckpt(module, x) for _ in range(regions)]
         loss = sum(o.float().sum() for o in outs)
     loss.backward()
     sync(device)
-    return (time.perf_counter() - t0) / regions
+    return (CLOCK() - t0) / regions
 
 
 def run_once(device: str, reps: int, warmup: int) -> list[dict]:
@@ -93,10 +102,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--runs", type=int, default=1, help="independent runs; the summary is their median")
+    ap.add_argument("--clock", choices=("thread", "wall"), default="thread")
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    global CLOCK
+    if args.clock == "wall" or args.device != "cpu":
+        args.clock = "wall"
+        CLOCK = time.perf_counter
+    torch.set_num_threads(args.threads)
     print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | {args.device} "
-          f"({device_name(args.device)}) | threads {torch.get_num_threads()} | "
+          f"({device_name(args.device)}) | threads {torch.get_num_threads()} | clock {args.clock} | "
           f"{args.reps} interleaved reps per run after {args.warmup} warm-ups")
     all_runs = []
     for r in range(args.runs):

@@ -296,17 +296,66 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
         context_fn = _checked_context_fn(context_fn)
     # Like PyTorch, a block none of whose inputs or parameters requires grad just runs (frozen
     # layers when fine-tuning): nothing is recomputed, nothing raises.
-    return torch.utils.checkpoint.checkpoint(
-        run,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=False,
-        context_fn=context_fn,
-        determinism_check=torch_check,
-        debug=debug,
-        early_stop=early_stop,
-        **kwargs,
-    )
+    if _GENERATOR is None:
+        return torch.utils.checkpoint.checkpoint(
+            run,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=False,
+            context_fn=context_fn,
+            determinism_check=torch_check,
+            debug=debug,
+            early_stop=early_stop,
+            **kwargs,
+        )
+    return _run_generator(run, args, kwargs, context_fn, torch_check, debug, early_stop)
+
+
+def _find_generator() -> Callable[..., Any] | None:
+    """torch.utils.checkpoint's non-reentrant machinery, when its signature is the one this module
+    drives (else None: the public function is used, at the cost of its dynamo frame hook)."""
+    import inspect
+
+    gen = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
+    if gen is None:
+        return None
+    try:
+        params = list(inspect.signature(gen).parameters)
+    except (TypeError, ValueError):
+        return None
+    expected = ["fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
+                "args", "kwargs"]
+    return gen if params == expected else None
+
+
+_GENERATOR = _find_generator()
+
+
+def _run_generator(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                   context_fn: Callable[[], tuple[Any, Any]], determinism_check: str, debug: bool,
+                   early_stop: bool) -> Any:
+    """What torch.utils.checkpoint.checkpoint(use_reentrant=False) does around its generator,
+    minus its per-call dynamo frame hook (torch.compile gets the disabled path above) and the
+    argument parsing this module has already done."""
+    gen = _GENERATOR(run, False, context_fn, determinism_check, debug, early_stop, *args, **kwargs)
+    next(gen)  # pre-forward: saved-tensor hooks, the forward context
+    try:
+        out = run(*args, **kwargs)
+    except BaseException as e:
+        try:
+            gen.throw(e)
+        except StopIteration as stop:
+            raise RuntimeError(
+                "fastamp.checkpoint: the forward context returned by context_fn suppressed an "
+                "exception raised by the checkpointed function; checkpoint cannot return a value "
+                "for a failed forward"
+            ) from stop
+        raise
+    try:
+        next(gen)  # post-forward
+    except StopIteration:
+        return out
+    raise AssertionError("fastamp.checkpoint: torch's checkpoint generator yielded more than twice")
 
 
 _checkpoint_eager = torch.compiler.disable(_checkpoint)
