@@ -36,12 +36,23 @@ _rng_get_state_op = torch.ops.fastamp.rng_get_state.default
 _rng_set_state_op = torch.ops.fastamp.rng_set_state.default
 
 
+_cpu_generator = torch.default_generator
+_cuda_initialized = torch.cuda.is_initialized
+
+
 def _rng_get_state() -> list[Tensor]:
+    # Until CUDA is initialised the snapshot is the CPU generator's alone: read it directly (the
+    # op costs a dispatcher round trip, several microseconds inside a checkpointed region).
+    if not _cuda_initialized():
+        return [_cpu_generator.get_state()]
     return _rng_get_state_op()
 
 
 def _rng_set_state(states: list[Tensor]) -> None:
-    _rng_set_state_op(states)
+    if len(states) == 1:
+        _cpu_generator.set_state(states[0])  # a fresh get_state() tensor: plain bytes
+    else:
+        _rng_set_state_op(states)
 
 
 class _RngReplay:
@@ -72,12 +83,13 @@ class _RngReplay:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.state is None:
-            self.state = self._get()
+            self.state = before = self._get()
             out = self.fn(*args, **kwargs)
-            if len(self.state) == 1:  # no CUDA device in this process: nothing can appear
-                return out
+            if len(before) == 1 and not _cuda_initialized():
+                return out  # no CUDA generator before or after: nothing can have appeared
             after = self._get()
-            newly = [i - 1 for i in range(1, len(after)) if after[i].numel() and not self.state[i].numel()]
+            newly = [i - 1 for i in range(1, len(after))
+                     if after[i].numel() and not (i < len(before) and before[i].numel())]
             if newly:
                 # A warning, not an error: the block has run (BatchNorm statistics, RNG moved),
                 # and PyTorch does not replay such devices either.
