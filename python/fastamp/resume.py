@@ -184,7 +184,8 @@ _TAG = "__fastamp_extra_type__"
 
 
 def _encode_extra(value: Any, where: str) -> Any:
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+    # Exact types: numpy's float64 subclasses float, an IntEnum int -- neither loads back.
+    if value is None or type(value) in (bool, int, float, complex, str, bytes):
         return value
     if isinstance(value, (torch.Tensor, torch.dtype, torch.device, torch.Size)):
         return value
@@ -276,10 +277,12 @@ def _check_weights_only(obj: Any, what: str) -> None:
     try:
         torch.load(buf, weights_only=True)
     except Exception as e:  # the unpickler's error names the offending global
+        lines = str(e).splitlines()
+        why = next((ln.strip() for ln in lines if "Unsupported" in ln), lines[0] if lines else "")
         raise TypeError(
             f"save_training_state: {what} holds an object that torch.load(weights_only=True) "
-            f"cannot read back, so the run could not be resumed ({str(e).splitlines()[0][:300]}); "
-            "expected plain data (numbers, strings, tensors, lists, dicts)"
+            f"cannot read back, so the run could not be resumed ({why[:300]}); expected plain "
+            "data (numbers, strings, tensors, lists, dicts)"
         ) from None
 
 
