@@ -148,6 +148,14 @@ class _FusedStepMixin:
                     f"fastamp.optim.{name}: {_where(g, i)} of dtype {p.dtype} has a grad of dtype "
                     f"{p.grad.dtype}; expected the same dtype"
                 )
+            if p.grad.shape != p.shape or p.grad.device != p.device:
+                # RuntimeError, as PyTorch's update raises for it ("The size of tensor a ...").
+                raise RuntimeError(
+                    f"fastamp.optim.{name}: {_where(g, i)} has shape {tuple(p.shape)} on "
+                    f"{p.device} but its grad has shape {tuple(p.grad.shape)} on {p.grad.device}; "
+                    "expected a grad of the parameter's shape on its device (was .grad assigned "
+                    "by hand?)"
+                )
             if params and p.device != params[0].device:
                 raise RuntimeError(
                     f"fastamp.optim.{name}: {_where(g, i)} is on {p.device} but "
