@@ -91,18 +91,7 @@ class _RngReplay:
             newly = [i - 1 for i in range(1, len(after))
                      if after[i].numel() and not (i < len(before) and before[i].numel())]
             if newly:
-                # A warning, not an error: the block has run (BatchNorm statistics, RNG moved),
-                # and PyTorch does not replay such devices either.
-                warnings.warn(
-                    f"fastamp.checkpoint: CUDA device(s) {newly} were first used inside the "
-                    "checkpointed function, so their RNG state before it is unknown: the "
-                    "recompute does not replay their random numbers (as with PyTorch, which "
-                    "replays only the devices of the arguments). Initialise them before the "
-                    "checkpoint (e.g. torch.cuda.init() or a first tensor on each device) for an "
-                    "exact replay.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                self.warn_newly_used(newly)
             return out
         current = self._get()
         self._set(self.state)
@@ -110,6 +99,21 @@ class _RngReplay:
             return self.fn(*args, **kwargs)
         finally:
             self._set(current)
+
+    @staticmethod
+    def warn_newly_used(newly: Any) -> None:
+        # A warning, not an error: the block has run (BatchNorm statistics, RNG moved), and
+        # PyTorch does not replay such devices either.
+        warnings.warn(
+            f"fastamp.checkpoint: CUDA device(s) {newly} were first used inside the "
+            "checkpointed function, so their RNG state before it is unknown: the "
+            "recompute does not replay their random numbers (as with PyTorch, which "
+            "replays only the devices of the arguments). Initialise them before the "
+            "checkpoint (e.g. torch.cuda.init() or a first tensor on each device) for an "
+            "exact replay.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 # Factories whose output is uninitialised memory: their bytes legitimately differ.
@@ -293,7 +297,15 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and _planner._active_counters:
         _planner.note_checkpoint_inputs((args, kwargs))  # the region keeps its inputs until backward
-    run = _RngReplay(function) if (preserve_rng_state and grad_enabled) else function
+    run = function
+    torch_rng = False  # whether torch's own RNG stash does the replay
+    if preserve_rng_state and grad_enabled:
+        if _cuda_initialized():
+            run = _RngReplay(function)  # every initialised CUDA generator, and the CPU one
+        else:
+            # Only the CPU generator exists: PyTorch's stash of it is exactly that replay, and
+            # reusing it costs nothing on top of torch's checkpoint.
+            torch_rng = True
     torch_check = determinism_check
     if determinism_check == "bitwise":
         if debug:
@@ -309,18 +321,22 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     # Like PyTorch, a block none of whose inputs or parameters requires grad just runs (frozen
     # layers when fine-tuning): nothing is recomputed, nothing raises.
     if _GENERATOR is None:
-        return torch.utils.checkpoint.checkpoint(
+        out = torch.utils.checkpoint.checkpoint(
             run,
             *args,
             use_reentrant=False,
-            preserve_rng_state=False,
+            preserve_rng_state=torch_rng,
             context_fn=context_fn,
             determinism_check=torch_check,
             debug=debug,
             early_stop=early_stop,
             **kwargs,
         )
-    return _run_generator(run, args, kwargs, context_fn, torch_check, debug, early_stop)
+    else:
+        out = _run_generator(run, args, kwargs, torch_rng, context_fn, torch_check, debug, early_stop)
+    if torch_rng and _cuda_initialized():
+        _RngReplay.warn_newly_used("all initialised")
+    return out
 
 
 def _find_generator() -> Callable[..., Any] | None:
@@ -344,12 +360,13 @@ _GENERATOR = _find_generator()
 
 
 def _run_generator(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                   context_fn: Callable[[], tuple[Any, Any]], determinism_check: str, debug: bool,
+                   preserve_rng_state: bool, context_fn: Callable[[], tuple[Any, Any]], determinism_check: str, debug: bool,
                    early_stop: bool) -> Any:
     """What torch.utils.checkpoint.checkpoint(use_reentrant=False) does around its generator,
     minus its per-call dynamo frame hook (torch.compile gets the disabled path above) and the
     argument parsing this module has already done."""
-    gen = _GENERATOR(run, False, context_fn, determinism_check, debug, early_stop, *args, **kwargs)
+    gen = _GENERATOR(run, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args,
+                     **kwargs)
     next(gen)  # pre-forward: saved-tensor hooks, the forward context
     try:
         out = run(*args, **kwargs)
