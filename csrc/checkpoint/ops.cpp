@@ -56,15 +56,20 @@ void rng_set_state(at::TensorList states) {
   // The generators check the size and content of their state themselves. So that a bad entry
   // after a good one leaves no generator restored, the current states are kept and put back
   // before the error is reported.
-  const std::vector<at::Tensor> previous = rng_get_state();
+  // With one entry (the CPU generator: a process without CUDA, the checkpoint's every recompute)
+  // there is nothing to roll back: a generator refuses a bad state before changing anything.
+  const std::vector<at::Tensor> previous =
+      states.size() > 1 ? rng_get_state() : std::vector<at::Tensor>();
   const auto restore = [](at::TensorList s, size_t i) {
     at::Generator gen = i == 0 ? at::detail::getDefaultCPUGenerator()
                                : at::globalContext().defaultGenerator(c10::Device(
                                      c10::kCUDA, static_cast<c10::DeviceIndex>(i - 1)));
-    // A fresh copy, not the caller's tensor: the CPU generator misreads a state that is a view at
-    // a storage offset (torch 2.13 rejects offsets 1-7 as "Invalid mt19937 state" and crashes on
-    // offset 8), and a strided one is not raw bytes at all.
-    const at::Tensor state = s[i].clone(at::MemoryFormat::Contiguous);
+    // A fresh copy, not the caller's tensor, unless it already is plain bytes: the CPU generator
+    // misreads a state that is a view at a storage offset (torch 2.13 rejects offsets 1-7 as
+    // "Invalid mt19937 state" and crashes on offset 8), and a strided one is not raw bytes at all.
+    const at::Tensor state = (s[i].is_contiguous() && s[i].storage_offset() == 0)
+                                 ? s[i]
+                                 : s[i].clone(at::MemoryFormat::Contiguous);
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_state(state);
   };
@@ -86,6 +91,14 @@ void rng_set_state(at::TensorList states) {
 // tensor_digest([]) has no tensor to dispatch on: its digest list is empty. A non-empty call
 // lands here only on a device with no fastamp kernel, which is refused by name.
 at::Tensor tensor_digest_no_kernel(at::TensorList tensors) {
+  // Sparse tensors dispatch here too (there is no Sparse* kernel): say so, not "no kernel".
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK(tensors[i].layout() == at::kStrided, "fastamp::tensor_digest: tensors[", i,
+                "] has layout ", tensors[i].layout(),
+                "; expected dense (strided) tensors: a digest covers a tensor's elements in "
+                "memory. Digest a sparse tensor's parts (t.coalesce()._indices() and "
+                "._values()) or t.to_dense()");
+  }
   TORCH_CHECK(tensors.empty(), "fastamp::tensor_digest: no kernel for tensors on ",
               tensors[0].device(), " in this build");
   return at::empty({0}, at::kLong);

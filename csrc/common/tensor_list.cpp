@@ -87,8 +87,11 @@ FlatTensorList FlatTensorList::prepare(at::TensorList tensors, const char* op, c
                 " (the device of its scalar tensors); group tensors by device");
     bool ok = false;
     for (auto d : allowed) ok = ok || (t.scalar_type() == d);
-    TORCH_CHECK_TYPE(ok, op, ": ", arg, "[", i, "] has dtype ", t.scalar_type(), "; expected one of ",
-                     dtype_list(allowed));
+    // NotImplementedError (a RuntimeError), as PyTorch's own dtype dispatch raises for a dtype
+    // its kernel lacks ("... not implemented for 'ComplexFloat'").
+    TORCH_CHECK_NOT_IMPLEMENTED(ok, op, ": ", arg, "[", i, "] has dtype ", t.scalar_type(),
+                                " (not implemented for it); expected one of ",
+                                dtype_list(allowed));
     if (writable) {
       TORCH_CHECK(!elements_overlap(t), op, ": ", arg, "[", i,
                   "] is a view whose elements overlap in memory (e.g. from expand() or "
@@ -118,29 +121,34 @@ void FlatTensorList::write_back() {
   }
 }
 
-void check_disjoint(const char* op,
-                    const std::vector<std::pair<const char*, at::TensorList>>& lists) {
+namespace {
+
+struct Conflict {
+  size_t a, b;  // positions in the flattened sequence of tensors (a listed before b in memory)
+  at::MemOverlapStatus status;
+};
+
+// The first pair of tensors of `tensors` (pointers in caller order) that share memory, if any.
+c10::optional<Conflict> first_conflict(const std::vector<const at::Tensor*>& tensors) {
   struct Span {
     uintptr_t begin, end;  // bytes [begin, end) that bound the tensor's elements
-    const char* arg;
-    size_t index;
+    size_t pos;
     const at::Tensor* t;
   };
   std::vector<Span> spans;
-  for (const auto& [arg, list] : lists) {
-    for (size_t i = 0; i < list.size(); ++i) {
-      const at::Tensor& t = list[i];
-      if (!t.defined() || t.numel() == 0) continue;
-      int64_t lo = 0, hi = 0;  // element offsets reachable from data_ptr (strides may be < 0)
-      for (int64_t d = 0; d < t.dim(); ++d) {
-        const int64_t reach = t.stride(d) * (t.size(d) - 1);
-        (reach < 0 ? lo : hi) += reach;
-      }
-      const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
-      const auto item = static_cast<uintptr_t>(t.element_size());
-      spans.push_back(Span{base + static_cast<uintptr_t>(lo) * item,
-                           base + static_cast<uintptr_t>(hi + 1) * item, arg, i, &t});
+  spans.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = *tensors[i];
+    if (!t.defined() || t.numel() == 0) continue;
+    int64_t lo = 0, hi = 0;  // element offsets reachable from data_ptr (strides may be < 0)
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t reach = t.stride(d) * (t.size(d) - 1);
+      (reach < 0 ? lo : hi) += reach;
     }
+    const auto base = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const auto item = static_cast<uintptr_t>(t.element_size());
+    spans.push_back(Span{base + static_cast<uintptr_t>(lo) * item,
+                         base + static_cast<uintptr_t>(hi + 1) * item, i, &t});
   }
   std::sort(spans.begin(), spans.end(),
             [](const Span& a, const Span& b) { return a.begin < b.begin; });
@@ -161,24 +169,66 @@ void check_disjoint(const char* op,
           status = shared ? at::MemOverlapStatus::Partial : at::MemOverlapStatus::No;
         }
       }
-      TORCH_CHECK(status == at::MemOverlapStatus::No, op, ": ", b.arg, "[", b.index, "] and ",
-                  a.arg, "[", a.index, "] ",
-                  status == at::MemOverlapStatus::TooHard ? "may share memory" : "share memory",
-                  "; both are written, so shared elements would be updated twice. Pass each "
-                  "tensor once, with its own storage (deduplicate the list, or .clone())");
+      if (status != at::MemOverlapStatus::No) return Conflict{a.pos, b.pos, status};
     }
   }
+  return c10::nullopt;
+}
+
+}  // namespace
+
+void check_disjoint(const char* op,
+                    const std::vector<std::pair<const char*, at::TensorList>>& lists) {
+  std::vector<const at::Tensor*> tensors;
+  std::vector<std::pair<const char*, size_t>> names;  // (arg, index) of each tensor
+  for (const auto& [arg, list] : lists) {
+    for (size_t i = 0; i < list.size(); ++i) {
+      tensors.push_back(&list[i]);
+      names.emplace_back(arg, i);
+    }
+  }
+  const auto c = first_conflict(tensors);
+  if (!c.has_value()) return;
+  const auto& a = names[c->a];
+  const auto& b = names[c->b];
+  TORCH_CHECK(false, op, ": ", b.first, "[", b.second, "] and ", a.first, "[", a.second, "] ",
+              c->status == at::MemOverlapStatus::TooHard ? "may share memory" : "share memory",
+              "; both are written, so shared elements would be updated twice. Pass each "
+              "tensor once, with its own storage (deduplicate the list, or .clone())");
+}
+
+std::vector<int64_t> find_shared_memory(at::TensorList tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].defined() && elements_overlap(tensors[i])) {
+      return {static_cast<int64_t>(i), static_cast<int64_t>(i)};
+    }
+  }
+  std::vector<const at::Tensor*> ptrs;
+  ptrs.reserve(tensors.size());
+  for (const auto& t : tensors) ptrs.push_back(&t);
+  const auto c = first_conflict(ptrs);
+  if (!c.has_value()) return {};
+  return {static_cast<int64_t>(std::min(c->a, c->b)), static_cast<int64_t>(std::max(c->a, c->b))};
 }
 
 void check_scalar_tensor(const at::Tensor& t, const char* op, const char* arg,
-                         const c10::Device& device, c10::ScalarType dtype) {
+                         const c10::Device& device, c10::ScalarType dtype,
+                         bool as_runtime_error) {
   TORCH_CHECK(t.defined(), op, ": ", arg, " is undefined; expected a one-element ",
               c10::toString(dtype), " tensor");
   TORCH_CHECK(t.device() == device, op, ": ", arg, " is on ", t.device(), "; expected ", device);
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
-                   "; expected ", c10::toString(dtype));
-  TORCH_CHECK_VALUE(t.numel() == 1, op, ": ", arg, " has ", t.numel(),
-                    " elements; expected a one-element tensor");
+  if (as_runtime_error) {
+    // PyTorch's amp ops raise RuntimeError for a scalar tensor of the wrong dtype or size.
+    TORCH_CHECK(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
+                "; expected ", c10::toString(dtype));
+    TORCH_CHECK(t.numel() == 1, op, ": ", arg, " has ", t.numel(),
+                " elements; expected a one-element tensor");
+  } else {
+    TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
+                     "; expected ", c10::toString(dtype));
+    TORCH_CHECK_VALUE(t.numel() == 1, op, ": ", arg, " has ", t.numel(),
+                      " elements; expected a one-element tensor");
+  }
   TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " must be a dense tensor");
 }
 

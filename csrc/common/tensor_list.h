@@ -57,8 +57,17 @@ class FlatTensorList {
 void check_disjoint(const char* op,
                     const std::vector<std::pair<const char*, at::TensorList>>& lists);
 
+/// The first pair [i, j] (i <= j) of `tensors` that share an element of memory, [i, i] when a
+/// tensor's own elements overlap (expand(), as_strided()), or [] when every element of every
+/// tensor has its own memory. Reads only sizes, strides and addresses. For callers that must
+/// refuse such tensors before anything is written (the optimizers check all param groups first).
+std::vector<int64_t> find_shared_memory(at::TensorList tensors);
+
 /// Checks a one-element float32 tensor argument that carries a per-step scalar on the device.
+/// A wrong dtype or size is a TypeError / ValueError, or with `as_runtime_error` a RuntimeError
+/// (what PyTorch's amp ops raise: the scaler and optimizer ops match them).
 void check_scalar_tensor(const at::Tensor& t, const char* op, const char* arg,
-                         const c10::Device& device, c10::ScalarType dtype);
+                         const c10::Device& device, c10::ScalarType dtype,
+                         bool as_runtime_error = false);
 
 }  // namespace fastamp

@@ -46,6 +46,22 @@ inline std::vector<Slot> check_bucket(const char* op, const at::Tensor& bucket,
                       ": grads[", i, "] at offset ", offsets[i], " (", g.numel(),
                       " elements) overlaps the previous slot or runs past the bucket's ",
                       bucket.numel(), " elements; offsets must increase");
+    // A grad that is a view of the bucket would be read while the bucket is written (pack) or
+    // written from it (unpack), so the result would depend on the order of the chunks. The one
+    // exception is a grad that is exactly its own slot: each element then maps onto itself.
+    if (g.numel() > 0 && bucket.numel() > 0) {
+      const auto item = static_cast<uintptr_t>(bucket.element_size());
+      const auto b0 = reinterpret_cast<uintptr_t>(bucket.data_ptr());
+      const auto b1 = b0 + static_cast<uintptr_t>(bucket.numel()) * item;
+      const auto g0 = reinterpret_cast<uintptr_t>(g.data_ptr());
+      const auto g1 = g0 + static_cast<uintptr_t>(g.numel()) * item;
+      const bool shares = g0 < b1 && b0 < g1;
+      TORCH_CHECK(!shares || g0 == b0 + static_cast<uintptr_t>(offsets[i]) * item, op,
+                  ": grads[", i, "] is a view of the bucket (it shares memory with bucket "
+                  "elements other than its own slot at offset ", offsets[i],
+                  "), so the result would depend on the order of the copies. Expected grads "
+                  "with their own storage: pass grad.clone()");
+    }
     prev_end = offsets[i] + g.numel();
     slots.push_back(Slot{g.data_ptr(), offsets[i], g.numel()});
   }

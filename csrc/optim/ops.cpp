@@ -12,10 +12,10 @@ namespace {
 StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
                     const std::vector<std::pair<const char*, at::TensorList>>& state,
                     at::TensorList state_steps, at::TensorList master_params) {
-  TORCH_CHECK_VALUE(!params.empty() || grads.empty(), op, ": grads given without params");
+  TORCH_CHECK(!params.empty() || grads.empty(), op, ": grads given without params");
   const size_t n = params.size();
   const auto same_len = [&](const char* name, size_t len) {
-    TORCH_CHECK_VALUE(len == n, op, ": ", name, " has ", len, " tensors; expected one per param (",
+    TORCH_CHECK(len == n, op, ": ", name, " has ", len, " tensors; expected one per param (",
                       n, ")");
   };
   same_len("grads", grads.size());
@@ -32,9 +32,9 @@ StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
     const at::Tensor& p = params[i];
     const at::Tensor& g = grads[i];
     TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
-    TORCH_CHECK_VALUE(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(),
+    TORCH_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(),
                       " but params[", i, "] has shape ", p.sizes());
-    TORCH_CHECK_TYPE(g.scalar_type() == p.scalar_type(), op, ": grads[", i, "] has dtype ",
+    TORCH_CHECK(g.scalar_type() == p.scalar_type(), op, ": grads[", i, "] has dtype ",
                      g.scalar_type(), " but params[", i, "] has dtype ", p.scalar_type());
     // Elementwise over flat memory: every tensor of param i must be dense with the param's strides
     // (contiguous or e.g. channels_last alike), so element k of each span is the same element.
@@ -46,10 +46,10 @@ StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
     for (const auto& [name, list] : state) {
       const at::Tensor& s = list[i];
       TORCH_CHECK(s.defined() && s.device() == dev, op, ": ", name, "[", i, "] must be on ", dev);
-      TORCH_CHECK_VALUE(s.sizes() == p.sizes() && s.strides() == p.strides(), op, ": ", name,
+      TORCH_CHECK(s.sizes() == p.sizes() && s.strides() == p.strides(), op, ": ", name,
                         "[", i, "] must have the shape ", p.sizes(), " and strides ", p.strides(),
                         " of params[", i, "]");
-      TORCH_CHECK_TYPE(s.scalar_type() == state_dtype, op, ": ", name, "[", i, "] has dtype ",
+      TORCH_CHECK(s.scalar_type() == state_dtype, op, ": ", name, "[", i, "] has dtype ",
                        s.scalar_type(), "; expected ", c10::toString(state_dtype));
     }
     const at::Tensor& st = state_steps[i];
@@ -91,7 +91,7 @@ StepScalars check_scalars(const char* op, const c10::Device& device,
   StepScalars s;
   const auto get = [&](const c10::optional<at::Tensor>& t, const char* name) -> const float* {
     if (!t.has_value() || !t->defined()) return nullptr;
-    check_scalar_tensor(*t, op, name, device, at::kFloat);
+    check_scalar_tensor(*t, op, name, device, at::kFloat, true);
     return t->data_ptr<float>();
   };
   s.lr = get(lr_tensor, "lr_tensor");
@@ -129,7 +129,7 @@ StepPlan check_sgd_step(at::TensorList params, at::TensorList grads,
                         const c10::optional<at::Tensor>& found_inf,
                         const c10::optional<at::Tensor>& clip_coef) {
   constexpr const char* op = "fastamp::sgd_step_";
-  TORCH_CHECK_VALUE(momentum != 0.0 || momentum_buffers.empty(), op,
+  TORCH_CHECK(momentum != 0.0 || momentum_buffers.empty(), op,
                     ": momentum_buffers must be empty when momentum == 0");
   std::vector<std::pair<const char*, at::TensorList>> state;
   if (momentum != 0.0) state.emplace_back("momentum_buffers", momentum_buffers);
@@ -175,6 +175,10 @@ void sgd_step_no_kernel(at::TensorList params, at::TensorList grads,
               " in this build");
 }
 
+std::vector<int64_t> shared_memory_pair(at::TensorList tensors) {
+  return find_shared_memory(tensors);
+}
+
 }  // namespace
 }  // namespace optim
 }  // namespace fastamp
@@ -204,9 +208,16 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
       "Tensor(c!)[] state_steps, Tensor(d!)[] master_params, float lr, Tensor? lr_tensor, "
       "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, "
       "Tensor? inv_scale, Tensor? found_inf, Tensor? clip_coef) -> ()");
+
+  // The first pair [i, j] (i <= j) of `tensors` that share an element of memory ([i, i]: the
+  // tensor's own elements overlap, as after expand()), or [] when none does. Reads only sizes,
+  // strides and addresses (no data, no sync); the same on every device. The optimizers run it
+  // over the params of all their groups before stepping any group.
+  m.def("shared_memory_pair(Tensor[] tensors) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
+  m.impl("shared_memory_pair", &fastamp::optim::shared_memory_pair);
   m.impl("adam_step_", &fastamp::optim::adam_step_no_kernel);
   m.impl("sgd_step_", &fastamp::optim::sgd_step_no_kernel);
 }

@@ -17,9 +17,17 @@ save leaves either the previous complete checkpoint or files whose ids disagree,
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import errno
+import io
+import math
 import os
+import pathlib
 import random
 import secrets
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +93,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
                 "devices (or pass restore_rng=False to continue with fresh random streams)"
             )
         torch.cuda.set_rng_state_all(saved)
-    if "numpy" in state:
+    if "numpy_exact" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy_exact"])
+    elif "numpy" in state:
         try:
             import numpy as np
         except ImportError:
@@ -94,13 +106,184 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
+class _WriteRecorder:
+    """A binary file that remembers the OSError its write raised: torch.save reports a failed
+    write as ``RuntimeError: [enforce fail at inline_container.cc...]``, which hides ENOSPC."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, b: Any) -> int:
+        try:
+            return self.f.write(b)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.f.flush()
+        except OSError as e:
+            self.error = e
+            raise
+
+
+def _write_error(path: str, e: OSError) -> OSError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return OSError(
+            e.errno,
+            f"save_training_state: the disk is full: could not write {path!r} ({e.strerror}). "
+            "Nothing was replaced (the previous checkpoint, if any, is intact) and no temporary "
+            "file was left; free space or save elsewhere",
+        )
+    return OSError(e.errno, f"save_training_state: could not write {path!r}: {e.strerror}")
+
+
 def _atomic_save(obj: Any, path: str) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """torch.save to a temporary file of a unique name beside ``path`` (several threads or
+    processes may save at once), fsync, then rename over ``path``. On any failure the temporary
+    file is removed and ``path`` is left as it was."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            errno.EISDIR,
+            f"save_training_state: path {path!r} is a directory; expected a file name (e.g. "
+            f"{os.path.join(path, 'checkpoint.pt')!r})",
+        )
+    directory = os.path.dirname(os.path.abspath(path))
+    # A name of its own per save (threads of one process included), created exclusively, with the
+    # permissions torch.save would give the file (mkstemp would make it 0600).
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            rec = _WriteRecorder(f)
+            try:
+                torch.save(obj, rec)
+                rec.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                raise _write_error(path, rec.error or e) from e
+            except RuntimeError as e:
+                if rec.error is not None:
+                    raise _write_error(path, rec.error) from e
+                raise
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------- extra: types beyond weights_only
+# torch.load(weights_only=True) reads tensors, numbers, strings, bytes, None and lists / tuples /
+# dicts of them, and nothing else. Common run metadata that is none of these is stored as a
+# tagged dict of such values and rebuilt on load; anything else is refused at save time (a
+# checkpoint that load_training_state cannot read would be discovered only at resume).
+_TAG = "__fastamp_extra_type__"
+
+
+def _encode_extra(value: Any, where: str) -> Any:
+    # Exact types: numpy's float64 subclasses float, an IntEnum int -- neither loads back.
+    if value is None or type(value) in (bool, int, float, complex, str, bytes):
+        return value
+    if isinstance(value, (torch.Tensor, torch.dtype, torch.device, torch.Size)):
+        return value
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        np = None
+    if np is not None and isinstance(value, np.ndarray):
+        if value.dtype.hasobject or value.dtype.fields is not None:
+            raise TypeError(
+                f"save_training_state: {where} is a numpy array of dtype {value.dtype}, which "
+                "torch.load(weights_only=True) cannot read back; expected a numeric array (or "
+                "convert it: arr.tolist())"
+            )
+        return {_TAG: "numpy.ndarray", "dtype": value.dtype.str, "shape": list(value.shape),
+                "data": np.ascontiguousarray(value).tobytes()}
+    if np is not None and isinstance(value, np.generic):
+        if isinstance(value, (np.bool_, np.number)):
+            return {_TAG: "numpy.scalar", "dtype": value.dtype.str, "data": value.tobytes()}
+        raise TypeError(
+            f"save_training_state: {where} is a numpy {type(value).__name__}, which "
+            "torch.load(weights_only=True) cannot read back; expected a number (value.item())"
+        )
+    if isinstance(value, pathlib.PurePath):
+        kind = "pathlib.PureWindowsPath" if isinstance(value, pathlib.PureWindowsPath) and not isinstance(
+            value, pathlib.Path) else "pathlib.Path"
+        return {_TAG: kind, "path": str(value)}
+    if isinstance(value, argparse.Namespace):
+        return {_TAG: "argparse.Namespace", "vars": _encode_extra(vars(value), f"vars({where})")}
+    if isinstance(value, OrderedDict):
+        return OrderedDict((k, _encode_extra(v, f"{where}[{k!r}]")) for k, v in value.items())
+    if isinstance(value, dict):
+        if _TAG in value:
+            raise ValueError(f"save_training_state: {where} uses the reserved key {_TAG!r}")
+        for k in value:
+            if not (k is None or isinstance(k, (bool, int, float, str, bytes))):
+                raise TypeError(
+                    f"save_training_state: {where} has a key {k!r} of type {type(k).__name__}; "
+                    "torch.load(weights_only=True) reads dicts keyed by str, int, float, bool, "
+                    "bytes or None"
+                )
+        return {k: _encode_extra(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_encode_extra(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if isinstance(value, (set, frozenset)):
+        raise TypeError(
+            f"save_training_state: {where} is a {type(value).__name__}, which "
+            "torch.load(weights_only=True) cannot read back; expected a list (sorted(s))"
+        )
+    raise TypeError(
+        f"save_training_state: {where} is a {type(value).__module__}.{type(value).__qualname__}, "
+        "which torch.load(weights_only=True) cannot read back, so the run could not be resumed. "
+        "Expected numbers, strings, bytes, None, tensors, numpy arrays and scalars, pathlib paths, "
+        "argparse.Namespace, and lists / tuples / dicts of them: convert it (e.g. to a dict of "
+        "such values)"
+    )
+
+
+def _decode_extra(value: Any) -> Any:
+    if isinstance(value, dict):
+        tag = value.get(_TAG)
+        if tag == "numpy.ndarray":
+            import numpy as np
+
+            flat = np.frombuffer(value["data"], dtype=np.dtype(value["dtype"]))
+            return flat.reshape(value["shape"]).copy()
+        if tag == "numpy.scalar":
+            import numpy as np
+
+            return np.frombuffer(value["data"], dtype=np.dtype(value["dtype"]))[0]
+        if tag == "pathlib.Path":
+            return pathlib.Path(value["path"])
+        if tag == "pathlib.PureWindowsPath":
+            return pathlib.PureWindowsPath(value["path"])
+        if tag == "argparse.Namespace":
+            return argparse.Namespace(**_decode_extra(value["vars"]))
+        out = {k: _decode_extra(v) for k, v in value.items()}
+        return OrderedDict(out) if isinstance(value, OrderedDict) else out
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_decode_extra(v) for v in value)
+    return value
+
+
+def _check_weights_only(obj: Any, what: str) -> None:
+    """Refuses, at save time, what torch.load(weights_only=True) would refuse at load time."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except Exception as e:  # the unpickler's error names the offending global
+        lines = str(e).splitlines()
+        why = next((ln.strip() for ln in lines if "Unsupported" in ln), lines[0] if lines else "")
+        raise TypeError(
+            f"save_training_state: {what} holds an object that torch.load(weights_only=True) "
+            f"cannot read back, so the run could not be resumed ({why[:300]}); expected plain "
+            "data (numbers, strings, tensors, lists, dicts)"
+        ) from None
 
 
 def _save_id(distributed: bool, world: int) -> str:
@@ -141,6 +324,12 @@ def save_training_state(
                 "save_training_state: the scaler is in the middle of a step (unscale_() or step() "
                 "was called without update()); save after scaler.update()"
             )
+    # Everything that could be unreadable is refused before the first byte is written.
+    extra_enc = _encode_extra(extra if extra is not None else {}, "extra")
+    _check_weights_only(extra_enc, "extra")
+    sched_state = lr_scheduler.state_dict() if lr_scheduler is not None else None
+    if sched_state is not None:
+        _check_weights_only(sched_state, "lr_scheduler.state_dict()")
     rank, world, distributed = _dist_info()
     module, ddp = _unwrap(model)
     save_id = _save_id(distributed, world)
@@ -154,12 +343,12 @@ def save_training_state(
             "save_id": save_id,
             "world_size": world,
             "step": step,
-            "extra": extra or {},
+            "extra": extra_enc,
             "model": module.state_dict(),
             "ddp_buckets": ddp.bucket_layout() if ddp is not None else None,
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scaler": scaler.state_dict() if scaler is not None else None,
-            "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "lr_scheduler": sched_state,
             "torch_version": str(torch.__version__),
         }
         if world == 1:
@@ -179,6 +368,163 @@ def _load(path: str, what: str, map_location: Any) -> dict[str, Any]:
             "it must be written by fastamp.save_training_state"
         )
     return obj
+
+
+def _snapshot(obj: Any) -> Any:
+    """An undo for ``obj.load_state_dict``: optimizers, schedulers and scalers replace their
+    attributes on load (a shallow copy of ``__dict__`` keeps the old ones), except for the tensors
+    they fill in place (the scaler's scale and trackers), whose values are copied."""
+    saved = dict(obj.__dict__)
+    tensors = {k: v.clone() for k, v in saved.items() if isinstance(v, torch.Tensor)}
+
+    def restore() -> None:
+        obj.__dict__.clear()
+        obj.__dict__.update(saved)
+        for k, v in tensors.items():
+            saved[k].copy_(v)
+
+    return restore
+
+
+# Hyperparameters PyTorch's optimizers default when a loaded group lacks them (__setstate__ or a
+# newer version's keys); every other key of a group must be in the saved one.
+_DEFAULTED_GROUP_KEYS = frozenset({
+    "foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay",
+    "amsgrad", "nesterov", "initial_lr", "params",
+})
+# Per-element state: one value per parameter element, so of the parameter's shape.
+_ELEMENTWISE_STATE = frozenset({
+    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "master_param", "square_avg",
+    "acc_delta", "sum", "grad_avg",
+})
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, sd: Any, path: str) -> None:
+    where = f"load_training_state: the optimizer state in {path!r}"
+    if not isinstance(sd, Mapping) or not isinstance(sd.get("param_groups"), list) or not isinstance(
+            sd.get("state"), Mapping):
+        raise ValueError(f"{where} is not an optimizer.state_dict() (dict with 'state' and 'param_groups')")
+    saved_groups = sd["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups) or any(
+        not isinstance(a, Mapping) or len(a.get("params", ())) != len(b["params"])
+        for a, b in zip(saved_groups, optimizer.param_groups)
+    ):
+        raise ValueError(
+            "load_training_state: optimizer has "
+            f"{[len(g['params']) for g in optimizer.param_groups]} parameters per group, the "
+            f"checkpoint {[len(g.get('params', ())) if isinstance(g, Mapping) else '?' for g in saved_groups]}; "
+            "build the optimizer as the saved run did"
+        )
+    name = type(optimizer).__name__
+    for g, (sg, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        missing = sorted(k for k in group if k not in sg and k not in _DEFAULTED_GROUP_KEYS)
+        if missing:
+            raise ValueError(
+                f"{where} was saved by another kind of optimizer: its param_groups[{g}] lacks "
+                f"{missing}, which {name} needs (it has {sorted(k for k in sg if k != 'params')}). "
+                f"Build the optimizer the saved run used, or pass optimizer=None to start {name} afresh"
+            )
+    ids = [pid for sg in saved_groups for pid in sg["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    places = [(g, i) for g, group in enumerate(optimizer.param_groups) for i in range(len(group["params"]))]
+    index = {pid: k for k, pid in enumerate(ids)}
+    for pid, st in sd["state"].items():
+        k = index.get(pid)
+        if k is None:
+            continue
+        if not isinstance(st, Mapping):
+            raise ValueError(f"{where}: state[{pid!r}] is a {type(st).__name__}; expected a dict")
+        p = params[k]
+        for key, v in st.items():
+            if key in _ELEMENTWISE_STATE and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(p.shape):
+                g, i = places[k]
+                raise ValueError(
+                    f"{where}: state[{pid!r}][{key!r}] has shape {tuple(v.shape)} but "
+                    f"param_groups[{g}]['params'][{i}] has shape {tuple(p.shape)}; the state "
+                    "belongs to another model (or parameter order). Build the model and optimizer "
+                    "as the saved run did"
+                )
+    check = getattr(optimizer, "_check_state_dict", None)
+    if check is not None and getattr(optimizer, "_fastamp_fused", False):
+        check(sd)  # fastamp's optimizers check everything their step needs
+
+
+def _check_scaler_state(scaler: Any, sd: Any, path: str) -> None:
+    where = f"load_training_state: the scaler state in {path!r}"
+    if not isinstance(sd, Mapping):
+        raise ValueError(f"{where} is a {type(sd).__name__}; expected the dict of scaler.state_dict()")
+    if not getattr(scaler, "_enabled", True):
+        return  # a disabled scaler ignores what it is given (as PyTorch's)
+    if len(sd) == 0:
+        raise RuntimeError(
+            f"{where} is empty: it was saved from a disabled GradScaler, so there is no loss scale to "
+            "resume. Pass a disabled scaler (enabled=False), or scaler=None and start the scale afresh"
+        )
+    missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+               if k not in sd]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}; expected the dict of GradScaler.state_dict()")
+    check = getattr(scaler, "_check_state_dict", None)
+    if check is not None:
+        check(sd)  # fastamp.GradScaler: every entry, with its own messages
+        return
+    scale = sd["scale"]
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        scale = scale.item()
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"{where}: scale is {scale!r}; expected a finite number > 0")
+
+
+def _check_rng_state(rng: Any, path: str) -> None:
+    where = f"load_training_state: the random-generator state in {path!r}"
+    if not isinstance(rng, Mapping):
+        raise ValueError(
+            f"{where} is missing ({type(rng).__name__}); the file is damaged. Pass restore_rng=False "
+            "to resume with fresh random streams"
+        )
+    for key in ("torch", "python"):
+        if key not in rng:
+            raise ValueError(f"{where} lacks its {key!r} entry; pass restore_rng=False to resume without it")
+    try:
+        torch.Generator().set_state(rng["torch"])  # a scratch generator validates the bytes
+    except Exception as e:
+        raise ValueError(f"{where}: the 'torch' entry is not a CPU generator state ({e})") from None
+    try:
+        random.Random().setstate(rng["python"])
+    except Exception as e:
+        raise ValueError(f"{where}: the 'python' entry is not a random.getstate() value ({e})") from None
+    if "cuda" in rng:
+        saved = rng["cuda"]
+        if not isinstance(saved, (list, tuple)) or not all(
+                isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in saved):
+            raise ValueError(f"{where}: the 'cuda' entry is not a list of generator states")
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < len(saved):
+            raise RuntimeError(
+                f"load_training_state: the checkpoint holds the RNG state of {len(saved)} CUDA "
+                f"devices but this process sees {n}; resume on the same devices (or pass "
+                "restore_rng=False to continue with fresh random streams)"
+            )
+    if "numpy" in rng:
+        try:
+            import numpy as np
+        except ImportError:
+            return
+        try:
+            kind, keys, pos, has_gauss, cached = rng["numpy"]
+            np.random.RandomState().set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+        except Exception as e:
+            raise ValueError(f"{where}: the 'numpy' entry is not a numpy generator state ({e})") from None
+
+
+def _rng_state_exact() -> dict[str, Any]:
+    """The current generators, to put back should a later restore fail."""
+    state = _rng_state()
+    if "numpy" in state:
+        import numpy as np
+
+        state["numpy_exact"] = np.random.get_state()
+    return state
 
 
 def load_training_state(
@@ -251,17 +597,42 @@ def load_training_state(
             f"{layout.get('num_params')} parameters, the DistributedDataParallel model has {len(ddp._params)}"
         )
 
-    module.load_state_dict(saved_model)
     if optimizer is not None:
-        optimizer.load_state_dict(shared["optimizer"])
+        _check_optimizer_state(optimizer, shared["optimizer"], path)
     if scaler is not None:
-        scaler.load_state_dict(shared["scaler"])
-    if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(shared["lr_scheduler"])
-    if ddp is not None and layout is not None:
-        ddp.load_bucket_layout(layout)
+        _check_scaler_state(scaler, shared["scaler"], path)
+    if lr_scheduler is not None and not isinstance(shared["lr_scheduler"], Mapping):
+        raise ValueError(
+            f"load_training_state: the lr_scheduler state in {path!r} is a "
+            f"{type(shared['lr_scheduler']).__name__}; expected the dict of lr_scheduler.state_dict()"
+        )
     if restore_rng and local is not None:
-        _set_rng_state(local["rng"])
+        _check_rng_state(local.get("rng"), path if world == 1 else f"{path}.rank{rank}")
+
+    # Restore. Everything was validated; should a load still fail, what was already restored is
+    # put back (the model last: it is the one restore that cannot be undone without a copy).
+    undo: list[Any] = []
+    try:
+        if optimizer is not None:
+            undo.append(_snapshot(optimizer))
+            optimizer.load_state_dict(shared["optimizer"])
+        if scaler is not None:
+            undo.append(_snapshot(scaler))
+            scaler.load_state_dict(shared["scaler"])
+        if lr_scheduler is not None:
+            undo.append(_snapshot(lr_scheduler))
+            lr_scheduler.load_state_dict(shared["lr_scheduler"])
+        if restore_rng and local is not None:
+            rng_before = _rng_state_exact()
+            undo.append(lambda: _set_rng_state(rng_before))
+            _set_rng_state(local["rng"])
+        if ddp is not None and layout is not None:
+            ddp.load_bucket_layout(layout)  # validates everything before changing the buckets
+        module.load_state_dict(saved_model)
+    except BaseException:
+        for restore in reversed(undo):
+            restore()
+        raise
     return TrainingState(
-        step=shared["step"], extra=shared["extra"], world_size=saved_world, rng_restored=restore_rng
+        step=shared["step"], extra=_decode_extra(shared["extra"]), world_size=saved_world, rng_restored=restore_rng
     )

@@ -164,3 +164,187 @@ def test_save_refuses_mid_step_scaler(tmp_path):
     assert not (tmp_path / "c.pt").exists()
     with pytest.raises(ValueError, match="step must be a non-negative int"):
         fastamp.save_training_state(tmp_path / "c.pt", model=net, step=-1)
+
+
+# ----------------------------------------------------------------------------- issue 14
+
+
+def _full_snapshot(net, opt, scaler, sched):
+    return ([t.clone() for t in net.state_dict().values()], opt.state_dict(), scaler.state_dict(),
+            sched.state_dict(), torch.get_rng_state(), random.getstate(),
+            torch.from_numpy(np.random.get_state()[1].astype("int64")))
+
+
+def _tamper(path, fn):
+    obj = torch.load(path, weights_only=True)
+    fn(obj)
+    torch.save(obj, path)
+
+
+def _set(*keys_and_value):
+    *keys, value = keys_and_value
+
+    def fn(obj):
+        for k in keys[:-1]:
+            obj = obj[k]
+        obj[keys[-1]] = value
+
+    return fn
+
+
+def _pop(*keys):
+    def fn(obj):
+        for k in keys[:-1]:
+            obj = obj[k]
+        obj.pop(keys[-1])
+
+    return fn
+
+
+def _save_variant(tmp_path, optimizer_cls=None, scaler_enabled=True):
+    net, scaler, opt, sched = _make()
+    if optimizer_cls is not None:
+        opt = optimizer_cls(net.parameters(), lr=0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    if not scaler_enabled:
+        scaler = fastamp.GradScaler("cpu", enabled=False)
+    for i in range(2):
+        _step(net, scaler, opt, sched, i)
+    fastamp.save_training_state(tmp_path / "c.pt", model=net, optimizer=opt, scaler=scaler,
+                                lr_scheduler=sched, step=2)
+    return tmp_path / "c.pt"
+
+
+BAD_FILES = {
+    # name: (how the file is made, what the load raises)
+    "SGD state into AdamW": (lambda p: _save_variant(p, fastamp.optim.SGD), ValueError),
+    "torch SGD state into AdamW": (lambda p: _save_variant(p, torch.optim.SGD), ValueError),
+    "disabled scaler's empty state": (lambda p: _save_variant(p, scaler_enabled=False), RuntimeError),
+    "scale 0": (lambda p: _tamper(_save_variant(p), _set("scaler", "scale", 0.0)) or p / "c.pt", ValueError),
+    "exp_avg of the wrong shape": (
+        lambda p: _tamper(_save_variant(p), _set("optimizer", "state", 0, "exp_avg", torch.zeros(3))) or p / "c.pt",
+        ValueError),
+    "RNG entry missing": (lambda p: _tamper(_save_variant(p), _pop("rng")) or p / "c.pt", ValueError),
+    "python RNG entry missing": (lambda p: _tamper(_save_variant(p), _pop("rng", "python")) or p / "c.pt",
+                                 ValueError),
+    "torch RNG entry corrupt": (
+        lambda p: _tamper(_save_variant(p), _set("rng", "torch", torch.zeros(7, dtype=torch.uint8))) or p / "c.pt",
+        ValueError),
+    "numpy RNG entry corrupt": (
+        lambda p: _tamper(_save_variant(p), _set("rng", "numpy", ("MT19937", torch.zeros(3, dtype=torch.int64), 0, 0,
+                                                                  0.0))) or p / "c.pt", ValueError),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_bad_file_is_refused_before_anything_is_restored(tmp_path, case):
+    make_file, error = BAD_FILES[case]
+    path = make_file(tmp_path)
+    random.seed(5)
+    np.random.seed(5)
+    net, scaler, opt, sched = _make(seed=3)  # the AdamW run that tries to resume
+    for i in range(3):
+        _step(net, scaler, opt, sched, i)
+    before = _full_snapshot(net, opt, scaler, sched)
+    with pytest.raises(error):
+        fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler, lr_scheduler=sched)
+    assert_bitwise_equal(_full_snapshot(net, opt, scaler, sched), before)
+
+
+def test_a_load_failing_late_undoes_what_it_restored(tmp_path, monkeypatch):
+    path = _save_variant(tmp_path)
+    net, scaler, opt, sched = _make(seed=3)
+    for i in range(3):
+        _step(net, scaler, opt, sched, i)
+    before = _full_snapshot(net, opt, scaler, sched)
+
+    def broken(state_dict):
+        raise RuntimeError("injected failure after the optimizer and scaler were restored")
+
+    monkeypatch.setattr(net, "load_state_dict", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler, lr_scheduler=sched)
+    monkeypatch.undo()
+    assert_bitwise_equal(_full_snapshot(net, opt, scaler, sched), before)
+    # and the objects still work: a step after the failed load equals one without it
+    _step(net, scaler, opt, sched, 3)
+
+
+def test_extra_common_types_round_trip(tmp_path):
+    import argparse
+    import pathlib
+
+    net, *_ = _make()
+    extra = {
+        "np_f32": np.float32(1.5), "np_i64": np.int64(-3), "np_bool": np.bool_(True),
+        "arr": np.arange(6, dtype=np.int16).reshape(2, 3), "farr": np.linspace(0, 1, 4),
+        "path": pathlib.Path("/data/run1"), "args": argparse.Namespace(lr=0.1, tag="x", dims=[1, 2]),
+        "nested": [{"p": pathlib.Path("a")}, (np.float64(2.0),)],
+    }
+    fastamp.save_training_state(tmp_path / "c.pt", model=net, extra=extra)
+    got = fastamp.load_training_state(tmp_path / "c.pt", model=net).extra
+    assert got.keys() == extra.keys()
+    for k in ("np_f32", "np_i64", "np_bool"):
+        assert type(got[k]) is type(extra[k]) and got[k] == extra[k]
+    for k in ("arr", "farr"):
+        assert got[k].dtype == extra[k].dtype and np.array_equal(got[k], extra[k])
+    assert got["path"] == extra["path"] and got["args"] == extra["args"]
+    assert got["nested"][0]["p"] == pathlib.Path("a") and got["nested"][1][0] == np.float64(2.0)
+
+
+class _Opaque:
+    pass
+
+
+@pytest.mark.parametrize("bad", [_Opaque(), {1, 2}, np.array([object()], dtype=object), lambda: 0])
+def test_extra_that_weights_only_cannot_read_is_refused_at_save(tmp_path, bad):
+    net, *_ = _make()
+    with pytest.raises(TypeError, match=r"extra\['bad'\].*weights_only"):
+        fastamp.save_training_state(tmp_path / "c.pt", model=net, extra={"ok": 1, "bad": bad})
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temporary file
+
+
+def test_concurrent_saves_from_threads_all_succeed(tmp_path):
+    import threading
+
+    net, scaler, opt, sched = _make()
+    errors = []
+
+    def save(i):
+        try:
+            fastamp.save_training_state(tmp_path / "c.pt", model=net, optimizer=opt, scaler=scaler, step=i)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temporary file left
+    assert fastamp.load_training_state(tmp_path / "c.pt", model=net).step in range(40)
+
+
+def test_failed_saves_leave_no_temporary_file(tmp_path, monkeypatch):
+    net, scaler, opt, _ = _make()
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(IsADirectoryError, match="is a directory; expected a file name"):
+        fastamp.save_training_state(tmp_path / "adir", model=net)
+    (tmp_path / "c.pt").write_bytes(b"previous checkpoint")
+
+    import fastamp.resume as resume
+
+    real_fdopen = resume.os.fdopen
+
+    def disk_full(fd, *args, **kwargs):  # the temporary file, on a device with no space left
+        real_fdopen(fd, *args, **kwargs).close()
+        return open("/dev/full", "wb", buffering=0)  # noqa: SIM115
+
+    monkeypatch.setattr(resume.os, "fdopen", disk_full)
+    with pytest.raises(OSError, match="disk is full") as info:
+        fastamp.save_training_state(tmp_path / "c.pt", model=net, optimizer=opt, scaler=scaler)
+    assert info.value.errno == 28 and "inline_container" not in str(info.value)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "c.pt"]
+    assert (tmp_path / "c.pt").read_bytes() == b"previous checkpoint"  # not replaced

@@ -7,12 +7,15 @@ early stop, autocast replay are its machinery), plus:
   another GPU inside the block replays wrong);
 * ``determinism_check="bitwise"``: digests of every op output in the forward, compared with the
   recompute's as it runs; the first difference raises, naming the op and output;
-* a clear error when checkpointing cannot do anything (nothing requires grad).
+* nothing else: a block whose inputs and parameters need no grad (frozen layers) runs as with
+  PyTorch, and no check raises once the block has run (its BatchNorm statistics and the RNG have
+  moved by then).
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -22,11 +25,34 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointError, noop_context_fn
 
+from fastamp.checkpoint import planner as _planner
 from fastamp.checkpoint._ops import rng_get_state, rng_set_state, tensor_digest
 
 __all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError"]
 
 _DETERMINISM_CHECKS = ("default", "none", "bitwise")
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_rng_get_state_op = torch.ops.fastamp.rng_get_state.default
+_rng_set_state_op = torch.ops.fastamp.rng_set_state.default
+
+
+_cpu_generator = torch.default_generator
+_cuda_initialized = torch.cuda.is_initialized
+
+
+def _rng_get_state() -> list[Tensor]:
+    # Until CUDA is initialised the snapshot is the CPU generator's alone: read it directly (the
+    # op costs a dispatcher round trip, several microseconds inside a checkpointed region).
+    if not _cuda_initialized():
+        return [_cpu_generator.get_state()]
+    return _rng_get_state_op()
+
+
+def _rng_set_state(states: list[Tensor]) -> None:
+    if len(states) == 1:
+        _cpu_generator.set_state(states[0])  # a fresh get_state() tensor: plain bytes
+    else:
+        _rng_set_state_op(states)
 
 
 class _RngReplay:
@@ -40,31 +66,32 @@ class _RngReplay:
     @staticmethod
     def _get() -> list[Tensor]:
         # Outside any dispatch mode: the block's context_fn modes (selective checkpointing's cache,
-        # the bitwise check) must see the block's ops only, not this bookkeeping.
+        # the bitwise check) must see the block's ops only, not this bookkeeping. (Entering the
+        # context costs more than the snapshot: skipped when no mode is active.)
+        if _dispatch_modes() == 0:
+            return _rng_get_state()
         with _disable_current_modes():
-            return rng_get_state()
+            return _rng_get_state()
 
     @staticmethod
     def _set(states: list[Tensor]) -> None:
+        if _dispatch_modes() == 0:
+            _rng_set_state(states)
+            return
         with _disable_current_modes():
-            rng_set_state(states)
+            _rng_set_state(states)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.state is None:
-            self.state = self._get()
+            self.state = before = self._get()
             out = self.fn(*args, **kwargs)
-            if len(self.state) == 1:  # no CUDA device in this process: nothing can appear
-                return out
+            if len(before) == 1 and not _cuda_initialized():
+                return out  # no CUDA generator before or after: nothing can have appeared
             after = self._get()
-            newly = [i - 1 for i in range(1, len(after)) if after[i].numel() and not self.state[i].numel()]
+            newly = [i - 1 for i in range(1, len(after))
+                     if after[i].numel() and not (i < len(before) and before[i].numel())]
             if newly:
-                raise RuntimeError(
-                    f"fastamp.checkpoint: CUDA device(s) {newly} were first used inside the "
-                    "checkpointed function, so their RNG state before it is unknown and the "
-                    "recompute could not replay it. Initialise them before the checkpoint (e.g. "
-                    "torch.cuda.init() or a first tensor on each device), or pass "
-                    "preserve_rng_state=False."
-                )
+                self.warn_newly_used(newly)
             return out
         current = self._get()
         self._set(self.state)
@@ -72,6 +99,21 @@ class _RngReplay:
             return self.fn(*args, **kwargs)
         finally:
             self._set(current)
+
+    @staticmethod
+    def warn_newly_used(newly: Any) -> None:
+        # A warning, not an error: the block has run (BatchNorm statistics, RNG moved), and
+        # PyTorch does not replay such devices either.
+        warnings.warn(
+            f"fastamp.checkpoint: CUDA device(s) {newly} were first used inside the "
+            "checkpointed function, so their RNG state before it is unknown: the "
+            "recompute does not replay their random numbers (as with PyTorch, which "
+            "replays only the devices of the arguments). Initialise them before the "
+            "checkpoint (e.g. torch.cuda.init() or a first tensor on each device) for an "
+            "exact replay.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 # Factories whose output is uninitialised memory: their bytes legitimately differ.
@@ -188,7 +230,6 @@ def _bitwise_context_fn(user_context_fn: Callable[[], tuple[Any, Any]]):
     return context_fn
 
 
-@torch.compiler.disable
 def checkpoint(
     function: Callable[..., Any],
     *args: Any,
@@ -241,12 +282,30 @@ def checkpoint(
             f"fastamp.checkpoint.checkpoint: determinism_check must be one of {list(_DETERMINISM_CHECKS)}, "
             f"got {determinism_check!r}"
         )
-    grad_enabled = torch.is_grad_enabled()
-    if grad_enabled:
-        from fastamp.checkpoint.planner import note_checkpoint_inputs
+    if torch.compiler.is_compiling():
+        # A graph break: the block runs eagerly, with the same numbers. (Decorating checkpoint
+        # itself with torch.compiler.disable would cost every eager call a frame-hook round trip.)
+        return _checkpoint_eager(function, args, kwargs, preserve_rng_state, context_fn,
+                                 determinism_check, debug, early_stop)
+    return _checkpoint(function, args, kwargs, preserve_rng_state, context_fn, determinism_check,
+                       debug, early_stop)
 
-        note_checkpoint_inputs((args, kwargs))  # the region keeps its inputs until backward
-    run = _RngReplay(function) if (preserve_rng_state and grad_enabled) else function
+
+def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                preserve_rng_state: bool, context_fn: Callable[[], tuple[Any, Any]],
+                determinism_check: str, debug: bool, early_stop: bool) -> Any:
+    grad_enabled = torch.is_grad_enabled()
+    if grad_enabled and _planner._active_counters:
+        _planner.note_checkpoint_inputs((args, kwargs))  # the region keeps its inputs until backward
+    run = function
+    torch_rng = False  # whether torch's own RNG stash does the replay
+    if preserve_rng_state and grad_enabled:
+        if _cuda_initialized():
+            run = _RngReplay(function)  # every initialised CUDA generator, and the CPU one
+        else:
+            # Only the CPU generator exists: PyTorch's stash of it is exactly that replay, and
+            # reusing it costs nothing on top of torch's checkpoint.
+            torch_rng = True
     torch_check = determinism_check
     if determinism_check == "bitwise":
         if debug:
@@ -259,33 +318,76 @@ def checkpoint(
         torch_check = "default"
     if context_fn is not noop_context_fn:
         context_fn = _checked_context_fn(context_fn)
-    out = torch.utils.checkpoint.checkpoint(
-        run,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=False,
-        context_fn=context_fn,
-        determinism_check=torch_check,
-        debug=debug,
-        early_stop=early_stop,
-        **kwargs,
-    )
-    if grad_enabled:
-        _check_something_to_recompute(args, kwargs, out)
+    # Like PyTorch, a block none of whose inputs or parameters requires grad just runs (frozen
+    # layers when fine-tuning): nothing is recomputed, nothing raises.
+    if _GENERATOR is None:
+        out = torch.utils.checkpoint.checkpoint(
+            run,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=torch_rng,
+            context_fn=context_fn,
+            determinism_check=torch_check,
+            debug=debug,
+            early_stop=early_stop,
+            **kwargs,
+        )
+    else:
+        out = _run_generator(run, args, kwargs, torch_rng, context_fn, torch_check, debug, early_stop)
+    if torch_rng and _cuda_initialized():
+        _RngReplay.warn_newly_used("all initialised")
     return out
 
 
-def _check_something_to_recompute(args: Sequence[Any], kwargs: dict[str, Any], out: Any) -> None:
-    def requires_grad(x: Any) -> bool:
-        return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(x))
+def _find_generator() -> Callable[..., Any] | None:
+    """torch.utils.checkpoint's non-reentrant machinery, when its signature is the one this module
+    drives (else None: the public function is used, at the cost of its dynamo frame hook)."""
+    import inspect
 
-    if not requires_grad(out) and not requires_grad((args, kwargs)):
-        raise ValueError(
-            "fastamp.checkpoint.checkpoint: neither the inputs nor the outputs of the checkpointed "
-            "function require grad, so there is nothing to recompute and no memory to save. "
-            "Checkpoint a block whose parameters or inputs require grad, or call the function "
-            "directly (e.g. under torch.no_grad() for evaluation)."
-        )
+    gen = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
+    if gen is None:
+        return None
+    try:
+        params = list(inspect.signature(gen).parameters)
+    except (TypeError, ValueError):
+        return None
+    expected = ["fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
+                "args", "kwargs"]
+    return gen if params == expected else None
+
+
+_GENERATOR = _find_generator()
+
+
+def _run_generator(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                   preserve_rng_state: bool, context_fn: Callable[[], tuple[Any, Any]], determinism_check: str, debug: bool,
+                   early_stop: bool) -> Any:
+    """What torch.utils.checkpoint.checkpoint(use_reentrant=False) does around its generator,
+    minus its per-call dynamo frame hook (torch.compile gets the disabled path above) and the
+    argument parsing this module has already done."""
+    gen = _GENERATOR(run, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args,
+                     **kwargs)
+    next(gen)  # pre-forward: saved-tensor hooks, the forward context
+    try:
+        out = run(*args, **kwargs)
+    except BaseException as e:
+        try:
+            gen.throw(e)
+        except StopIteration as stop:
+            raise RuntimeError(
+                "fastamp.checkpoint: the forward context returned by context_fn suppressed an "
+                "exception raised by the checkpointed function; checkpoint cannot return a value "
+                "for a failed forward"
+            ) from stop
+        raise
+    try:
+        next(gen)  # post-forward
+    except StopIteration:
+        return out
+    raise AssertionError("fastamp.checkpoint: torch's checkpoint generator yielded more than twice")
+
+
+_checkpoint_eager = torch.compiler.disable(_checkpoint)
 
 
 def checkpoint_sequential(

@@ -43,12 +43,44 @@ def _where(g: int, i: int) -> str:
     return f"param_groups[{g}]['params'][{i}]"
 
 
-def _grad_like(p: Tensor) -> Tensor:
-    """The grad with the param's strides: the kernel walks both as one flat span. PyTorch accepts a
-    grad of any layout; a re-strided copy (read-only, so a temporary) keeps that working."""
+def _grad_like(p: Tensor, like: Tensor) -> Tensor:
+    """The grad of ``p`` with the strides of ``like`` (the param as the kernel sees it): the kernel
+    walks both as one flat span. PyTorch accepts a grad of any layout; a re-strided copy
+    (read-only, so a temporary) keeps that working."""
     g = p.grad
     assert g is not None
-    return g if g.stride() == p.stride() else torch.empty_like(p).copy_(g)
+    return g if g.stride() == like.stride() else torch.empty_like(like).copy_(g)
+
+
+def _is_dense(p: Tensor) -> bool:
+    """Whether the elements of ``p`` are one dense span without overlap (contiguous, a
+    permutation of it such as channels_last or a transpose)."""
+    if p.is_contiguous():
+        return True
+    expected = 1  # sorted by stride, each dim must step over exactly the dims below it
+    for stride, size in sorted((st, sz) for sz, st in zip(p.shape, p.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _kernel_view(p: Tensor) -> Tensor:
+    """``p`` as the kernel walks it: ``p`` itself when its elements are one dense span, else a
+    dense copy laid out as ``torch.empty_like(p)`` lays it out -- the layout PyTorch gives the
+    state of such a param (``zeros_like(p, memory_format=torch.preserve_format)``), so state
+    and staged param line up. Staged params are copied back after the kernel, as PyTorch's
+    in-place update of a strided view (``nn.Parameter(w[:, ::2])``) writes through it."""
+    if _is_dense(p):
+        return p
+    return torch.empty_like(p).copy_(p)
+
+
+def _state_strides(p: Tensor) -> tuple[int, ...]:
+    """The strides the per-element state of ``p`` must have (see :func:`_kernel_view`)."""
+    if _is_dense(p):
+        return p.stride()
+    return torch.empty_like(p, device="meta").stride()
 
 
 class _FusedStepMixin:
@@ -83,7 +115,7 @@ class _FusedStepMixin:
     def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._ELEMENTWISE
 
-    def _check_params(self, g: int, group: dict[str, Any]) -> list[Tensor]:
+    def _check_params(self, g: int, group: dict[str, Any]) -> tuple[list[Tensor], list[int]]:
         """Params of group ``g`` that have grads, with all that the kernel needs checked: nothing
         is created or written until every group has passed (so an error leaves the params, the
         grads and the state as they were)."""
@@ -116,6 +148,14 @@ class _FusedStepMixin:
                     f"fastamp.optim.{name}: {_where(g, i)} of dtype {p.dtype} has a grad of dtype "
                     f"{p.grad.dtype}; expected the same dtype"
                 )
+            if p.grad.shape != p.shape or p.grad.device != p.device:
+                # RuntimeError, as PyTorch's update raises for it ("The size of tensor a ...").
+                raise RuntimeError(
+                    f"fastamp.optim.{name}: {_where(g, i)} has shape {tuple(p.shape)} on "
+                    f"{p.device} but its grad has shape {tuple(p.grad.shape)} on {p.grad.device}; "
+                    "expected a grad of the parameter's shape on its device (was .grad assigned "
+                    "by hand?)"
+                )
             if params and p.device != params[0].device:
                 raise RuntimeError(
                     f"fastamp.optim.{name}: {_where(g, i)} is on {p.device} but "
@@ -128,7 +168,7 @@ class _FusedStepMixin:
             places.append(i)
         if params:
             self._check_state(g, group, params, places)
-        return params
+        return params, places
 
     def _check_state(self, g: int, group: dict[str, Any], params: list[Tensor],
                      places: list[int]) -> None:
@@ -148,7 +188,7 @@ class _FusedStepMixin:
                 continue
             master = self._master_weights and p.dtype != torch.float32
             want = torch.float32 if master else p.dtype
-            shape, device, stride = p.shape, p.device, p.stride()
+            shape, device, stride = p.shape, p.device, _state_strides(p)
             for key in keys + (("master_param",) if master else ()):
                 v = state.get(key)
                 if v is None:
@@ -163,7 +203,8 @@ class _FusedStepMixin:
                 # Fast path first: this runs for every parameter at every step.
                 if not (isinstance(v, Tensor) and v.shape == shape and v.device == device
                         and v.dtype == want and v.stride() == stride):
-                    self._state_error(f"fastamp.optim.{name}: state[{key!r}] of {_where(g, i)}", v, p, want)
+                    self._state_error(f"fastamp.optim.{name}: state[{key!r}] of {_where(g, i)}", v, p, want,
+                                      stride)
             step = state.get("step")
             if step is not None and not (
                 isinstance(step, Tensor) and step.numel() == 1 or is_real(step)
@@ -174,7 +215,8 @@ class _FusedStepMixin:
                 )
 
     @staticmethod
-    def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype) -> None:
+    def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype,
+                     stride: tuple[int, ...]) -> None:
         if not isinstance(v, Tensor):
             raise TypeError(f"{what} is a {type(v).__name__}; expected a tensor like the parameter")
         if v.shape != p.shape:
@@ -190,9 +232,8 @@ class _FusedStepMixin:
                 "parameter's device, and float32 with master_weights=True)"
             )
         raise ValueError(
-            f"{what} has strides {v.stride()} but the parameter has {p.stride()}; expected the "
-            "parameter's memory layout (convert the model to the memory format it had when the "
-            "state was saved)"
+            f"{what} has strides {v.stride()}; expected {stride}, the parameter's memory layout "
+            "(convert the model to the memory format it had when the state was saved)"
         )
 
     def _required_state(self, state: dict[str, Any], group: dict[str, Any]) -> tuple[str, ...]:
@@ -341,12 +382,14 @@ class _FusedStepMixin:
                 if isinstance(v, Tensor) and v.is_floating_point():
                     state[key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
 
-    def _master(self, p: Tensor, state: dict[str, Any]) -> Tensor | None:
+    def _master(self, p: Tensor, state: dict[str, Any], new: dict[str, Any]) -> Tensor | None:
+        """The fp32 master of ``p`` (with ``master_weights=True``); a new one goes into ``new``,
+        which the caller commits to the state only once the kernel has run."""
         if not self._master_weights or p.dtype == torch.float32:
             return None
         master = state.get("master_param")
         if master is None:
-            master = state["master_param"] = p.detach().float().clone(memory_format=torch.preserve_format)
+            master = new["master_param"] = p.detach().float().clone(memory_format=torch.preserve_format)
         return master
 
     @torch.no_grad()
@@ -368,15 +411,21 @@ class _FusedStepMixin:
 
     def _fastamp_step(self, inv_scale: Tensor | None, found_inf: Tensor | None,
                       clip_coef: Tensor | None) -> None:
-        # Every group is checked before the first one is stepped.
-        checked = [(group, self._check_params(g, group)) for g, group in enumerate(self.param_groups)]
+        # Every group is checked before the first one is stepped, and a group's new state is
+        # committed only after its kernel ran: an error leaves params, grads and state as they were
+        # (a retry then steps every group once).
+        checked = [(g, group, *self._check_params(g, group)) for g, group in enumerate(self.param_groups)]
+        self._check_shared_memory(checked)
         stepped = None
-        for group, params in checked:
+        for g, group, params, places in checked:
             if not params:
                 continue
             dev = params[0].device
             scalars = (_on(inv_scale, dev), _on(found_inf, dev), _on(clip_coef, dev))
-            self._group_step(group, params, *scalars)
+            try:
+                self._group_step(group, params, *scalars)
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise self._kernel_error(e, g, places) from e
             if stepped is None:
                 stepped = (
                     torch.ones((), dtype=torch.bool, device=dev)
@@ -385,6 +434,50 @@ class _FusedStepMixin:
                 )
         self.stepped = stepped
 
+    def _check_shared_memory(self, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]) -> None:
+        """Refuses params that share memory -- a view whose own elements overlap (``expand()``),
+        or two params over the same elements (overlapping slices of one tensor, a param listed
+        twice) -- across all groups, before any is stepped. PyTorch updates such memory once per
+        param, in list order; the fused kernels would update it in an unspecified order."""
+        if torch.compiler.is_compiling():
+            return  # no addresses to compare on FakeTensors; the kernels still check each group
+        by_device: dict[torch.device, tuple[list[Tensor], list[tuple[int, int]]]] = {}
+        for g, _, params, places in checked:
+            for p, i in zip(params, places):
+                ts, where = by_device.setdefault(p.device, ([], []))
+                ts.append(p)
+                where.append((g, i))
+        for ts, where in by_device.values():
+            pair = torch.ops.fastamp.shared_memory_pair(ts)
+            if not pair:
+                continue
+            a, b = pair
+            name = type(self).__name__
+            if a == b:
+                raise RuntimeError(
+                    f"fastamp.optim.{name}: {_where(*where[a])} is a view whose elements overlap "
+                    "in memory (e.g. from expand() or as_strided()), so it cannot be updated in "
+                    "place (PyTorch's optimizers raise for it too); expected a parameter with its "
+                    "own storage: nn.Parameter(t.clone())"
+                )
+            raise RuntimeError(
+                f"fastamp.optim.{name}: {_where(*where[b])} and {_where(*where[a])} share memory "
+                "(overlapping views of one tensor, or one parameter listed twice), so the shared "
+                "elements would be updated once per parameter; expected parameters over disjoint "
+                "memory: give each its own storage (nn.Parameter(t.clone())) or list it once"
+            )
+
+    def _kernel_error(self, e: Exception, g: int, places: list[int]) -> Exception:
+        """The kernel's error, with its list positions named as the param group's entries."""
+        where = ", ".join(f"[{k}] = {_where(g, i)}" for k, i in enumerate(places[:8]))
+        more = ", ..." if len(places) > 8 else ""
+        try:
+            return type(e)(f"{e} (fastamp.optim.{type(self).__name__}: list positions {where}{more}; "
+                           "no param group was stepped)" if g == 0 else
+                           f"{e} (fastamp.optim.{type(self).__name__}: list positions {where}{more})")
+        except Exception:  # an exception type that takes other arguments
+            return e
+
     @staticmethod
     def _lr(group: dict[str, Any], device: torch.device) -> tuple[float, Tensor | None]:
         lr = group["lr"]
@@ -392,14 +485,26 @@ class _FusedStepMixin:
             return 0.0, lr.to(device=device, dtype=torch.float32, non_blocking=True)
         return float(lr), None
 
-    def _step_tensor(self, p: Tensor, state: dict[str, Any], key: str = "step") -> Tensor:
+    def _step_tensor(self, p: Tensor, state: dict[str, Any], new: dict[str, Any],
+                     key: str = "step") -> Tensor:
         step = state.get(key)
         if step is None:
-            step = state[key] = torch.zeros((), dtype=torch.float32, device=p.device)
-        elif step.device != p.device or step.dtype != torch.float32:
+            step = new[key] = torch.zeros((), dtype=torch.float32, device=p.device)
+        elif not isinstance(step, Tensor):  # a number (accepted by the checks, as by PyTorch)
+            step = new[key] = torch.tensor(float(step), dtype=torch.float32, device=p.device)
+        elif step.device != p.device or step.dtype != torch.float32 or step.dim() != 0:
             # e.g. a state_dict saved by torch.optim (non-fused keeps steps on the CPU)
-            step = state[key] = step.to(device=p.device, dtype=torch.float32)
+            step = new[key] = step.to(device=p.device, dtype=torch.float32).reshape(())
         return step
+
+    def _commit(self, params: list[Tensor], news: list[dict[str, Any]],
+                staged: list[tuple[Tensor, Tensor]]) -> None:
+        """After the kernel: copy staged params back and add the state the step created."""
+        for p, kp in staged:
+            p.copy_(kp)
+        for p, new in zip(params, news):
+            if new:
+                self.state[p].update(new)
 
 
 class _AdamBase(_FusedStepMixin):
@@ -419,32 +524,41 @@ class _AdamBase(_FusedStepMixin):
 
     def _group_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
         amsgrad = group["amsgrad"]
-        grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters = [], [], [], [], [], []
+        kparams, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters = [], [], [], [], [], [], []
+        news: list[dict[str, Any]] = []
+        staged: list[tuple[Tensor, Tensor]] = []
         for p in params:
-            state = self.state[p]
-            master = self._master(p, state)
-            like = master if master is not None else p
+            state = self.state.get(p) or {}  # .get: no entry is created before the kernel ran
+            new: dict[str, Any] = {}
+            kp = _kernel_view(p)
+            if kp is not p:
+                staged.append((p, kp))
+            master = self._master(p, state, new)
+            like = master if master is not None else kp
             if "exp_avg" not in state:
-                state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                new["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                new["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
                 if amsgrad:
-                    state["max_exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-            steps.append(self._step_tensor(p, state))
-            grads.append(_grad_like(p))
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
+                    new["max_exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            steps.append(self._step_tensor(p, state, new))
+            kparams.append(kp)
+            grads.append(_grad_like(p, kp))
+            exp_avgs.append(new.get("exp_avg", state.get("exp_avg")))
+            exp_avg_sqs.append(new.get("exp_avg_sq", state.get("exp_avg_sq")))
             if amsgrad:
-                max_sqs.append(state["max_exp_avg_sq"])
+                max_sqs.append(new.get("max_exp_avg_sq", state.get("max_exp_avg_sq")))
             if master is not None:
                 masters.append(master)
+            news.append(new)
         beta1, beta2 = group["betas"]
         lr, lr_t = self._lr(group, params[0].device)
         torch.ops.fastamp.adam_step_(
-            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters,
+            kparams, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters,
             lr, lr_t, float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"]),
             bool(amsgrad), bool(group.get("decoupled_weight_decay", self._decoupled)),
             bool(group["maximize"]), inv_scale, found_inf, clip_coef,
         )  # fmt: skip
+        self._commit(params, news, staged)
 
 
 class Adam(_AdamBase, torch.optim.Adam):
@@ -506,12 +620,12 @@ class SGD(_FusedStepMixin, torch.optim.SGD):
         self._fastamp_init(master_weights)
         self._updates: dict[Tensor, Tensor] = {}
 
-    def _updates_of(self, p: Tensor, state: dict[str, Any]) -> Tensor:
+    def _updates_of(self, p: Tensor, state: dict[str, Any], new_counts: dict[Tensor, Tensor]) -> Tensor:
         n = self._updates.get(p)
         if n is None:
             # A buffer loaded from a checkpoint has had its first value already.
             first = 0.0 if state.get("momentum_buffer") is None else 1.0
-            n = self._updates[p] = torch.full((), first, dtype=torch.float32, device=p.device)
+            n = new_counts[p] = torch.full((), first, dtype=torch.float32, device=p.device)
         return n
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -520,25 +634,36 @@ class SGD(_FusedStepMixin, torch.optim.SGD):
 
     def _group_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
         momentum = group["momentum"]
-        grads, bufs, counts, masters = [], [], [], []
-        needs_state = momentum != 0 or self._master_weights
+        kparams, grads, bufs, counts, masters = [], [], [], [], []
+        news: list[dict[str, Any]] = []
+        staged: list[tuple[Tensor, Tensor]] = []
+        new_counts: dict[Tensor, Tensor] = {}
         for p in params:
-            # Like torch.optim.SGD, momentum-free SGD keeps no per-param state at all (reading
-            # self.state[p] would create an empty entry that shows up in state_dict()).
-            state = self.state[p] if needs_state else {}
-            master = self._master(p, state)
-            counts.append(self._updates_of(p, state))
+            # Like torch.optim.SGD, momentum-free SGD keeps no per-param state at all (an entry,
+            # even empty, would show up in state_dict()); .get creates none.
+            state = self.state.get(p) or {}
+            new: dict[str, Any] = {}
+            kp = _kernel_view(p)
+            if kp is not p:
+                staged.append((p, kp))
+            master = self._master(p, state, new)
+            counts.append(self._updates_of(p, state, new_counts))
             if momentum != 0:
-                if state.get("momentum_buffer") is None:
-                    like = master if master is not None else p
-                    state["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-                bufs.append(state["momentum_buffer"])
-            grads.append(_grad_like(p))
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    like = master if master is not None else kp
+                    buf = new["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                bufs.append(buf)
+            kparams.append(kp)
+            grads.append(_grad_like(p, kp))
             if master is not None:
                 masters.append(master)
+            news.append(new)
         lr, lr_t = self._lr(group, params[0].device)
         torch.ops.fastamp.sgd_step_(
-            params, grads, bufs, counts, masters, lr, lr_t, float(group["weight_decay"]),
+            kparams, grads, bufs, counts, masters, lr, lr_t, float(group["weight_decay"]),
             float(momentum), float(group["dampening"]), bool(group["nesterov"]),
             bool(group["maximize"]), inv_scale, found_inf, clip_coef,
         )  # fmt: skip
+        self._updates.update(new_counts)
+        self._commit(params, news, staged)

@@ -562,7 +562,7 @@ class GradScaler(torch.amp.GradScaler):
                 self._last_skipped = self._found_total(state) > 0
         return retval
 
-    def _fused_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+    def _fused_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """step() for fastamp.optim optimizers: hand inv_scale, found_inf and the clip coefficient
         to the fused kernel, which skips on overflow by itself. No host sync, and the grads are
         read twice in all (stats pass + update) and never written."""
@@ -587,12 +587,14 @@ class GradScaler(torch.amp.GradScaler):
         # schedulers' step counting see every step.
         optimizer._fastamp_pending = (inv_scale, found, coef)
         try:
-            optimizer.step(*args, **kwargs)
+            # PyTorch returns what optimizer.step returns (a closure's loss) for optimizers that
+            # handle the scaling themselves.
+            retval = optimizer.step(*args, **kwargs)
         finally:
             optimizer.__dict__.pop("_fastamp_pending", None)
         state["stage"] = OptState.STEPPED
         self._last_skipped = found > 0
-        return None
+        return retval
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         if not self._enabled:
