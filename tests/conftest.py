@@ -42,19 +42,28 @@ def _seed():
 _REQUIRE_CLIENTS = os.environ.get("FASTAMP_REQUIRE_CLIENTS", "") not in ("", "0")
 
 
-def _importorskip_strict(modname, minversion=None, reason=None, **kwargs):
-    try:
-        return _orig_importorskip(modname, minversion=minversion, reason=reason, **kwargs)
-    except pytest.skip.Exception as exc:
-        raise ImportError(
-            f"FASTAMP_REQUIRE_CLIENTS=1: {modname!r} is required by the clients tier but {exc.msg} "
-            "(install the pins in requirements/, e.g. `make test-clients`)"
-        ) from None
+def _skip_text(report) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 
 
-_orig_importorskip = pytest.importorskip
-if _REQUIRE_CLIENTS:
-    pytest.importorskip = _importorskip_strict
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    # A module-level pytest.importorskip skips the whole module at collection, before any test
+    # (and its marker) exists: fail it when the module holds `clients` tests.
+    outcome = yield
+    report = outcome.get_result()
+    if _REQUIRE_CLIENTS and report.skipped and isinstance(collector, pytest.Module):
+        try:
+            text = collector.path.read_text(encoding="utf-8")
+        except OSError:
+            text = ""
+        if "mark.clients" in text:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"FASTAMP_REQUIRE_CLIENTS=1: {collector.path.name} holds `clients` tests but was "
+                f"skipped at import ({_skip_text(report)}); install the pins in requirements/ "
+                "(`make test-clients`)"
+            )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -62,7 +71,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if _REQUIRE_CLIENTS and report.skipped and item.get_closest_marker("clients") is not None:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = _skip_text(report)
         report.outcome = "failed"
         report.longrepr = (
             f"FASTAMP_REQUIRE_CLIENTS=1: this `clients` test was skipped ({reason}); in the clients "
