@@ -22,7 +22,8 @@ FROM ${BASE_DEVEL} AS build
 ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0+PTX"
 ARG FASTAMP_WERROR=OFF
 ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} FASTAMP_CUDA=ON FASTAMP_WERROR=${FASTAMP_WERROR}
-RUN pip install --no-cache-dir "scikit-build-core>=0.10" cmake ninja
+# Pinned to what CI builds with (the versions `make test` installs at the time of writing).
+RUN pip install --no-cache-dir "scikit-build-core==1.1.2" "cmake==4.4.4" "ninja==1.13.2"
 WORKDIR /src
 COPY pyproject.toml CMakeLists.txt README.md ./
 COPY cmake cmake
@@ -35,7 +36,7 @@ COPY --from=build /wheels /wheels
 # The wheel without dependencies (it needs only torch, which the image has: pip must not fetch
 # another); the examples' tqdm and matplotlib *with* theirs (matplotlib imports packaging, PIL, ...).
 RUN pip install --no-cache-dir --no-deps /wheels/*.whl \
- && pip install --no-cache-dir tqdm matplotlib \
+ && pip install --no-cache-dir "tqdm==4.70.1" "matplotlib==3.11.2" \
  && python -c "import fastamp, matplotlib.pyplot, tqdm" \
  && rm -rf /wheels
 COPY examples /opt/fastamp/examples
@@ -44,5 +45,6 @@ COPY examples /opt/fastamp/examples
 WORKDIR /workspace/code
 VOLUME ["/workspace/code", "/workspace/data"]
 # The doctor self-tests every op on every GPU against its reference; non-zero means unhealthy.
-HEALTHCHECK --interval=5m --timeout=2m --start-period=30s CMD python -m fastamp doctor --quiet || exit 1
+HEALTHCHECK --interval=5m --timeout=2m --start-period=30s \
+  CMD ["sh", "-c", "python -m fastamp doctor --quiet || exit 1"]
 CMD ["python", "-m", "fastamp", "doctor"]
