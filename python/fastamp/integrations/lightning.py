@@ -38,7 +38,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
 import fastamp  # noqa: E402
 
-__all__ = ["FastampPrecision"]
+__all__ = ["FastampDDPStrategy", "FastampPrecision"]
 
 
 def _handles_unscaling(optimizer: Any) -> bool:
@@ -107,3 +107,50 @@ class FastampPrecision(MixedPrecision):
         if self.scaler is not None and _handles_unscaling(optimizer):
             self.scaler.unscale_(optimizer)  # clamping needs the true values
         return super().clip_grad_by_value(optimizer, clip_val)
+
+
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+
+class FastampDDPStrategy(DDPStrategy):
+    """:class:`lightning.pytorch.strategies.DDPStrategy` that wraps the model in
+    :class:`fastamp.parallel.DistributedDataParallel` (same constructor arguments as Lightning's,
+    e.g. ``process_group_backend="gloo"``, ``find_unused_parameters``, ``bucket_cap_mb``) and hands
+    its fused inf check + norm to the precision plugin's :class:`fastamp.GradScaler`::
+
+        trainer = L.Trainer(strategy=FastampDDPStrategy(), plugins=[FastampPrecision("16-mixed")])
+
+    Not supported (clear error): manual optimization, and DDP communication hooks."""
+
+    def _setup_model(self, model: torch.nn.Module) -> fastamp.parallel.DistributedDataParallel:
+        if self._ddp_comm_hook is not None or self._model_averaging_period is not None:
+            raise ValueError(
+                "FastampDDPStrategy: ddp_comm_hook / model_averaging_period are torch DDP features "
+                "that fastamp's DDP does not have; use DDPStrategy for them"
+            )
+        lm = self.lightning_module
+        if lm is not None and not lm.automatic_optimization:
+            raise ValueError(
+                "FastampDDPStrategy supports automatic optimization only (got "
+                "automatic_optimization=False); use DDPStrategy for manual optimization"
+            )
+        ddp = fastamp.parallel.DistributedDataParallel(
+            module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs
+        )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if isinstance(scaler, fastamp.GradScaler):
+            ddp.register_grad_scaler(scaler)
+        return ddp
+
+    def _register_ddp_hooks(self) -> None:
+        pass  # comm hooks are refused in _setup_model
+
+    def block_backward_sync(self):
+        if isinstance(self.model, fastamp.parallel.DistributedDataParallel):
+            return self.model.no_sync()
+        return super().block_backward_sync()
+
+    def teardown(self) -> None:
+        if isinstance(self.model, fastamp.parallel.DistributedDataParallel):
+            self.model = self.lightning_module  # unwrap, as DDPStrategy does for torch's DDP
+        super().teardown()
