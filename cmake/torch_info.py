@@ -7,6 +7,7 @@ compiled against the torch it will load with.
 import os
 import sys
 
+
 def _isolated_build() -> bool:
     """True when a PEP 517 front end runs us in a throw-away build environment (pip's
     pip-build-env-*, pypa/build's build-env-*, uv's builds-v0): the torch the user installed is

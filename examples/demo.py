@@ -24,7 +24,6 @@ from torch import nn
 
 import fastamp
 
-
 VOCAB = 64
 STRIDES = (1, 2, 3, 5)
 

@@ -24,7 +24,8 @@ grads are still scaled in ``on_before_optimizer_step`` (as with torch's fused op
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
