@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 pytestmark = pytest.mark.clients
+pytest.importorskip("lightning")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
