@@ -27,7 +27,8 @@ $(VENV)/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cm
 	@mkdir -p build
 	set -o pipefail; FASTAMP_CUDA=$(or $(FASTAMP_CUDA),AUTO) FASTAMP_WERROR=ON $(PIP) install -v --no-build-isolation --no-deps -e . -Cbuild-dir=build/$(notdir $(VENV)) 2>&1 \
 	  | tee build/$(notdir $(VENV)).log | { grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|-- fastamp:' || true; } \
-	  || { tail -40 build/$(notdir $(VENV)).log; exit 1; }
+	  || { grep -E -A8 'CMake Error|error:|FAILED:' build/$(notdir $(VENV)).log | head -80; \
+	       echo "fastamp: the build failed; full log: build/$(notdir $(VENV)).log"; exit 1; }
 	touch $@
 
 demo: $(VENV)/.built
