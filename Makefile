@@ -18,8 +18,8 @@ EXTRA_DEPS ?=
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	@echo "installing $(TORCH_SPEC) and the build/test tools into $(VENV) ..."
-	$(PIP) install -q --progress-bar on "$(TORCH_SPEC)" "scikit-build-core>=0.10" cmake ninja numpy pytest expecttest hypothesis tqdm matplotlib $(EXTRA_DEPS)
+	@echo "installing $(TORCH_SPEC) and the build/test tools into $(VENV) (a minute or more: torch is large) ..."
+	$(PIP) install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" cmake ninja numpy pytest expecttest hypothesis tqdm matplotlib $(EXTRA_DEPS)
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake -type f 2>/dev/null)
