@@ -15,7 +15,8 @@ EXTRA_DEPS ?=
 
 .PHONY: demo test test-clients bench cuda-build sanitize lint clean
 
-$(VENV)/.deps:
+# A requirements file passed in EXTRA_DEPS (-r FILE) is a prerequisite: changed pins reinstall.
+$(VENV)/.deps: $(filter-out -r,$(EXTRA_DEPS))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@echo "installing $(TORCH_SPEC) and the build/test tools into $(VENV) (a minute or more: torch is large) ..."
