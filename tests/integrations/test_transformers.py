@@ -60,14 +60,14 @@ class TorchScalerTrainer(transformers.Trainer):
         fa.install_grad_scaler(self.accelerator, torch.amp.GradScaler("cpu"))
 
 
-def train(cls, tmp_path, count=False, **kw):
+def train(cls, tmp_path, count=False, max_grad_norm=0.5, **kw):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, fp16=True, max_steps=STEPS, learning_rate=1e-2,
-        per_device_train_batch_size=32, max_grad_norm=0.5, logging_steps=1, report_to=[],
+        per_device_train_batch_size=32, logging_steps=1, report_to=[],
         save_strategy="no", lr_scheduler_type="constant", optim="adamw_torch", seed=0,
-        dataloader_num_workers=0, disable_tqdm=True, **kw,
+        dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=max_grad_norm, **kw,
     )
     torch.manual_seed(0)
     model = Classifier()
@@ -93,3 +93,24 @@ def test_fastamp_trainer_uses_fastamp_scaler_adamw_and_fused_clip(tmp_path):
     assert_fused_clip(counts, STEPS, groups=2)
     torch.testing.assert_close(losses, ref_losses, rtol=5e-3, atol=5e-3)
     assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
+
+
+def test_fastamp_scaler_with_torch_adamw_is_bitwise_the_trainers_path(tmp_path):
+    # No clipping (max_grad_norm=0: the Trainer still takes the norm, with max_norm=inf) and torch's
+    # AdamW on both sides: the same arithmetic, so the same bits.
+    class WithTorchAdamW(FastampTrainer):
+        def create_optimizer(self, model=None):
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, foreach=False)
+            return self.optimizer
+
+    class RefWithTorchAdamW(TorchScalerTrainer):
+        create_optimizer = WithTorchAdamW.create_optimizer
+
+    trainer, ours, losses, counts = train(WithTorchAdamW, tmp_path / "a", count=True, max_grad_norm=0.0)
+    _, ref, ref_losses, _ = train(RefWithTorchAdamW, tmp_path / "b", max_grad_norm=0.0)
+    assert isinstance(trainer.accelerator.scaler, fastamp.GradScaler)
+    assert counts["fastamp.grad_stats"] == STEPS
+    assert_learns(losses)
+    assert losses == ref_losses
+    for p, q in zip(ours.parameters(), ref.parameters()):
+        assert torch.equal(p, q)

@@ -53,6 +53,7 @@ class FastampTrainer(transformers.Trainer):
     def create_optimizer(self, model: Any = None):
         optim_name = str(getattr(self.args.optim, "value", self.args.optim))
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None and optim_name in _ADAMW_NAMES:
+            # The Trainer's own hook for a class + kwargs, set for this call only.
             self.optimizer_cls_and_kwargs = (
                 fastamp.optim.AdamW,
                 {
@@ -61,4 +62,8 @@ class FastampTrainer(transformers.Trainer):
                     "eps": self.args.adam_epsilon,
                 },
             )
+            try:
+                return super().create_optimizer(model)
+            finally:
+                self.optimizer_cls_and_kwargs = None
         return super().create_optimizer(model)
