@@ -24,7 +24,7 @@ except Exception as exc:  # pragma: no cover - exercised only on broken environm
     if _isolated_build():
         sys.stderr.write(
             "fastamp: build isolation is on, so this build cannot see your installed torch "
-            f"(the isolated build environment {sys.prefix} has none: {exc}).\n"
+            f"(the isolated build environment hides it: {exc}).\n"
             "fastamp compiles against the torch it will run with. Build with\n"
             "    pip install --no-build-isolation .      (or: pip install --no-build-isolation -e .)\n"
             "after `pip install scikit-build-core cmake ninja` (and torch, if not yet installed).\n"
