@@ -26,7 +26,7 @@ $(VENV)/.deps: $(filter-out -r,$(EXTRA_DEPS))
 $(VENV)/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake -type f 2>/dev/null)
 	@echo "compiling fastamp's C++ kernels against $$($(PY) -c 'import torch; print("torch", torch.__version__)') (a few minutes on 2 cores; full log: build/$(notdir $(VENV)).log) ..."
 	@mkdir -p build
-	set -o pipefail; FASTAMP_CUDA=$(or $(FASTAMP_CUDA),AUTO) FASTAMP_WERROR=ON $(PIP) install -v --no-build-isolation --no-deps -e . -Cbuild-dir=build/$(notdir $(VENV)) 2>&1 \
+	@set -o pipefail; FASTAMP_CUDA=$(or $(FASTAMP_CUDA),AUTO) FASTAMP_WERROR=ON $(PIP) install -v --no-build-isolation --no-deps -e . -Cbuild-dir=build/$(notdir $(VENV)) 2>&1 \
 	  | tee build/$(notdir $(VENV)).log | { grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|-- fastamp:' || true; } \
 	  || { grep -E -A8 'CMake Error|error:|FAILED:' build/$(notdir $(VENV)).log | head -80; \
 	       echo "fastamp: the build failed; full log: build/$(notdir $(VENV)).log"; exit 1; }
