@@ -3,23 +3,33 @@
 #   make test   - build fastamp in .venv and run the test suite (what CI runs)
 # TORCH_SPEC picks the torch to build against (default: the CPU 2.13.0 wheel; use torch==2.14.1 for CUDA).
 
+SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 PYTEST_ARGS ?=
+# Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
+EXTRA_DEPS ?=
 
-.PHONY: demo test bench cuda-build emu emu-faults sanitize lint clean
+.PHONY: demo test test-clients bench cuda-build emu emu-faults sanitize lint clean
 
-$(VENV)/.deps:
+# A requirements file passed in EXTRA_DEPS (-r FILE) is a prerequisite: changed pins reinstall.
+$(VENV)/.deps: $(filter-out -r,$(EXTRA_DEPS))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" cmake ninja numpy pytest expecttest hypothesis tqdm matplotlib
+	@echo "installing $(TORCH_SPEC) and the build/test tools into $(VENV) (a minute or more: torch is large) ..."
+	$(PIP) install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" cmake ninja numpy pytest expecttest hypothesis tqdm matplotlib $(EXTRA_DEPS)
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake -type f 2>/dev/null)
-	FASTAMP_CUDA=$(or $(FASTAMP_CUDA),AUTO) FASTAMP_WERROR=ON $(PIP) install -q --no-build-isolation --no-deps -e . -Cbuild-dir=build/$(notdir $(VENV))
+	@echo "compiling fastamp's C++ kernels against $$($(PY) -c 'import torch; print("torch", torch.__version__)') (a few minutes on 2 cores; full log: build/$(notdir $(VENV)).log) ..."
+	@mkdir -p build
+	@set -o pipefail; FASTAMP_CUDA=$(or $(FASTAMP_CUDA),AUTO) FASTAMP_WERROR=ON $(PIP) install -v --no-build-isolation --no-deps -e . -Cbuild-dir=build/$(notdir $(VENV)) 2>&1 \
+	  | tee build/$(notdir $(VENV)).log | { grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|-- fastamp:' || true; } \
+	  || { grep -E -A8 'CMake Error|error:|FAILED:' build/$(notdir $(VENV)).log | head -80; \
+	       echo "fastamp: the build failed; full log: build/$(notdir $(VENV)).log"; exit 1; }
 	touch $@
 
 demo: $(VENV)/.built
@@ -40,6 +50,17 @@ test: emu
 # emulated tests fail with the expected report (tests/cuda_emu/mutants.py).
 emu-faults: emu
 	$(PY) tests/cuda_emu/mutants.py
+
+# The clients tier: Lightning, accelerate and transformers (pinned in requirements/) beside
+# the same torch, in their own venv; runs every test marked `clients` under tests/. With
+# FASTAMP_REQUIRE_CLIENTS=1 a skipped `clients` test fails (tests/conftest.py), so a missing or
+# broken client cannot pass silently.
+CLIENTS_VENV := $(VENV)-clients
+
+test-clients:
+	$(MAKE) $(CLIENTS_VENV)/.built VENV=$(CLIENTS_VENV) EXTRA_DEPS="-r requirements/clients.txt"
+	$(CLIENTS_VENV)/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$(patsubst torch==%,%,$(TORCH_SPEC))', torch.__version__"
+	FASTAMP_REQUIRE_CLIENTS=1 $(CLIENTS_VENV)/bin/python -m pytest -q -m clients $(PYTEST_ARGS)
 
 bench: $(VENV)/.built
 	$(PY) benchmarks/scaler/bench_grad_scaler.py

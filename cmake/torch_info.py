@@ -7,14 +7,34 @@ compiled against the torch it will load with.
 import os
 import sys
 
+
+def _isolated_build() -> bool:
+    """True when a PEP 517 front end runs us in a throw-away build environment (pip's
+    pip-build-env-*, pypa/build's build-env-*, uv's builds-v0): the torch the user installed is
+    then invisible, whatever they installed."""
+    markers = ("pip-build-env-", "build-env-", "builds-v0")
+    where = [sys.prefix, os.environ.get("PYTHONPATH", ""), *sys.path]
+    return any(m in p for p in where for m in markers)
+
+
 try:
     import torch
     from torch.utils import cpp_extension
 except Exception as exc:  # pragma: no cover - exercised only on broken environments
-    sys.stderr.write(
-        f"fastamp: cannot import torch in {sys.executable}: {exc}\n"
-        "Install torch first, then build fastamp with `pip install --no-build-isolation .`\n"
-    )
+    if _isolated_build():
+        sys.stderr.write(
+            "fastamp: build isolation is on, so this build cannot see your installed torch "
+            f"(the isolated build environment hides it: {exc}).\n"
+            "fastamp compiles against the torch it will run with. Build with\n"
+            "    pip install --no-build-isolation .      (or: pip install --no-build-isolation -e .)\n"
+            "after `pip install scikit-build-core cmake ninja` (and torch, if not yet installed).\n"
+        )
+    else:
+        sys.stderr.write(
+            f"fastamp: cannot import torch in {sys.executable}: {exc}\n"
+            "Install torch first (pip install torch), then build fastamp with "
+            "`pip install --no-build-isolation .`\n"
+        )
     sys.exit(1)
 
 

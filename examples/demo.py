@@ -1,18 +1,22 @@
 """fastamp vs torch: the same mixed-precision training run, side by side.
 
-Trains a small transformer on synthetic data twice from the same seed, once with
-``torch.amp.GradScaler`` (+ unscale_ + clip_grad_norm_) and once with ``fastamp.GradScaler``
-(+ its fused clip_grad_norm_), injecting inf/NaN gradients at a few steps, and prints loss, scale and
-skipped steps of both runs next to each other.
+Trains a small transformer twice from the same seed on synthetic sequences with structure to learn
+(each token is the previous one plus a per-sequence stride; the model predicts the next token),
+once with ``torch.amp.GradScaler`` (+ unscale_ + clip_grad_norm_) and once with
+``fastamp.GradScaler`` (+ its fused clip_grad_norm_), with fp16 autocast (CPU too) so that loss
+scaling is really at work. Gradient storms (inf/NaN) are injected at a few steps: both scalers skip
+them and back off the same way. Prints progress, then loss, scale and skipped steps side by side,
+and writes a PNG of both runs.
 
-    python examples/demo.py            # CUDA with fp16 autocast if available, else CPU with bf16
-    python examples/demo.py --steps 200 --device cpu
+    python examples/demo.py                       # CUDA if available, else CPU; fp16 autocast
+    python examples/demo.py --steps 200 --device cpu --plot /tmp/demo.png
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -20,18 +24,34 @@ from torch import nn
 
 import fastamp
 
+VOCAB = 64
+STRIDES = (1, 2, 3, 5)
+
+
+def batch_of_sequences(gen: torch.Generator, batch: int, seq: int = 32):
+    """Tokens ``start + stride * i (mod VOCAB)``, stride from STRIDES; the target is the next token.
+    Chance level is ln(VOCAB); a model that reads the stride off its context gets close to 0."""
+    start = torch.randint(0, VOCAB, (batch, 1), generator=gen)
+    stride = torch.tensor(STRIDES)[torch.randint(0, len(STRIDES), (batch, 1), generator=gen)]
+    tokens = (start + stride * torch.arange(seq + 1)) % VOCAB
+    return tokens[:, :-1], tokens[:, 1:]
+
 
 class TinyTransformer(nn.Module):
-    def __init__(self, vocab=256, dim=64, heads=4, layers=2, seq=32):
+    def __init__(self, vocab=VOCAB, dim=64, heads=4, layers=2, seq=32):
         super().__init__()
         self.emb = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True)
         self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)
+        # causal: position i sees tokens 0..i only, so predicting token i+1 needs the stride
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
 
     def forward(self, tokens):
-        return self.head(self.body(self.emb(tokens) + self.pos[: tokens.shape[1]]))
+        n = tokens.shape[1]
+        x = self.emb(tokens) + self.pos[:n]
+        return self.head(self.body(x, mask=self.mask[:n, :n], is_causal=True))
 
 
 def train(scaler_kind: str, args, device: str, amp_dtype: torch.dtype):
@@ -45,9 +65,10 @@ def train(scaler_kind: str, args, device: str, amp_dtype: torch.dtype):
     gen = torch.Generator().manual_seed(args.seed + 1)
     bad_steps = {args.steps // 3: math.inf, args.steps // 3 + 1: math.nan, 2 * args.steps // 3: math.inf}
     rows, times = [], []
+    print(f"training with {type(scaler).__module__.split('.')[0]}.GradScaler ...", flush=True)
     for step in range(args.steps):
-        tokens = torch.randint(0, 256, (args.batch, 32), generator=gen).to(device)
-        target = torch.roll(tokens, 1, dims=1)  # a learnable task: predict the previous token
+        tokens, target = batch_of_sequences(gen, args.batch)
+        tokens, target = tokens.to(device), target.to(device)
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device_type=device, dtype=amp_dtype):
             logits = model(tokens)
@@ -67,6 +88,8 @@ def train(scaler_kind: str, args, device: str, amp_dtype: torch.dtype):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         rows.append((float(loss.detach()), scaler.get_scale(), float(norm)))
+        if step % args.every == 0 or step == args.steps - 1:
+            print(f"  step {step + 1:>4}/{args.steps}  loss {rows[-1][0]:.3f}  scale {rows[-1][1]:g}", flush=True)
     return rows, times, scaler, model
 
 
@@ -77,8 +100,13 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--every", type=int, default=5, help="print every N-th step")
+    ap.add_argument("--amp", choices=["fp16", "bf16"], default="fp16",
+                    help="autocast dtype (default fp16, on CPU too: the one that needs loss scaling)")
+    ap.add_argument("--plot", default="fastamp_demo.png", help="PNG of both runs (needs matplotlib)")
     args = ap.parse_args(argv)
-    amp_dtype = torch.float16 if args.device == "cuda" else torch.bfloat16
+    if args.steps < 3:
+        ap.error(f"--steps must be at least 3 (the inf/NaN storms go at steps/3 and 2*steps/3), got {args.steps}")
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
     print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | device {args.device} | autocast {amp_dtype}")
     t_rows, t_times, _, _ = train("torch", args, args.device, amp_dtype)
     f_rows, f_times, f_scaler, f_model = train("fastamp", args, args.device, amp_dtype)
@@ -95,13 +123,46 @@ def main(argv=None):
     print()
     print(f"scale trajectories identical: {same_scale}")
     print(f"max |loss torch - loss fastamp|: {max_loss_diff:.3g}")
+    chance = math.log(VOCAB)
+    tail = min(5, len(f_rows))
+    final = sum(r[0] for r in f_rows[-tail:]) / tail
+    learned = final < chance - 0.5
+    print(f"loss: chance level ln({VOCAB}) = {chance:.3f}, first {f_rows[0][0]:.3f}, "
+          f"last {tail} steps {final:.3f} (learned: {learned})")
     print(f"last overflow: {f_scaler.overflow_report(f_model)}")
     print(
         f"median unscale+clip+step+update time: torch {med(t_times) * 1e3:.3f} ms, "
-        f"fastamp {med(f_times) * 1e3:.3f} ms (x{med(t_times) / med(f_times):.2f}; tiny model, "
-        "see benchmarks/ for real sizes)"
+        f"fastamp {med(f_times) * 1e3:.3f} ms (a tiny model, not a benchmark: for speed, see "
+        "benchmarks/ and the README's table)"
     )
-    return 0 if same_scale else 1
+    _plot(t_rows, f_rows, chance, args.plot)
+    # a short smoke run (the test's) is not long enough to judge learning
+    return 0 if same_scale and (learned or args.steps < 40) else 1
+
+
+def _plot(t_rows, f_rows, chance, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(matplotlib is not installed: no plot written to {path}; pip install matplotlib)")
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, rows, style in (("torch", t_rows, "-"), ("fastamp", f_rows, "--")):
+        ax1.plot([r[0] for r in rows], style, label=name)
+        ax2.plot([r[1] for r in rows], style, label=name)
+    ax1.axhline(chance, color="grey", lw=0.8, ls=":", label="chance")
+    ax1.set(title="loss", xlabel="step")
+    ax2.set(title="loss scale (x2 after 20 clean steps, /2 at inf/NaN)", xlabel="step", yscale="log")
+    for ax in (ax1, ax2):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {os.path.abspath(path)}")
 
 
 if __name__ == "__main__":

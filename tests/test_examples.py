@@ -16,9 +16,48 @@ def _run(cmd, timeout=300):
     return out.stdout
 
 
-def test_demo_prints_matching_runs():
-    out = _run([sys.executable, "examples/demo.py", "--steps", "12", "--every", "4"])
+def test_demo_prints_matching_runs_progress_and_writes_a_plot(tmp_path):
+    png = tmp_path / "demo.png"
+    out = _run([sys.executable, "examples/demo.py", "--steps", "12", "--every", "4", "--plot", str(png)])
     assert "scale trajectories identical: True" in out
+    assert "training with torch.GradScaler" in out and "step   12/12" in out  # progress as it runs
+    assert "autocast torch.float16" in out  # fp16 on CPU too: the scalers are really at work
+    assert f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_data_is_learnable():
+    # The demo's task must have structure a model can learn (chance is ln(VOCAB)): the next token is
+    # determined by the previous two, so a lookup on (t[i-1], t[i]) predicts t[i+1] exactly.
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import demo
+    finally:
+        sys.path.pop(0)
+    tokens, target = demo.batch_of_sequences(torch.Generator().manual_seed(0), 64)
+    assert torch.equal(tokens[:, 1:], target[:, :-1])
+    stride = (tokens[:, 1:] - tokens[:, :-1]) % demo.VOCAB
+    assert torch.equal(stride, stride[:, :1].expand_as(stride))  # one stride per sequence
+    assert set(stride[:, 0].tolist()) <= set(demo.STRIDES)
+
+
+def test_pip_build_isolation_is_named_as_the_cause(tmp_path):
+    # torch_info.py run as pip's isolated build env runs it (no torch importable there).
+    code = (
+        "import runpy, sys; sys.modules['torch'] = None; "
+        f"sys.path.insert(0, {str(tmp_path / 'pip-build-env-x' / 'overlay')!r}); "
+        f"sys.argv = ['torch_info.py', {str(tmp_path / 'out.cmake')!r}]; "
+        "runpy.run_path('cmake/torch_info.py', run_name='__main__')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.startswith("fastamp: build isolation is on"), out.stderr
+    assert "--no-build-isolation" in out.stderr.splitlines()[2], out.stderr
+    # without the isolation markers: torch is simply missing
+    code = code.replace("pip-build-env-x", "plain")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stderr.startswith("fastamp: cannot import torch"), out.stderr
 
 
 @pytest.mark.parametrize("flags", [["--accum-steps", "2", "--checkpoint"], ["--amp", "bf16", "--bucket-view"]])
@@ -34,4 +73,8 @@ def test_train_example_compare_torch_writes_a_plot(tmp_path):
                 "--batches-per-epoch", "4", "--accum-steps", "2", "--checkpoint", "--dim", "64",
                 "--layers", "2", "--seq", "32", "--plot", str(png)])
     assert "step time torch/fastamp" in out and "final loss" in out
+    assert "amp fp16" in out  # the default, on CPU too: fastamp.GradScaler is exercised
+    scales = next(ln for ln in out.splitlines() if ln.startswith("final scale")).split()[2:]
+    assert scales == ["65536", "65536"], out  # both scalers enabled and agreeing
+    assert "skipped steps" in out and f"wrote {png}" in out
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

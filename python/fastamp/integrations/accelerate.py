@@ -1,0 +1,149 @@
+"""fastamp in Hugging Face accelerate: its GradScaler, clipping folded into the fused step.
+
+Change one line::
+
+    from fastamp.integrations.accelerate import Accelerator   # was: from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="fp16")
+    model, optimizer = accelerator.prepare(model, fastamp.optim.AdamW(model.parameters()))
+    ...
+    accelerator.backward(loss)
+    accelerator.clip_grad_norm_(model.parameters(), 1.0)   # fastamp: stats pass only, clip in the step
+    optimizer.step()
+
+What differs from accelerate's own class (nothing else does):
+
+* with ``mixed_precision="fp16"`` the scaler is a :class:`fastamp.GradScaler` (accelerate builds
+  torch's, from :class:`accelerate.utils.GradScalerKwargs`, which are honoured here too). On CPU,
+  where accelerate silently trains fp16 in fp32 (no autocast, no scaler), this class autocasts to
+  fp16 and scales, as on GPUs.
+* :meth:`Accelerator.clip_grad_norm_` goes through ``scaler.clip_grad_norm_`` when the parameters
+  are those of one prepared optimizer: with a ``fastamp.optim`` optimizer the clip is folded into
+  the fused step (the grads are read once for inf check + norm and never written).
+* ``optimizer.step_was_skipped`` / ``accelerator.optimizer_step_was_skipped`` are right for fused
+  fastamp optimizers too (they always enter ``step()`` and skip inside the kernel).
+
+For an ``Accelerator`` you do not construct (e.g. the transformers Trainer's), call
+:func:`install_grad_scaler` before ``prepare()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from fastamp.integrations._deps import require
+
+require("accelerate")
+
+from accelerate import Accelerator as _Accelerator  # noqa: E402
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.utils import DistributedType  # noqa: E402
+
+import fastamp  # noqa: E402
+
+__all__ = ["Accelerator", "install_grad_scaler", "clip_grad_norm_"]
+
+# Where accelerate's scaler is a plain torch.amp.GradScaler; FSDP (ShardedGradScaler), DeepSpeed,
+# Megatron and XLA bring their own.
+_PLAIN_DDP_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+def install_grad_scaler(accelerator: _Accelerator, scaler: torch.amp.GradScaler | None = None):
+    """Make ``accelerator`` (``mixed_precision="fp16"``) scale with ``scaler`` (default: a
+    :class:`fastamp.GradScaler` built from the accelerator's ``GradScalerKwargs``). Call it before
+    ``accelerator.prepare()``: the prepared optimizers take the scaler at that point. Returns the
+    scaler. Also turns on fp16 autocast on CPU, which accelerate leaves off."""
+    if accelerator.mixed_precision != "fp16":
+        raise ValueError(
+            "install_grad_scaler: the accelerator must use mixed_precision='fp16' (loss scaling is "
+            f"for fp16), got mixed_precision={accelerator.mixed_precision!r}"
+        )
+    if accelerator.distributed_type not in _PLAIN_DDP_TYPES:
+        raise ValueError(
+            "install_grad_scaler: supported with distributed_type NO, MULTI_CPU or MULTI_GPU, got "
+            f"{accelerator.distributed_type}: FSDP, DeepSpeed, Megatron-LM and XLA manage their own "
+            "scaler"
+        )
+    if accelerator._optimizers:
+        raise RuntimeError(
+            "install_grad_scaler: call it before accelerator.prepare(): "
+            f"{len(accelerator._optimizers)} optimizer(s) were already prepared with the old scaler"
+        )
+    if scaler is None:
+        handler = accelerator.scaler_handler
+        kwargs = handler.to_kwargs() if handler is not None else {}
+        scaler = fastamp.GradScaler(accelerator.device.type, **kwargs)
+    elif not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(
+            f"install_grad_scaler: scaler must be a torch.amp.GradScaler (e.g. fastamp.GradScaler), "
+            f"got {type(scaler).__name__}"
+        )
+    accelerator.scaler = scaler
+    accelerator.native_amp = True  # autocast to fp16 in prepare()d models (accelerate: not on CPU)
+    return scaler
+
+
+def _unwrap(opt: Any) -> torch.optim.Optimizer:
+    while isinstance(opt, AcceleratedOptimizer):
+        opt = opt.optimizer
+    return opt
+
+
+def clip_grad_norm_(accelerator: _Accelerator, parameters: Iterable[torch.Tensor], max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """``accelerator.clip_grad_norm_`` through ``fastamp.GradScaler.clip_grad_norm_`` when the
+    scaler is fastamp's and ``parameters`` are exactly one prepared optimizer's; otherwise
+    accelerate's own (unscale + ``torch.nn.utils.clip_grad_norm_``)."""
+    params = list(parameters)
+    scaler = accelerator.scaler
+    if (
+        isinstance(scaler, fastamp.GradScaler)
+        and scaler.is_enabled()
+        and accelerator.distributed_type in _PLAIN_DDP_TYPES
+    ):
+        wanted = {id(p) for p in params if p.grad is not None}
+        for acc_opt in accelerator._optimizers:
+            opt = _unwrap(acc_opt)
+            owned = {id(p) for g in opt.param_groups for p in g["params"] if p.grad is not None}
+            if owned == wanted:
+                return scaler.clip_grad_norm_(opt, max_norm, norm_type)
+    return _Accelerator.clip_grad_norm_(accelerator, params, max_norm, norm_type)
+
+
+class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
+    """AcceleratedOptimizer whose ``step_was_skipped`` also sees the skips of fused fastamp
+    optimizers: those always enter ``optimizer.step()`` (the kernel skips on inf/NaN, no host sync),
+    which accelerate's own check takes for "not skipped"."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        if (
+            self.gradient_state.sync_gradients
+            and isinstance(self.scaler, fastamp.GradScaler)
+            and self.scaler.is_enabled()
+            and getattr(_unwrap(self), "_fastamp_fused", False)
+        ):
+            self._is_overflow = bool(self.scaler.last_step_skipped())
+
+
+class Accelerator(_Accelerator):
+    """:class:`accelerate.Accelerator` with :class:`fastamp.GradScaler` for fp16 and fastamp's
+    fused clipping; same constructor and methods (see the module docstring for what differs)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.mixed_precision == "fp16" and self.distributed_type in _PLAIN_DDP_TYPES:
+            install_grad_scaler(self)
+
+    def prepare_optimizer(self, optimizer, device_placement=None):
+        prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if type(prepared) is AcceleratedOptimizer:
+            # A fresh wrapper built by accelerate; the subclass only adds step()'s overflow flag.
+            prepared.__class__ = _FastampAcceleratedOptimizer
+        return prepared
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        return clip_grad_norm_(self, parameters, max_norm, norm_type)

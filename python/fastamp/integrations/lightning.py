@@ -1,0 +1,157 @@
+"""fastamp in Lightning: a precision plugin with fastamp's scaler and clipping folded into the
+fused optimizer step.
+
+Change one line (the precision flag becomes the plugin)::
+
+    from fastamp.integrations.lightning import FastampPrecision
+
+    trainer = L.Trainer(plugins=[FastampPrecision("16-mixed")],  # was: precision="16-mixed"
+                        gradient_clip_val=1.0)
+
+and ``configure_optimizers`` may return ``fastamp.optim.AdamW`` (or ``Adam``, ``SGD``) with
+``gradient_clip_val``: Lightning's own ``MixedPrecision`` refuses clipping with any optimizer that
+unscales inside its step (torch's ``fused=True`` ones and fastamp's), because it cannot unscale
+before clipping. Here the clip goes through ``scaler.clip_grad_norm_``: with a fastamp optimizer
+the grads are read once (inf check + norm) and unscaled and clipped inside the fused update, with
+no host sync; with any other optimizer it is Lightning's recipe (unscale, then clip).
+
+What differs from ``MixedPrecision`` (nothing else does): the default scaler is
+:class:`fastamp.GradScaler`; ``gradient_clip_algorithm="norm"`` uses ``scaler.clip_grad_norm_``
+(fp32 accumulation of the norm: equal to torch's up to rounding); with a fastamp fused optimizer,
+grads are still scaled in ``on_before_optimizer_step`` (as with torch's fused optimizers), and
+``"value"`` clipping unscales them first (a separate pass, as torch does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fastamp.integrations._deps import require
+
+require("lightning")
+
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.plugins.precision.precision import Precision  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
+
+import fastamp  # noqa: E402
+
+__all__ = ["FastampDDPStrategy", "FastampPrecision"]
+
+
+def _handles_unscaling(optimizer: Any) -> bool:
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+class FastampPrecision(MixedPrecision):
+    """:class:`lightning.pytorch.plugins.precision.MixedPrecision` with :class:`fastamp.GradScaler`
+    and fused clipping.
+
+    Args:
+        precision: ``"16-mixed"`` (fp16 autocast + loss scaling) or ``"bf16-mixed"`` (no scaler;
+            clipping is then torch's).
+        device: the autocast device (default: ``"cuda"`` if available, else ``"cpu"``).
+        scaler: a scaler to use instead of a default ``fastamp.GradScaler(device)`` (e.g. one with
+            ``init_scale=`` or ``hysteresis=``); must be a ``fastamp.GradScaler`` for fused clipping.
+    """
+
+    def __init__(self, precision: str = "16-mixed", device: str | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not isinstance(device, str):
+            raise TypeError(
+                f"FastampPrecision: device must be a device type string such as 'cuda' or 'cpu', got "
+                f"{device!r}"
+            )
+        if scaler is None and precision == "16-mixed":
+            scaler = fastamp.GradScaler(device)
+        super().__init__(precision, device, scaler)  # type: ignore[arg-type]
+        #: the total grad norm of the last clip (a device tensor; nothing syncs to produce it)
+        self.last_grad_norm: torch.Tensor | None = None
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("FastampPrecision: AMP and the LBFGS optimizer are not compatible")
+        closure_result = closure()
+        skip_unscaling = closure_result is None and model.automatic_optimization
+        if not _handles_unscaling(optimizer) and not skip_unscaling:
+            # Lightning's contract for ordinary optimizers: on_before_optimizer_step sees unscaled
+            # grads. clip_grad_norm_ after unscale_ only clips.
+            self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step, then clip_gradients
+        if not skip_unscaling:
+            step_output = self.scaler.step(optimizer, **kwargs)
+            self.scaler.update()
+            return step_output
+        return closure_result
+
+    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        # Skips MixedPrecision's refusal for optimizers that unscale in step(): the scaler folds
+        # the clip into their step (fastamp's) or unscales first (torch's fused ones).
+        Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        if self.scaler is None or not isinstance(self.scaler, fastamp.GradScaler):
+            if self.scaler is not None and _handles_unscaling(optimizer):
+                self.scaler.unscale_(optimizer)
+            return super().clip_grad_by_norm(optimizer, clip_val)
+        self.last_grad_norm = self.scaler.clip_grad_norm_(optimizer, float(clip_val))
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        if self.scaler is not None and _handles_unscaling(optimizer):
+            self.scaler.unscale_(optimizer)  # clamping needs the true values
+        return super().clip_grad_by_value(optimizer, clip_val)
+
+
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+
+
+class FastampDDPStrategy(DDPStrategy):
+    """:class:`lightning.pytorch.strategies.DDPStrategy` that wraps the model in
+    :class:`fastamp.parallel.DistributedDataParallel` (same constructor arguments as Lightning's,
+    e.g. ``process_group_backend="gloo"``, ``find_unused_parameters``, ``bucket_cap_mb``) and hands
+    its fused inf check + norm to the precision plugin's :class:`fastamp.GradScaler`::
+
+        trainer = L.Trainer(strategy=FastampDDPStrategy(), plugins=[FastampPrecision("16-mixed")])
+
+    Not supported (clear error): manual optimization, and DDP communication hooks."""
+
+    def _setup_model(self, model: torch.nn.Module) -> fastamp.parallel.DistributedDataParallel:
+        if self._ddp_comm_hook is not None or self._model_averaging_period is not None:
+            raise ValueError(
+                "FastampDDPStrategy: ddp_comm_hook / model_averaging_period are torch DDP features "
+                "that fastamp's DDP does not have; use DDPStrategy for them"
+            )
+        lm = self.lightning_module
+        if lm is not None and not lm.automatic_optimization:
+            raise ValueError(
+                "FastampDDPStrategy supports automatic optimization only (got "
+                "automatic_optimization=False); use DDPStrategy for manual optimization"
+            )
+        ddp = fastamp.parallel.DistributedDataParallel(
+            module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs
+        )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if isinstance(scaler, fastamp.GradScaler):
+            ddp.register_grad_scaler(scaler)
+        return ddp
+
+    def _register_ddp_hooks(self) -> None:
+        pass  # comm hooks are refused in _setup_model
+
+    def block_backward_sync(self):
+        if isinstance(self.model, fastamp.parallel.DistributedDataParallel):
+            return self.model.no_sync()
+        return super().block_backward_sync()
+
+    def teardown(self) -> None:
+        if isinstance(self.model, fastamp.parallel.DistributedDataParallel):
+            self.model = self.lightning_module  # unwrap, as DDPStrategy does for torch's DDP
+        super().teardown()

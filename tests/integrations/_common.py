@@ -1,0 +1,73 @@
+"""Shared by the client-integration tests: a learnable task, op counting, loss checks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+IN, CLASSES = 16, 4
+
+
+def dataset(n: int = 2048, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A task with structure: the label is the argmax of a fixed linear map of the input
+    (chance loss ln 4 = 1.386; an MLP gets well below it in a few dozen steps)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN, generator=g)
+    w = torch.randn(IN, CLASSES, generator=g)
+    return x, (x @ w).argmax(1)
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, CLASSES))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every dispatched op as "namespace.name" (e.g. "fastamp.grad_stats", "aten.mul_")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[f"{func.namespace}.{func.overloadpacket.__name__}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# Ops any unscale-then-clip recipe runs over the grads (torch's or fastamp's unfused one).
+EXTRA_PASS_OPS = (
+    "fastamp.clip_unscale_",
+    "fastamp.non_finite_check_and_unscale_",
+    "aten._amp_foreach_non_finite_check_and_unscale_",
+    "aten._foreach_norm",
+    "aten.linalg_vector_norm",
+    "aten._foreach_mul_",
+)
+
+
+def assert_fused_clip(counts: Counter, steps: int, groups: int = 1) -> None:
+    """Clipping folded into the fused step: one read-only stats pass + one fused update per step,
+    and none of the ops of an unscale / norm / multiply recipe."""
+    assert counts["fastamp.grad_stats"] == steps, counts
+    assert counts["fastamp.adam_step_"] == steps * groups, counts
+    extra = {op: counts[op] for op in EXTRA_PASS_OPS if counts[op]}
+    assert not extra, f"extra passes over the grads: {extra}"
+
+
+def assert_learns(losses: list[float], chance: float = 1.386) -> None:
+    first, last = sum(losses[:3]) / 3, sum(losses[-5:]) / 5
+    assert all(map(lambda v: v == v, losses)), losses
+    assert last < 0.7 * first and last < 0.8 * chance, (first, last, losses)
+
+
+def assert_params_equal(a: nn.Module, b: nn.Module) -> None:
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), f"{n}: max |diff| {(p - q).abs().max().item():.3g}"
+
+
+def assert_params_close(a: nn.Module, b: nn.Module, rtol: float = 1e-3, atol: float = 1e-4) -> None:
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}")

@@ -1,0 +1,100 @@
+"""FastampDDPStrategy: two CPU processes (gloo) launched by Lightning itself, against DDPStrategy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.clients
+pytest.importorskip("lightning")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import lightning as L
+    from torch.nn import functional as F
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import fastamp
+    from fastamp.integrations.lightning import FastampDDPStrategy, FastampPrecision
+    from tests.integrations._common import OpCounter, dataset, mlp
+
+    kind, out = sys.argv[1], sys.argv[2]
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+            self.losses = []
+
+        def training_step(self, batch, i):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x).float(), y)
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            if kind == "fastamp":
+                return fastamp.optim.AdamW(self.parameters(), lr=1e-2)
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, foreach=False)
+
+    x, y = dataset()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+    if kind == "fastamp":
+        strategy, plugin = FastampDDPStrategy(process_group_backend="gloo"), FastampPrecision("16-mixed", "cpu")
+    else:
+        strategy, plugin = DDPStrategy(process_group_backend="gloo"), MixedPrecision("16-mixed", "cpu")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin], max_steps=20,
+                        gradient_clip_val=0.5, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    model = Net()
+    counter = OpCounter()
+    with counter:
+        trainer.fit(model, loader)
+    if trainer.global_rank == 0:
+        json.dump({"losses": model.losses, "counts": dict(counter.counts),
+                   "params": [p.detach().flatten().tolist() for p in model.parameters()]}, open(out, "w"))
+    """
+)
+
+
+def _run(tmp_path, kind):
+    script = tmp_path / "fit_ddp.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / f"{kind}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, str(script), kind, str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def test_fastamp_ddp_strategy_matches_lightnings_ddp(tmp_path):
+    ours = _run(tmp_path, "fastamp")
+    ref = _run(tmp_path, "torch")
+    losses = ours["losses"]
+    assert len(losses) == 20 and sum(losses[-5:]) / 5 < 0.7 * sum(losses[:3]) / 3, losses
+    import torch
+
+    torch.testing.assert_close(losses, ref["losses"], rtol=5e-3, atol=5e-3)
+    for p, q in zip(ours["params"], ref["params"]):
+        torch.testing.assert_close(torch.tensor(p), torch.tensor(q), rtol=5e-3, atol=1e-3)
+    counts = ours["counts"]
+    # fastamp's DDP packed/unpacked the buckets (one bucket, 20 steps); the scaler took the inf
+    # check and the norm from the unpack (no grad_stats pass of its own) and the clip was folded
+    # into the fused step: the grads are read by the unpack and the update only.
+    assert counts.get("fastamp.bucket_pack_") == 20 and counts.get("fastamp.bucket_unpack_") == 20, counts
+    assert counts.get("fastamp.grad_stats", 0) == 0, counts
+    assert counts.get("fastamp.adam_step_", 0) == 20, counts
+    for op in ("fastamp.clip_unscale_", "fastamp.non_finite_check_and_unscale_", "aten.linalg_vector_norm",
+               "aten._foreach_norm", "aten._amp_foreach_non_finite_check_and_unscale_"):
+        assert counts.get(op, 0) == 0, (op, counts)

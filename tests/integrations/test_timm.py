@@ -1,0 +1,99 @@
+"""fastamp.integrations.timm: timm's NativeScaler interface over fastamp.GradScaler.
+
+timm itself is not imported: timm 1.0 imports torchvision at `import timm`, and no torchvision on
+PyPI imports beside the CPU torch (requirements/clients.txt). The reference below is timm's
+NativeScaler recipe (torch.amp.GradScaler; unscale_, then clip, step, update), written out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import fastamp
+from fastamp.integrations.timm import NativeScaler, check_optimizer_name
+from tests.integrations._common import (
+    OpCounter,
+    assert_fused_clip,
+    assert_learns,
+    assert_params_close,
+    dataset,
+    mlp,
+)
+
+STEPS = 40
+
+
+class TimmRecipe:
+    """timm.utils.NativeScaler's __call__, as timm 1.0.29 runs it, on torch's scaler."""
+
+    state_dict_key = "amp_scaler"
+
+    def __init__(self, device="cpu"):
+        self._scaler = torch.amp.GradScaler(device)
+
+    def __call__(self, loss, optimizer, clip_grad=None, clip_mode="norm", parameters=None,
+                 create_graph=False, need_update=True):
+        self._scaler.scale(loss).backward(create_graph=create_graph)
+        if need_update:
+            if clip_grad is not None:
+                self._scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+            self._scaler.step(optimizer)
+            self._scaler.update()
+
+
+def run(loss_scaler, make_opt, clip=0.5, count=False):
+    x, y = dataset()
+    model = mlp()
+    opt = make_opt(model.parameters())
+    losses = []
+    counter = OpCounter()
+    for step in range(STEPS):
+        xb, yb = x[32 * step: 32 * step + 32], y[32 * step: 32 * step + 32]
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(xb).float(), yb)
+        if count:
+            with counter:
+                loss_scaler(loss, opt, clip_grad=clip, clip_mode="norm", parameters=model.parameters())
+        else:
+            loss_scaler(loss, opt, clip_grad=clip, clip_mode="norm", parameters=model.parameters())
+        losses.append(float(loss.detach()))
+    return model, losses, counter.counts
+
+
+def test_native_scaler_folds_norm_clip_into_fastamp_adamw():
+    ours, losses, counts = run(NativeScaler("cpu"), lambda p: fastamp.optim.AdamW(p, lr=1e-2), count=True)
+    ref, ref_losses, _ = run(TimmRecipe("cpu"), lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False))
+    assert_learns(losses)
+    assert_fused_clip(counts, STEPS)
+    torch.testing.assert_close(losses, ref_losses, rtol=2e-3, atol=2e-3)
+    assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
+
+
+def test_native_scaler_state_dict_is_timms():
+    s = NativeScaler("cpu", init_scale=1024.0)
+    assert s.state_dict_key == "amp_scaler"
+    ref = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    ref.load_state_dict(s.state_dict())
+    assert ref.get_scale() == 1024.0
+    s.load_state_dict(torch.amp.GradScaler("cpu", init_scale=8.0).state_dict())
+    assert s.scaler.get_scale() == 8.0
+
+
+def test_clip_without_parameters_is_a_clear_error():
+    model = mlp()
+    opt = fastamp.optim.AdamW(model.parameters())
+    loss = model(torch.randn(2, 16)).sum()
+    with pytest.raises(ValueError, match="clip_grad needs parameters="):
+        NativeScaler("cpu")(loss, opt, clip_grad=1.0)
+
+
+def test_underscore_names_of_fastamp_optimizers_are_refused():
+    # timm keeps only the part after the last underscore: "fastamp_adamw" would be torch's AdamW.
+    with pytest.raises(ValueError, match="'adamw'.*silently create torch's optimizer.*'fastamp-adamw'"):
+        check_optimizer_name("fastamp_adamw")
+    assert check_optimizer_name("fastamp-adamw") == "fastamp-adamw"
+    assert check_optimizer_name("lookahead_fastamp-adamw") == "lookahead_fastamp-adamw"
+    assert check_optimizer_name("adamw") == "adamw"
