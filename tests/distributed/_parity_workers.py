@@ -134,6 +134,27 @@ def exception_in_forward(rank, world, init_file):
         out[kind] = m
     _same_state(out["fastamp"].module, out["torch"].module, "after a skipped forward")
     _same_everywhere(out["fastamp"], "after a skipped forward")
+    # Only the last rank raises in a forward, catches it and goes on while the others run their
+    # backward: its next backward pairs with theirs (the n-th synchronised backward of every rank
+    # pairs up, whatever batch it came from), so the replicas stay identical, as with torch; it
+    # runs one batch more to end with as many backwards as the others.
+    data = _data(rank, 5)
+    failing = rank == world - 1
+    out = {}
+    for kind, cls in (("torch", TDDP), ("fastamp", FDDP)):
+        m = cls(copy.deepcopy(base))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(data if failing else data[:4]):
+            opt.zero_grad()
+            try:
+                loss = nn.functional.mse_loss(m(x, fail_forward=failing and step == 1), y)
+            except ValueError:
+                continue
+            loss.backward()
+            opt.step()
+        out[kind] = m
+    _same_state(out["fastamp"].module, out["torch"].module, "one rank skipped a forward")
+    _same_everywhere(out["fastamp"], "one rank skipped a forward")
     _finish()
 
 

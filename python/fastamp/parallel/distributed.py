@@ -144,6 +144,22 @@ class _Bucket:
         return self.buffer.narrow(0, self.offsets[i], p.numel()).view(p.shape)
 
 
+class _ReducerShim:
+    __slots__ = ("_ddp",)
+
+    def __init__(self, ddp: DistributedDataParallel):
+        self._ddp = ddp
+
+    def prepare_for_backward(self, outputs: Any = None) -> None:
+        self._ddp._armed = True
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(
+            f"{_NAME} has no torch C++ reducer (it buckets gradients itself): reducer.{name} does "
+            "not exist; use the wrapper's public methods (no_sync, join, register_comm_hook, ...)"
+        )
+
+
 class _JoinHook(JoinHook):
     """Shadows, on a rank that ran out of inputs, every collective one iteration of the others
     issues (the same ones in the same order as their forward and backward)."""
@@ -388,11 +404,11 @@ class DistributedDataParallel(_TorchDDP):
 
     # ------------------------------------------------------------------ what torch's reducer was
     @property
-    def reducer(self):  # noqa: D401
-        raise AttributeError(
-            f"{_NAME} has no torch C++ reducer (it buckets gradients itself); use its public "
-            "methods (no_sync, join, register_comm_hook, ...) instead of .reducer"
-        )
+    def reducer(self) -> _ReducerShim:
+        """Not torch's C++ reducer: the one call clients make on it, ``prepare_for_backward``
+        (accelerate's ``trigger_sync_in_backward``), arms the next backward for synchronisation
+        as torch's does; anything else raises AttributeError naming it."""
+        return _ReducerShim(self)
 
     # ------------------------------------------------------------------ construction
     def _describe(self) -> list[str]:
