@@ -169,6 +169,7 @@ def lightning_strategy(rank: int, world: int, port: int, out: str) -> None:
             self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
         def training_step(self, batch, i):
+            self.wrapper = type(self.trainer.strategy.model)
             x, y = batch
             return nn.functional.mse_loss(self.net(x), y)
 
@@ -187,7 +188,7 @@ def lightning_strategy(rank: int, world: int, port: int, out: str) -> None:
                             default_root_dir=os.path.join(out, tag))
         trainer.fit(net, torch.utils.data.DataLoader(ds, batch_size=4))
         expected = FDDP if tag == "fastamp" else torch.nn.parallel.DistributedDataParallel
-        assert type(trainer.strategy.model) is expected, type(trainer.strategy.model)
+        assert net.wrapper is expected, net.wrapper
         models[tag] = net
     _same_params(models["fastamp"], models["torch"], "Lightning")
     _same_everywhere(models["fastamp"], "Lightning")

@@ -193,6 +193,25 @@ def reentrant_backward(rank, world, init_file):
         assert err[0] is RuntimeError, (kind, err)
         assert "once" in err[1], (kind, err[1])
         del m
+    # several outputs of one forward in one loss (a model returning loss and logits): one backward
+    class TwoOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 8)
+            self.b = nn.Linear(8, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            return {"out": self.b(h), "aux": h.square().mean()}
+
+    base3 = TwoOut()
+    pair = [cls(copy.deepcopy(base3)) for cls in (TDDP, FDDP)]
+    for x, y in data:
+        for m in pair:
+            m.zero_grad()
+            o = m(x)
+            (nn.functional.mse_loss(o["out"], y) + o["aux"]).backward()
+        _same_grads(pair[1].module, pair[0].module, "two outputs in one loss")
     # retain_graph: the second backward
     base2 = FaultNet()
     x, y = data[0]

@@ -392,6 +392,7 @@ class DistributedDataParallel(_TorchDDP):
         self._started = False  # the end-of-backward callback is queued
         self._pending = False  # a grad hook fired: collectives may be in flight
         self._tokens: list[list[bool]] = []  # one per armed forward, set once its backward ran
+        self._consuming: list[list[bool]] = []
         self._grad_ready: set[int] = set()
         self._used: set[int] = set()  # locally used since the last synchronised backward
         self._global_unused: set[int] | None = None  # static_graph: from the first iteration
@@ -661,9 +662,7 @@ class DistributedDataParallel(_TorchDDP):
     def _start_backward(self) -> None:
         self._started = True
         self._armed = False
-        for token in self._tokens:
-            token[0] = True
-        self._tokens = []
+        self._consuming, self._tokens = self._tokens, []  # done when this backward finishes
         self._grad_ready = set()
         self._stats = []
         self._last_stats = None
@@ -789,6 +788,9 @@ class DistributedDataParallel(_TorchDDP):
             self._rebuild_from_rank0()
         self._used = set()
         self._join_work = None
+        for token in self._consuming:
+            token[0] = True
+        self._consuming = []
         self._pending = False
         self._started = False
 
