@@ -294,6 +294,12 @@ class DistributedDataParallel(_TorchDDP):
 
             device_ids_ = [_get_device_index(x, True) for x in device_ids]
             output_device_ = _get_device_index(output_device if output_device is not None else device_ids[0], True)
+        for name, sub in module.named_modules():
+            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+                raise _refuse(
+                    f"sparse gradients ({name or 'module'} is an {type(sub).__name__} with sparse=True)",
+                    "the gradient buckets are dense; construct it with sparse=False, or use torch's DDP",
+                )
         for p in module_params:
             if isinstance(p, nn.parameter.UninitializedParameter):
                 raise RuntimeError(
@@ -904,6 +910,9 @@ class DistributedDataParallel(_TorchDDP):
 
     def _register_buffer_comm_hook(self, *args: Any, **kwargs: Any) -> None:
         raise _refuse("_register_buffer_comm_hook", "buffers are broadcast from rank 0 as with torch's default")
+
+    def _set_sparse_metadata(self, *args: Any, **kwargs: Any) -> None:
+        raise _refuse("_set_sparse_metadata", "sparse gradients are not supported")
 
     def _update_process_group(self, *args: Any, **kwargs: Any) -> None:
         raise _refuse("_update_process_group", "wrap the module again with the new process group")
