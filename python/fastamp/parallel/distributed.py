@@ -774,7 +774,7 @@ class DistributedDataParallel(_TorchDDP):
                     continue
                 if inv is None or inv.device != b.buffer.device:
                     inv = torch.ones((), dtype=torch.float32, device=b.buffer.device)
-                self._stats.append(torch.ops.fastamp.bucket_unpack_(reduced, grads, offs, inv))
+                self._stats.append(self._unpack(b, reduced, grads, offs, inv))
                 noted.extend(zip((p for p in b.params if id(p) not in global_unused), grads))
         if noted and not self.gradient_as_bucket_view:
             found, sq = self.grad_stats()
@@ -799,6 +799,22 @@ class DistributedDataParallel(_TorchDDP):
         self._consuming = []
         self._pending = False
         self._started = False
+
+    @staticmethod
+    def _unpack(b: _Bucket, reduced: Tensor, grads: list[Tensor], offs: list[int], inv: Tensor) -> tuple[Tensor, Tensor]:
+        """Copies the reduced bucket into the grads; returns (found_inf, sum of (g * inv)^2).
+
+        On CUDA one fused op (``fastamp::bucket_unpack_``: one read of the bucket). On CPU two
+        vectorised passes -- a multi-tensor copy and the read-only ``fastamp::grad_stats`` over
+        the contiguous bucket -- which cost about half the fused op there, whose CPU kernel is not
+        in the AVX2 build yet (benchmarks/results/ddp_cpu.md)."""
+        if reduced.device.type != "cpu":
+            return torch.ops.fastamp.bucket_unpack_(reduced, grads, offs, inv)
+        views = [reduced.narrow(0, o, g.numel()).view(g.shape) for g, o in zip(grads, offs)]
+        torch._foreach_copy_(grads, views)
+        whole = len(grads) == len(b.params)  # the bucket is exactly these grads
+        found, sq, _ = torch.ops.fastamp.grad_stats([reduced] if whole else views, inv, 2.0)
+        return found, sq
 
     def _reduce_used_map(self) -> set[int]:
         """ids of the parameters no rank used since the last synchronised backward (torch's
