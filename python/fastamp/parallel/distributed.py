@@ -271,7 +271,10 @@ class DistributedDataParallel(_TorchDDP):
                 "that requires a gradient."
             )
         if device_ids is not None and len(device_ids) > 1:
-            raise ValueError("device_ids can only be None or contain a single element.")
+            raise ValueError(
+                "device_ids can only be None or contain a single element (one device per process); "
+                f"got device_ids={list(device_ids)}"
+            )
         device_types = {p.device.type for p in module_params}
         if len(device_types) != 1:
             raise ValueError(
@@ -419,9 +422,9 @@ class DistributedDataParallel(_TorchDDP):
 
     # ------------------------------------------------------------------ construction
     def _describe(self) -> list[str]:
-        desc = [f"parameter {n}: {tuple(p.shape)} {p.dtype} requires_grad={p.requires_grad}"
+        desc = [f"{n}:{tuple(p.shape)}:{p.dtype}" + ("" if p.requires_grad else ":frozen")
                 for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
-        desc += [f"buffer {n}: {tuple(b.shape)} {b.dtype}" for n, b in self.named_module_buffers.items()]
+        desc += [f"buffer {n}:{tuple(b.shape)}:{b.dtype}" for n, b in self.named_module_buffers.items()]
         return desc
 
     def _check_same_model(self) -> None:
@@ -554,6 +557,7 @@ class DistributedDataParallel(_TorchDDP):
 
             token = [False]
             self._tokens.append(token)
+            del self._tokens[:-64]  # forwards with no backward (grad-enabled evaluation) add up
             ref = weakref.ref(self)
 
             def prehook(grads: Any, ref: Any = ref, token: list = token) -> None:
