@@ -615,6 +615,10 @@ def uneven_inputs_join(rank, world, init_file):
                         nn.functional.mse_loss(m(x), y).backward()
                         opt.step()
                 out[kind] = m
+                if kind == "fastamp" and not view:  # the fused statistics survive join()
+                    found, sq = m.grad_stats()
+                    ref = sum(float(p.grad.double().square().sum()) for p in m.parameters())
+                    assert float(found) == 0.0 and math.isclose(float(sq), ref, rel_tol=1e-5), (float(sq), ref)
             what = f"join divide_by_initial_world_size={divide} view={view}"
             _same_state(out["fastamp"].module, out["torch"].module, what)
             _same_everywhere(out["fastamp"], what)

@@ -524,9 +524,10 @@ class DistributedDataParallel(_TorchDDP):
 
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
         self._check_previous_iteration()
-        work = Join.notify_join_context(self)
-        if work:
-            self._join_work = work
+        if self._join_config.enable:
+            work = Join.notify_join_context(self)
+            if work:
+                self._join_work = work
         if self._check_sync_bufs_pre_fwd():
             if not self._checked_same_model:  # init_sync=False: check before the first broadcast
                 self._check_same_model()
