@@ -41,8 +41,9 @@ def test_two_torchrun_nodes_on_one_machine(tmp_path):
         outs.append(out)
     for node, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"node {node} exited with {p.returncode}:\n{out[-3000:]}"
-    summary = [line for line in outs[0].splitlines() if "ranks (" in line]
-    assert summary, outs[0][-3000:]
+    # global rank 0 (which prints) may land on either torchrun process
+    summary = [line for out in outs for line in out.splitlines() if "ranks (" in line]
+    assert len(summary) == 1, [o[-2000:] for o in outs]
     assert summary[-1].startswith("4 ranks"), summary
     assert "parameters identical on every rank: True" in summary[-1], summary
     assert "learned the rule" in summary[-1], summary
