@@ -10,7 +10,10 @@ every rank, repetitions interleaved (the order rotates each repetition) after wa
             + fastamp.GradScaler + fastamp.optim.AdamW
             scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt); scaler.step(opt); scaler.update()
 
-each with gradient_as_bucket_view=False and =True (4 variants). Timed per step: zero_grad + forward +
+each with gradient_as_bucket_view=False and =True (4 variants); with --baseline REF also
+  today:    fastamp's DDP as it was at git commit REF (python/fastamp/parallel/distributed.py of
+            that commit, imported from a temporary file), the rest as fastamp above
+so that "no slower than before" is measured in the same interleaved run. Timed per step: zero_grad + forward +
 backward (which includes the bucket all-reduces and their wait) = "fwd+bwd", and clip + optimizer
 step + scale update = "step"; the table reports medians on rank 0 and checks the ranks agree.
 
@@ -80,9 +83,60 @@ def name(kind, view):
     return f"{kind}{' +view' if view else ''}"
 
 
+_BASELINE = None  # the DDP class of --baseline REF
+
+
+def load_baseline(ref):
+    """fastamp's DDP class as of git commit `ref` (only that file; the ops are today's)."""
+    import importlib.util
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    src = subprocess.run(["git", "-C", root, "show", f"{ref}:python/fastamp/parallel/distributed.py"],
+                         check=True, capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "fastamp_ddp_baseline.py")
+    with open(path, "w") as fh:
+        fh.write(src)
+    spec = importlib.util.spec_from_file_location("fastamp_ddp_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.DistributedDataParallel
+
+
+class _OldScalerHandoff:
+    """The baseline hands its stats as (params, found_inf, sum_sq); today's scaler takes a
+    DDPGradStats. This adapter builds one for the grads as they are (the baseline's unconditional
+    reuse), so the baseline's step costs what it cost."""
+
+    def __init__(self, scaler):
+        self._scaler = scaler
+
+    @property
+    def _scale(self):
+        return self._scaler._scale
+
+    def _note_grad_stats(self, params, found, sq):
+        import weakref
+
+        from fastamp.parallel import DDPGradStats
+
+        scale = self._scaler._scale
+        with_grad = [p for p in params if p.grad is not None]
+        self._scaler._note_grad_stats(DDPGradStats(
+            found_inf=found, sum_sq=sq, params=tuple(with_grad),
+            grads=tuple(weakref.ref(p.grad) for p in with_grad),
+            versions=tuple(p.grad._version for p in with_grad),
+            scale=weakref.ref(scale), scale_version=scale._version))
+
+
 def make_variant(kind, view, base, args):
     model = copy.deepcopy(base)
-    if kind == "torch":
+    if kind == "today":
+        ddp = _BASELINE(model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=view)
+        opt = fastamp.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
+        scaler = fastamp.GradScaler("cpu", init_scale=2.0**16)
+        ddp.register_grad_scaler(_OldScalerHandoff(scaler))
+    elif kind == "torch":
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
                                                   gradient_as_bucket_view=view)
         opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01, foreach=True)
@@ -125,7 +179,7 @@ def memory(kind, ddp):
         s = p.grad.untyped_storage()
         storages[s.data_ptr()] = s.nbytes()
     held = sum(storages.values())  # what the grads actually keep alive
-    if kind == "fastamp":
+    if kind in ("fastamp", "today"):
         bufs = [(b.buffer.data_ptr(), b.buffer.numel() * b.buffer.element_size()) for b in ddp._buckets]
         comm = sum(n for _, n in bufs)
 
@@ -162,6 +216,10 @@ def memory(kind, ddp):
 
 
 def worker(rank, world, init_method, args):
+    global _BASELINE, VARIANTS
+    if args.baseline:
+        _BASELINE = load_baseline(args.baseline)
+        VARIANTS = VARIANTS + [("today", False), ("today", True)]
     if init_method is None:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     else:
@@ -201,9 +259,9 @@ def worker(rank, world, init_method, args):
     run_s = time.perf_counter() - t_run
 
     # The comparison is honest only if both reached the same parameters.
-    for view in (False, True):
+    for view, other in [(v, k) for v in (False, True) for k in ("fastamp", "today") if name(k, v) in setups]:
         a = setups[name("torch", view)][2].module
-        b = setups[name("fastamp", view)][2].module
+        b = setups[name(other, view)][2].module
         for (pn, p), q in zip(a.named_parameters(), b.parameters()):
             torch.testing.assert_close(q, p, rtol=args.rtol, atol=args.atol,
                                        msg=lambda m, pn=pn, view=view: f"view={view} {pn}: {m}")
@@ -248,11 +306,18 @@ def report(args, world, threads, n_params, med, gathered, mem, run_s):
                      "per_rank_total_s": [g[n]["total"] for g in gathered],
                      "buckets": nb, "comm_buffer_bytes": comm, "grad_bytes": grads,
                      "grad_storage_bytes": held, "extra_beyond_grads_bytes": extra, "memory_note": note})
-    fa = [r for r in rows if r["kind"] == "fastamp"]
+    fa = [r for r in rows if r["kind"] in ("fastamp", "today")]
     print("ratio = total step time / torch's with the same gradient_as_bucket_view (< 1: fastamp faster)")
     print("  fwd+bwd (DDP) ratios: " + ", ".join(f"{r['variant']} {r['ratio_fwd_bwd_vs_torch']:.2f}x" for r in fa)
           + " | step (clip+optimizer) ratios: "
           + ", ".join(f"{r['variant']} {r['ratio_step_vs_torch']:.2f}x" for r in fa))
+    by = {r["variant"]: r for r in rows}
+    for view in (False, True):
+        new, old = by.get(name("fastamp", view)), by.get(name("today", view))
+        if new and old:
+            print(f"  fastamp{' +view' if view else ''} now / at {args.baseline}: total "
+                  f"{new['total_s'] / old['total_s']:.2f}x, fwd+bwd {new['fwd+bwd_s'] / old['fwd+bwd_s']:.2f}x, "
+                  f"step {new['step_s'] / old['step_s']:.2f}x")
     print(f"ranks agree: largest per-rank deviation of a median total from rank 0's: {100 * spread:.1f}%")
     for r in rows:
         print(f"  memory {r['variant']}: {r['memory_note']}")
@@ -284,6 +349,8 @@ def main(argv=None):
     ap.add_argument("--rtol", type=float, default=1e-4)
     ap.add_argument("--atol", type=float, default=1e-5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--baseline", default=None, metavar="REF",
+                    help="also time fastamp's DDP as of this git commit (e.g. main), interleaved")
     args = ap.parse_args(argv)
     args.set_to_none = bool(args.set_to_none)
     if args.warmup < 2:  # both rebuild their buckets after the first iteration (torch: in the second forward)

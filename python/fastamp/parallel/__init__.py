@@ -1,6 +1,6 @@
 """Data parallelism on torch.distributed: :class:`DistributedDataParallel` with bucketed,
 overlapped gradient all-reduce."""
 
-from fastamp.parallel.distributed import DistributedDataParallel
+from fastamp.parallel.distributed import DDPGradStats, DistributedDataParallel, GradBucket
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DDPGradStats", "DistributedDataParallel", "GradBucket"]

@@ -206,7 +206,7 @@ class GradScaler(torch.amp.GradScaler):
         self._update_count: Tensor | None = None
         self._diag: dict[int, _Diag] = {}
         self._warned_small_scale = False
-        self._ddp_stats: tuple[set[int], Tensor, Tensor] | None = None
+        self._ddp_stats: Any = None  # fastamp.parallel.DDPGradStats
 
     # ------------------------------------------------------------------ lazy state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -369,17 +369,21 @@ class GradScaler(torch.amp.GradScaler):
         self._record_flags(optimizer, per_device, flags)
         return found
 
-    def _note_grad_stats(self, params: list[Tensor], found_inf: Tensor, sum_sq: Tensor) -> None:
-        """From fastamp.parallel.DistributedDataParallel: the all-reduced grads' inf flag and
-        unscaled sum of squares, computed while unpacking them. Valid until update()."""
-        self._ddp_stats = ({id(p) for p in params}, found_inf, sum_sq)
+    def _note_grad_stats(self, stats: Any) -> None:
+        """From fastamp.parallel.DistributedDataParallel: a ``fastamp.parallel.DDPGradStats``, the
+        all-reduced grads' inf flag and unscaled sum of squares, computed while unpacking them.
+        Reused only while ``stats.current_for(params, scale)`` (same grads, unwritten since, same
+        scale); cleared by update()."""
+        self._ddp_stats = stats
 
     def _reuse_ddp_stats(self, optimizer: torch.optim.Optimizer) -> tuple[Tensor, Tensor] | None:
-        if self._ddp_stats is None:
+        stats = self._ddp_stats
+        if stats is None:
             return None
-        ids, found, sq = self._ddp_stats
-        opt_ids = {id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
-        return (found, sq) if opt_ids and opt_ids == ids else None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not stats.current_for(params, self._scale):
+            return None
+        return stats.found_inf, stats.sum_sq
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         # For optimizers that unscale inside their own kernel (fused=True): a read-only inf/NaN
