@@ -33,6 +33,7 @@ extern "C" {
 void __sanitizer_start_switch_fiber(void** fake_stack_save, const void* bottom, size_t size);
 void __sanitizer_finish_switch_fiber(void* fake_stack_save, const void** bottom_old,
                                      size_t* size_old);
+void __asan_unpoison_memory_region(void const volatile* addr, size_t size);
 }
 #endif
 
@@ -105,6 +106,10 @@ struct Context {
 
 /// Prepares ctx to start entry() on [stack, stack + size) at its first switch_to.
 void init_context(Context& ctx, char* stack, size_t size, void (*entry)()) {
+#if defined(FASTAMP_EMU_ASAN)
+  // A reused stack still carries the redzones of the frames its last fiber never unwound.
+  __asan_unpoison_memory_region(stack, size);
+#endif
   ctx.stack = stack;
   ctx.size = size;
   auto top = reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t{15};
@@ -131,6 +136,9 @@ struct Context {
 };
 
 void init_context(Context& ctx, char* stack, size_t size, void (*entry)()) {
+#if defined(FASTAMP_EMU_ASAN)
+  __asan_unpoison_memory_region(stack, size);  // see the x86-64 version
+#endif
   static thread_local ucontext_t tmpl;
   static thread_local bool have_tmpl = false;
   if (!have_tmpl) {  // getcontext makes a system call: once per OS thread
