@@ -17,23 +17,22 @@ save leaves either the previous complete checkpoint or files whose ids disagree,
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import errno
-import io
 import math
 import os
-import pathlib
 import random
 import secrets
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fastamp._state_io import atomic_save, check_weights_only, decode_extra, encode_extra
+from fastamp.handoff import AmpFusedOptimizer
+from fastamp.scaler import GradScaler
+from fastamp.scaler._validation import check_state_dict as check_scaler_state_dict
 
 __all__ = ["TrainingState", "load_training_state", "save_training_state"]
 
@@ -106,191 +105,19 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
-class _WriteRecorder:
-    """A binary file that remembers the OSError its write raised: torch.save reports a failed
-    write as ``RuntimeError: [enforce fail at inline_container.cc...]``, which hides ENOSPC."""
-
-    def __init__(self, f: Any):
-        self.f = f
-        self.error: OSError | None = None
-
-    def write(self, b: Any) -> int:
-        try:
-            return self.f.write(b)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self) -> None:
-        try:
-            self.f.flush()
-        except OSError as e:
-            self.error = e
-            raise
-
-
-def _write_error(path: str, e: OSError) -> OSError:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return OSError(
-            e.errno,
-            f"save_training_state: the disk is full: could not write {path!r} ({e.strerror}). "
-            "Nothing was replaced (the previous checkpoint, if any, is intact) and no temporary "
-            "file was left; free space or save elsewhere",
-        )
-    return OSError(e.errno, f"save_training_state: could not write {path!r}: {e.strerror}")
-
-
-def _atomic_save(obj: Any, path: str) -> None:
-    """torch.save to a temporary file of a unique name beside ``path`` (several threads or
-    processes may save at once), fsync, then rename over ``path``. On any failure the temporary
-    file is removed and ``path`` is left as it was."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(
-            errno.EISDIR,
-            f"save_training_state: path {path!r} is a directory; expected a file name (e.g. "
-            f"{os.path.join(path, 'checkpoint.pt')!r})",
-        )
-    directory = os.path.dirname(os.path.abspath(path))
-    # A name of its own per save (threads of one process included), created exclusively, with the
-    # permissions torch.save would give the file (mkstemp would make it 0600).
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            rec = _WriteRecorder(f)
-            try:
-                torch.save(obj, rec)
-                rec.flush()
-                os.fsync(f.fileno())
-            except OSError as e:
-                raise _write_error(path, rec.error or e) from e
-            except RuntimeError as e:
-                if rec.error is not None:
-                    raise _write_error(path, rec.error) from e
-                raise
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-# ---------------------------------------------------------------- extra: types beyond weights_only
-# torch.load(weights_only=True) reads tensors, numbers, strings, bytes, None and lists / tuples /
-# dicts of them, and nothing else. Common run metadata that is none of these is stored as a
-# tagged dict of such values and rebuilt on load; anything else is refused at save time (a
-# checkpoint that load_training_state cannot read would be discovered only at resume).
-_TAG = "__fastamp_extra_type__"
-
-
-def _encode_extra(value: Any, where: str) -> Any:
-    # Exact types: numpy's float64 subclasses float, an IntEnum int -- neither loads back.
-    if value is None or type(value) in (bool, int, float, complex, str, bytes):
-        return value
-    if isinstance(value, (torch.Tensor, torch.dtype, torch.device, torch.Size)):
-        return value
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        np = None
-    if np is not None and isinstance(value, np.ndarray):
-        if value.dtype.hasobject or value.dtype.fields is not None:
-            raise TypeError(
-                f"save_training_state: {where} is a numpy array of dtype {value.dtype}, which "
-                "torch.load(weights_only=True) cannot read back; expected a numeric array (or "
-                "convert it: arr.tolist())"
-            )
-        return {_TAG: "numpy.ndarray", "dtype": value.dtype.str, "shape": list(value.shape),
-                "data": np.ascontiguousarray(value).tobytes()}
-    if np is not None and isinstance(value, np.generic):
-        if isinstance(value, (np.bool_, np.number)):
-            return {_TAG: "numpy.scalar", "dtype": value.dtype.str, "data": value.tobytes()}
-        raise TypeError(
-            f"save_training_state: {where} is a numpy {type(value).__name__}, which "
-            "torch.load(weights_only=True) cannot read back; expected a number (value.item())"
-        )
-    if isinstance(value, pathlib.PurePath):
-        kind = "pathlib.PureWindowsPath" if isinstance(value, pathlib.PureWindowsPath) and not isinstance(
-            value, pathlib.Path) else "pathlib.Path"
-        return {_TAG: kind, "path": str(value)}
-    if isinstance(value, argparse.Namespace):
-        return {_TAG: "argparse.Namespace", "vars": _encode_extra(vars(value), f"vars({where})")}
-    if isinstance(value, OrderedDict):
-        return OrderedDict((k, _encode_extra(v, f"{where}[{k!r}]")) for k, v in value.items())
-    if isinstance(value, dict):
-        if _TAG in value:
-            raise ValueError(f"save_training_state: {where} uses the reserved key {_TAG!r}")
-        for k in value:
-            if not (k is None or isinstance(k, (bool, int, float, str, bytes))):
-                raise TypeError(
-                    f"save_training_state: {where} has a key {k!r} of type {type(k).__name__}; "
-                    "torch.load(weights_only=True) reads dicts keyed by str, int, float, bool, "
-                    "bytes or None"
-                )
-        return {k: _encode_extra(v, f"{where}[{k!r}]") for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_encode_extra(v, f"{where}[{i}]") for i, v in enumerate(value))
-    if isinstance(value, (set, frozenset)):
-        raise TypeError(
-            f"save_training_state: {where} is a {type(value).__name__}, which "
-            "torch.load(weights_only=True) cannot read back; expected a list (sorted(s))"
-        )
-    raise TypeError(
-        f"save_training_state: {where} is a {type(value).__module__}.{type(value).__qualname__}, "
-        "which torch.load(weights_only=True) cannot read back, so the run could not be resumed. "
-        "Expected numbers, strings, bytes, None, tensors, numpy arrays and scalars, pathlib paths, "
-        "argparse.Namespace, and lists / tuples / dicts of them: convert it (e.g. to a dict of "
-        "such values)"
-    )
-
-
-def _decode_extra(value: Any) -> Any:
-    if isinstance(value, dict):
-        tag = value.get(_TAG)
-        if tag == "numpy.ndarray":
-            import numpy as np
-
-            flat = np.frombuffer(value["data"], dtype=np.dtype(value["dtype"]))
-            return flat.reshape(value["shape"]).copy()
-        if tag == "numpy.scalar":
-            import numpy as np
-
-            return np.frombuffer(value["data"], dtype=np.dtype(value["dtype"]))[0]
-        if tag == "pathlib.Path":
-            return pathlib.Path(value["path"])
-        if tag == "pathlib.PureWindowsPath":
-            return pathlib.PureWindowsPath(value["path"])
-        if tag == "argparse.Namespace":
-            return argparse.Namespace(**_decode_extra(value["vars"]))
-        out = {k: _decode_extra(v) for k, v in value.items()}
-        return OrderedDict(out) if isinstance(value, OrderedDict) else out
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_decode_extra(v) for v in value)
-    return value
-
-
-def _check_weights_only(obj: Any, what: str) -> None:
-    """Refuses, at save time, what torch.load(weights_only=True) would refuse at load time."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    try:
-        torch.load(buf, weights_only=True)
-    except Exception as e:  # the unpickler's error names the offending global
-        lines = str(e).splitlines()
-        why = next((ln.strip() for ln in lines if "Unsupported" in ln), lines[0] if lines else "")
-        raise TypeError(
-            f"save_training_state: {what} holds an object that torch.load(weights_only=True) "
-            f"cannot read back, so the run could not be resumed ({why[:300]}); expected plain "
-            "data (numbers, strings, tensors, lists, dicts)"
-        ) from None
-
-
 def _save_id(distributed: bool, world: int) -> str:
     box = [secrets.token_hex(8)]
     if distributed and world > 1:
         dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _scaler_mid_iteration(scaler: torch.amp.GradScaler) -> bool:
+    """Whether ``scaler`` is between an iteration's unscale_/step and its update()."""
+    # private-ok: torch.amp.GradScaler keeps each optimizer's stage (READY / UNSCALED / STEPPED)
+    # only in _per_optimizer_states, with no public accessor; fastamp.GradScaler inherits it.
+    states = getattr(scaler, "_per_optimizer_states", None) or {}
+    return any(getattr(st.get("stage"), "name", "READY") != "READY" for st in states.values())
 
 
 def save_training_state(
@@ -317,25 +144,23 @@ def save_training_state(
         raise ValueError(f"save_training_state: step must be a non-negative int or None, got {step!r}")
     if extra is not None and not isinstance(extra, dict):
         raise TypeError(f"save_training_state: extra must be a dict or None, got {type(extra).__name__}")
-    if scaler is not None and getattr(scaler, "_per_optimizer_states", None):
-        stages = [s.get("stage") for s in scaler._per_optimizer_states.values()]
-        if any(getattr(st, "name", "READY") != "READY" for st in stages):
+    if scaler is not None and _scaler_mid_iteration(scaler):
             raise RuntimeError(
                 "save_training_state: the scaler is in the middle of a step (unscale_() or step() "
                 "was called without update()); save after scaler.update()"
             )
     # Everything that could be unreadable is refused before the first byte is written.
-    extra_enc = _encode_extra(extra if extra is not None else {}, "extra")
-    _check_weights_only(extra_enc, "extra")
+    extra_enc = encode_extra(extra if extra is not None else {}, "extra")
+    check_weights_only(extra_enc, "extra")
     sched_state = lr_scheduler.state_dict() if lr_scheduler is not None else None
     if sched_state is not None:
-        _check_weights_only(sched_state, "lr_scheduler.state_dict()")
+        check_weights_only(sched_state, "lr_scheduler.state_dict()")
     rank, world, distributed = _dist_info()
     module, ddp = _unwrap(model)
     save_id = _save_id(distributed, world)
     local = {"format": _FORMAT, "save_id": save_id, "rank": rank, "world_size": world, "rng": _rng_state()}
     if world > 1:
-        _atomic_save(local, f"{path}.rank{rank}")
+        atomic_save(local, f"{path}.rank{rank}")
         dist.barrier()
     if rank == 0:
         shared = {
@@ -353,7 +178,7 @@ def save_training_state(
         }
         if world == 1:
             shared["rng"] = local["rng"]
-        _atomic_save(shared, path)
+        atomic_save(shared, path)
     if world > 1:
         dist.barrier()
 
@@ -444,16 +269,15 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, sd: Any, path: str)
                     "belongs to another model (or parameter order). Build the model and optimizer "
                     "as the saved run did"
                 )
-    check = getattr(optimizer, "_check_state_dict", None)
-    if check is not None and getattr(optimizer, "_fastamp_fused", False):
-        check(sd)  # fastamp's optimizers check everything their step needs
+    if isinstance(optimizer, AmpFusedOptimizer) and hasattr(optimizer, "check_state_dict"):
+        optimizer.check_state_dict(sd)  # fastamp's optimizers check everything their step needs
 
 
 def _check_scaler_state(scaler: Any, sd: Any, path: str) -> None:
     where = f"load_training_state: the scaler state in {path!r}"
     if not isinstance(sd, Mapping):
         raise ValueError(f"{where} is a {type(sd).__name__}; expected the dict of scaler.state_dict()")
-    if not getattr(scaler, "_enabled", True):
+    if not scaler.is_enabled():
         return  # a disabled scaler ignores what it is given (as PyTorch's)
     if len(sd) == 0:
         raise RuntimeError(
@@ -464,9 +288,8 @@ def _check_scaler_state(scaler: Any, sd: Any, path: str) -> None:
                if k not in sd]
     if missing:
         raise ValueError(f"{where} lacks {missing}; expected the dict of GradScaler.state_dict()")
-    check = getattr(scaler, "_check_state_dict", None)
-    if check is not None:
-        check(sd)  # fastamp.GradScaler: every entry, with its own messages
+    if isinstance(scaler, GradScaler):
+        check_scaler_state_dict(sd)  # fastamp.GradScaler: every entry, with its own messages
         return
     scale = sd["scale"]
     if isinstance(scale, torch.Tensor) and scale.numel() == 1:
@@ -591,10 +414,11 @@ def load_training_state(
                 "saved run did"
             )
     layout = shared.get("ddp_buckets")
-    if ddp is not None and layout is not None and layout.get("num_params") != len(ddp._params):
+    if ddp is not None and layout is not None and layout.get("num_params") != ddp.bucket_layout()["num_params"]:
         raise RuntimeError(
             "load_training_state: the checkpoint's gradient-bucket layout is for "
-            f"{layout.get('num_params')} parameters, the DistributedDataParallel model has {len(ddp._params)}"
+            f"{layout.get('num_params')} parameters, the DistributedDataParallel model has "
+            f"{ddp.bucket_layout()['num_params']}"
         )
 
     if optimizer is not None:
@@ -634,5 +458,5 @@ def load_training_state(
             restore()
         raise
     return TrainingState(
-        step=shared["step"], extra=_decode_extra(shared["extra"]), world_size=saved_world, rng_restored=restore_rng
+        step=shared["step"], extra=decode_extra(shared["extra"]), world_size=saved_world, rng_restored=restore_rng
     )

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import is_real
+from fastamp.handoff import AmpFusedOptimizer, take
 from fastamp.optim import _ops  # noqa: F401  (fake kernels for torch.compile)
 
 __all__ = ["SGD", "Adam", "AdamW"]
@@ -83,14 +84,12 @@ def _state_strides(p: Tensor) -> tuple[int, ...]:
     return torch.empty_like(p, device="meta").stride()
 
 
-class _FusedStepMixin:
-    """What the three optimizers share: the amp-scaling protocol and the group loop."""
+class _FusedStepMixin(AmpFusedOptimizer):
+    """What the three optimizers share: the amp-scaling protocol and the group loop.
 
-    # torch.amp.GradScaler hands such optimizers `grad_scale` / `found_inf` instead of unscaling
-    # the grads and syncing to decide whether to call step() (its protocol for fused=True).
-    _step_supports_amp_scaling = True
-    # fastamp.GradScaler additionally hands over a clip coefficient (see GradScaler.clip_grad_norm_).
-    _fastamp_fused = True
+    As :class:`fastamp.handoff.AmpFusedOptimizer`s they take from :class:`fastamp.GradScaler` an
+    :class:`fastamp.handoff.AmpStep` (inv_scale, found_inf and a clip coefficient), and from
+    torch.amp.GradScaler its ``grad_scale`` / ``found_inf`` (its protocol for fused=True)."""
 
     param_groups: list[dict[str, Any]]
     state: dict[Tensor, dict[str, Any]]
@@ -260,7 +259,7 @@ class _FusedStepMixin:
 
         def check(optimizer: Any, sd: Mapping[str, Any]) -> None:
             # Registered last, so it sees the dict as the user's pre-hooks left it.
-            self._check_state_dict(sd)
+            self.check_state_dict(sd)
             loaded.append(sd)
 
         handle = self.register_load_state_dict_pre_hook(check)
@@ -271,7 +270,9 @@ class _FusedStepMixin:
         if self._master_weights and loaded:
             self._restore_fp32_state(loaded[-1])
 
-    def _check_state_dict(self, sd: Mapping[str, Any]) -> None:
+    def check_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """fastamp extra: raises what :meth:`load_state_dict` would raise for ``sd`` (naming the
+        entry), changing nothing."""
         name = type(self).__name__
         where = f"fastamp.optim.{name}.load_state_dict"
         for key in ("state", "param_groups"):
@@ -399,9 +400,9 @@ class _FusedStepMixin:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pending = self.__dict__.pop("_fastamp_pending", None)
-        if pending is not None:  # from fastamp.GradScaler: (inv_scale, found_inf, clip_coef)
-            self._fastamp_step(*pending)
+        amp = take(self)
+        if amp is not None:  # from fastamp.GradScaler
+            self._fastamp_step(amp.inv_scale, amp.found_inf, amp.clip_coef)
         else:  # torch.amp.GradScaler's protocol for optimizers that unscale themselves
             grad_scale = getattr(self, "grad_scale", None)
             found_inf = getattr(self, "found_inf", None)

@@ -37,7 +37,6 @@ import hashlib
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -45,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from fastamp.handoff import GradStats, GradStatsConsumer
 from fastamp.parallel import _ops  # noqa: F401  (fake kernels)
 
 __all__ = ["DistributedDataParallel", "DDPGradStats", "GradBucket"]
@@ -58,39 +58,8 @@ def _refuse(arg: str, why: str) -> NotImplementedError:
     return NotImplementedError(f"{_NAME}: {arg} is not supported: {why}")
 
 
-@dataclass(frozen=True)
-class DDPGradStats:
-    """What the unpack of one backward measured, handed to :class:`fastamp.GradScaler`.
-
-    ``found_inf`` (float32 [], 1.0 if any all-reduced grad held inf/NaN) and ``sum_sq`` (float32 [],
-    sum of squares of the grads times ``inv_scale``) were computed from exactly the tensors in
-    ``grads`` (weak references) at the version counters in ``versions``. :meth:`current_for`
-    says whether they still describe an optimizer's grads: every grad the same tensor, not
-    written since (``Tensor._version`` unchanged), and the scale not changed since. Anything else
-    (``p.grad.mul_``, ``nan_to_num_``, a grad replaced or set to None) and the scaler measures
-    the grads itself."""
-
-    found_inf: Tensor
-    sum_sq: Tensor
-    params: tuple[Tensor, ...]
-    grads: tuple[weakref.ref, ...]
-    versions: tuple[int, ...]
-    scale: weakref.ref | None
-    scale_version: int
-
-    def current_for(self, params: list[Tensor], scale: Tensor | None) -> bool:
-        if scale is None or self.scale is None or self.scale() is not scale:
-            return False
-        if scale._version != self.scale_version:
-            return False
-        with_grad = [p for p in params if p.grad is not None]
-        if len(with_grad) != len(self.params) or {id(p) for p in with_grad} != {id(p) for p in self.params}:
-            return False
-        for p, ref, v in zip(self.params, self.grads, self.versions):
-            g = p.grad
-            if g is None or ref() is not g or g._version != v:
-                return False
-        return True
+# The record DDP hands the scaler (kept under its old name too).
+DDPGradStats = GradStats
 
 
 class GradBucket:
@@ -754,7 +723,7 @@ class DistributedDataParallel(_TorchDDP):
             bucket.pending -= 1
         self._launch_ready()
         global_unused = self._reduce_used_map()
-        scale = getattr(self._scaler, "_scale", None) if self._scaler is not None else None
+        scale = self._scaler.current_scale() if self._scaler is not None else None
         inv = scale.double().reciprocal().float() if scale is not None else None
         noted: list[tuple[Tensor, Tensor]] = []
         for b in self._buckets:
@@ -783,17 +752,11 @@ class DistributedDataParallel(_TorchDDP):
                 noted.extend(zip((p for p in b.params if id(p) not in global_unused), grads))
         if noted and not self.gradient_as_bucket_view:
             found, sq = self.grad_stats()
-            self._last_stats = DDPGradStats(
-                found_inf=found,
-                sum_sq=sq,
-                params=tuple(p for p, _ in noted),
-                grads=tuple(weakref.ref(g) for _, g in noted),
-                versions=tuple(g._version for _, g in noted),
-                scale=weakref.ref(scale) if scale is not None else None,
-                scale_version=scale._version if scale is not None else -1,
+            self._last_stats = GradStats.measured(
+                found, sq, [p for p, _ in noted], [g for _, g in noted], scale
             )
             if self._scaler is not None and scale is not None:
-                self._scaler._note_grad_stats(self._last_stats)
+                self._scaler.note_grad_stats(self._last_stats)
         if not self._rebuilt:
             self._rebuilt = True
             self._rebuild_from_rank0()
@@ -859,14 +822,14 @@ class DistributedDataParallel(_TorchDDP):
             self._rebuild_from_rank0()
 
     def register_grad_scaler(self, scaler: Any) -> None:
-        """Hands the unpack's fused statistics (a :class:`DDPGradStats`) to ``scaler`` (a
+        """Hands the unpack's fused statistics (a :class:`fastamp.handoff.GradStats`) to ``scaler`` (a
         :class:`fastamp.GradScaler`), whose ``clip_grad_norm_`` then skips its own read pass over
         the grads -- only while the grads are exactly the ones measured (see
-        :meth:`DDPGradStats.current_for`).
+        :meth:`fastamp.handoff.GradStats.current_for`).
 
         The sum of squares is of the *unscaled* grads: the unpack multiplies by the scaler's
         inverse scale in registers (read on the device, no sync)."""
-        if not hasattr(scaler, "_note_grad_stats"):
+        if not isinstance(scaler, GradStatsConsumer):
             raise TypeError(
                 f"{_NAME}.register_grad_scaler: expected a fastamp.GradScaler, got {type(scaler).__name__}"
             )

@@ -22,61 +22,28 @@ import math
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from fastamp._checks import integer, is_real, real
-from fastamp.scaler import _ops
+from fastamp._checks import is_real, real
+from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, handing
+from fastamp.scaler import _ops, diagnostics
+from fastamp.scaler._grads import DeviceGrads, collect_grads
+from fastamp.scaler._validation import (
+    FLOAT32_MAX,
+    check_backoff_factor,
+    check_growth_factor,
+    check_growth_interval,
+    check_hysteresis,
+    check_scale,
+    check_state_dict,
+)
+from fastamp.scaler.diagnostics import OverflowReport
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
-
-
-@dataclass
-class OverflowReport:
-    """Which parameters had inf/NaN grads at the most recent overflow.
-
-    ``update`` is the index of the :meth:`GradScaler.update` call (0-based) whose step overflowed, or
-    None when no overflow has been seen; ``parameters`` holds parameter names when a model was
-    given, else ``"param_groups[g][i]"`` labels of the optimizer.
-    """
-
-    update: int | None
-    parameters: list[str] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return self.update is not None
-
-    def __str__(self) -> str:
-        if self.update is None:
-            return "no overflow recorded"
-        names = ", ".join(self.parameters) if self.parameters else "(none: inf/NaN came from outside the grads)"
-        return f"overflow at update #{self.update}: non-finite grads in {names}"
-
-
-class _DeviceGrads(NamedTuple):
-    """An optimizer's grads on one device, with each one's parameter id and (group, index)."""
-
-    grads: list[Tensor]
-    param_ids: list[int]
-    places: list[tuple[int, int]]
-
-
-class _Diag:
-    """Per-optimizer, device-resident record of the last overflow (updated without host syncs)."""
-
-    __slots__ = ("keys", "places", "flags", "update")
-
-    def __init__(
-        self, keys: tuple[int, ...], places: list[tuple[int, int]], flags: Tensor, update: Tensor
-    ):
-        self.keys = keys
-        self.places = places
-        self.flags = flags
-        self.update = update
 
 
 def _to(t: Tensor, device: torch.device) -> Tensor:
@@ -85,61 +52,7 @@ def _to(t: Tensor, device: torch.device) -> Tensor:
 
 
 def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
-    return getattr(optimizer, "_fastamp_fused", False)
-
-
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-_INT32_MAX = 2**31 - 1  # the growth and hysteresis trackers are int32 tensors
-
-
-# Validators of the scaling parameters, shared by the constructor, the setters and load_state_dict
-# (``where`` names the entry point and ``arg`` the argument or state_dict key). PyTorch checks only
-# growth_factor > 1 and backoff_factor < 1 (and lets NaN through both); anything else it accepts
-# fails later, in update() -- after the optimizer has stepped -- or silently pins the scale at
-# 0/inf/NaN, where every following step is skipped.
-def _check_scale(value: Any, where: str, arg: str) -> float:
-    v = real(value, where, arg, "a finite number > 0")
-    if not (0.0 < v <= _FLOAT32_MAX):  # the scale is a float32 tensor
-        raise ValueError(
-            f"{where}: {arg} must be a finite number > 0, got {value!r}; a scale of 0, inf or NaN "
-            "(or past float32's range) zeroes or overflows every gradient and every step would be "
-            "skipped (expected e.g. 2.0**16, the default init_scale)"
-        )
-    return v
-
-
-def _check_growth_factor(value: Any, where: str, arg: str) -> float:
-    v = real(value, where, arg, "a finite number > 1.0")
-    if not (math.isfinite(v) and v > 1.0):
-        raise ValueError(f"{where}: {arg} must be a finite number > 1.0, got {value!r} (expected e.g. 2.0)")
-    return v
-
-
-def _check_backoff_factor(value: Any, where: str, arg: str) -> float:
-    v = real(value, where, arg, "a number in (0, 1)")
-    if not (0.0 < v < 1.0):
-        raise ValueError(f"{where}: {arg} must be a number in (0, 1), got {value!r} (expected e.g. 0.5)")
-    return v
-
-
-def _check_growth_interval(value: Any, where: str, arg: str) -> int:
-    v = integer(value, where, arg, "an int >= 1")
-    if not 1 <= v <= _INT32_MAX:
-        raise ValueError(
-            f"{where}: {arg} must be an int >= 1 and <= 2**31 - 1 (the growth tracker is int32), "
-            f"got {value!r} (expected e.g. 2000)"
-        )
-    return v
-
-
-def _check_hysteresis(value: Any, where: str, arg: str) -> int:
-    v = integer(value, where, arg, "an int >= 1")
-    if not 1 <= v <= _INT32_MAX:
-        raise ValueError(
-            f"{where}: {arg} must be an int >= 1 and <= 2**31 - 1 (the hysteresis tracker is "
-            f"int32), got {value!r} (expected e.g. 2; 1 is PyTorch's behaviour)"
-        )
-    return v
+    return isinstance(optimizer, AmpFusedOptimizer)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -177,14 +90,14 @@ class GradScaler(torch.amp.GradScaler):
         )
         if self._enabled:
             # After PyTorch's own checks, so its AssertionErrors come first, as with torch.amp.
-            _check_scale(init_scale, "GradScaler", "init_scale")
-            _check_growth_factor(growth_factor, "GradScaler", "growth_factor")
-            _check_backoff_factor(backoff_factor, "GradScaler", "backoff_factor")
-            _check_growth_interval(growth_interval, "GradScaler", "growth_interval")
-        _check_hysteresis(hysteresis, "GradScaler", "hysteresis")
+            check_scale(init_scale, "GradScaler", "init_scale")
+            check_growth_factor(growth_factor, "GradScaler", "growth_factor")
+            check_backoff_factor(backoff_factor, "GradScaler", "backoff_factor")
+            check_growth_interval(growth_interval, "GradScaler", "growth_interval")
+        check_hysteresis(hysteresis, "GradScaler", "hysteresis")
         lo = 0.0 if min_scale is None else real(min_scale, "GradScaler", "min_scale", "a finite number >= 0")
         hi = math.inf if max_scale is None else real(max_scale, "GradScaler", "max_scale", "a number >= min_scale")
-        if not (0.0 <= lo <= _FLOAT32_MAX):
+        if not (0.0 <= lo <= FLOAT32_MAX):
             raise ValueError(
                 f"GradScaler: min_scale must be a finite number >= 0 (within float32's range), got "
                 f"{min_scale!r}"
@@ -204,9 +117,9 @@ class GradScaler(torch.amp.GradScaler):
         self._hysteresis_tracker: Tensor | None = None
         self._last_skipped: Tensor | None = None
         self._update_count: Tensor | None = None
-        self._diag: dict[int, _Diag] = {}
+        self._diag: dict[int, diagnostics.OverflowRecord] = {}
         self._warned_small_scale = False
-        self._ddp_stats: Any = None  # fastamp.parallel.DDPGradStats
+        self._ddp_stats: GradStats | None = None
 
     # ------------------------------------------------------------------ lazy state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -290,61 +203,10 @@ class GradScaler(torch.amp.GradScaler):
             super().unscale_(optimizer)
 
     # ------------------------------------------------------------------ grads
-    @staticmethod
-    def _collect_grads(
-        optimizer: torch.optim.Optimizer, allow_fp16: bool, caller: str = "unscale_"
-    ) -> dict[torch.device, _DeviceGrads]:
-        """Grads of the optimizer grouped by device (all dtypes together), validated first: every
-        check runs before the first grad is touched (PyTorch's own errors keep their text)."""
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                if not isinstance(param, torch.Tensor):
-                    raise AssertionError(
-                        f"expected param to be torch.Tensor, got {type(param).__name__}"
-                    )
-                if param.grad is None:
-                    continue
-                if (not allow_fp16) and param.grad.dtype == torch.float16:
-                    msg = "Attempting to unscale FP16 gradients."
-                    if caller != "unscale_":  # PyTorch's text stays exact where PyTorch raises it
-                        msg += (
-                            f" {caller}() unscales the grads of optimizer in place, and "
-                            f"param_groups[{g}]['params'][{i}] has a float16 grad. Expected "
-                            "float32 params under autocast (keep the model in float32), or a "
-                            "fastamp.optim optimizer, which unscales inside its kernel"
-                        )
-                    raise ValueError(msg)
-                if param.grad.device.type == "meta":
-                    raise RuntimeError(
-                        f"GradScaler.{caller}: the grad of optimizer.param_groups[{g}]['params'][{i}] "
-                        "is on the meta device, which holds no data: it cannot be checked for "
-                        "inf/NaN or unscaled. Expected grads on a real device: materialise the "
-                        "model before training (model.to_empty(device=...), then initialise or "
-                        "load its weights)"
-                    )
-        per_device: dict[torch.device, _DeviceGrads] = {}
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    # Duplicate indices of scaled fp16 values may overflow only once summed, so
-                    # check the coalesced values (as PyTorch does).
-                    if param.grad.dtype is torch.float16:
-                        param.grad = param.grad.coalesce()
-                    grad = param.grad._values()
-                else:
-                    grad = param.grad
-                entry = per_device.setdefault(grad.device, _DeviceGrads([], [], []))
-                entry.grads.append(grad)
-                entry.param_ids.append(id(param))
-                entry.places.append((g, i))
-        return per_device
-
     def _record_flags(
         self,
         optimizer: torch.optim.Optimizer,
-        per_device: dict[torch.device, _DeviceGrads],
+        per_device: dict[torch.device, DeviceGrads],
         flags: dict[torch.device, Tensor],
     ) -> None:
         state = self._per_optimizer_states[id(optimizer)]
@@ -357,7 +219,7 @@ class GradScaler(torch.amp.GradScaler):
         found_inf: Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, Tensor]:
-        per_device = self._collect_grads(optimizer, allow_fp16)
+        per_device = collect_grads(optimizer, allow_fp16)
         found: dict[torch.device, Tensor] = {}
         flags: dict[torch.device, Tensor] = {}
         with torch.no_grad():
@@ -369,11 +231,24 @@ class GradScaler(torch.amp.GradScaler):
         self._record_flags(optimizer, per_device, flags)
         return found
 
-    def _note_grad_stats(self, stats: Any) -> None:
-        """From fastamp.parallel.DistributedDataParallel: a ``fastamp.parallel.DDPGradStats``, the
-        all-reduced grads' inf flag and unscaled sum of squares, computed while unpacking them.
-        Reused only while ``stats.current_for(params, scale)`` (same grads, unwritten since, same
-        scale); cleared by update()."""
+    # ------------------------------------------------------------------ hand-offs (fastamp.handoff)
+    def current_scale(self) -> Tensor | None:
+        """The scale as a device tensor (no host sync), or None before the first ``scale()`` /
+        when disabled. fastamp extra: :class:`fastamp.parallel.DistributedDataParallel` unscales
+        the sum of squares it measures with it."""
+        return self._scale if self._enabled else None
+
+    def note_grad_stats(self, stats: GradStats) -> None:
+        """fastamp extra: takes a :class:`fastamp.handoff.GradStats` (from
+        :class:`fastamp.parallel.DistributedDataParallel`, which measured the all-reduced grads
+        while unpacking them). ``clip_grad_norm_`` reuses it instead of reading the grads again
+        only while ``stats.current_for(params, scale)`` (same grads, unwritten since, same scale);
+        ``update()`` drops it."""
+        if not isinstance(stats, GradStats):
+            raise TypeError(
+                f"GradScaler.note_grad_stats: stats must be a fastamp.handoff.GradStats, got "
+                f"{type(stats).__name__}"
+            )
         self._ddp_stats = stats
 
     def _reuse_ddp_stats(self, optimizer: torch.optim.Optimizer) -> tuple[Tensor, Tensor] | None:
@@ -389,7 +264,7 @@ class GradScaler(torch.amp.GradScaler):
         # For optimizers that unscale inside their own kernel (fused=True): a read-only inf/NaN
         # check. PyTorch unscales by 1.0 here, rewriting every grad to itself.
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        per_device = self._collect_grads(optimizer, allow_fp16=True)
+        per_device = collect_grads(optimizer, allow_fp16=True)
         one = torch.ones((), dtype=torch.float32, device=scale.device)
         found: dict[torch.device, Tensor] = {}
         flags: dict[torch.device, Tensor] = {}
@@ -461,7 +336,7 @@ class GradScaler(torch.amp.GradScaler):
         # A fastamp fused optimizer takes the clip coefficient into its own kernel: the grads are
         # only read here (so fp16 grads are fine), and unscaled + clipped in the update pass.
         fused = _is_fastamp_fused(optimizer) and not already_unscaled
-        per_device = self._collect_grads(optimizer, already_unscaled or fused, "clip_grad_norm_")
+        per_device = collect_grads(optimizer, already_unscaled or fused, "clip_grad_norm_")
 
         if already_unscaled:
             inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
@@ -588,14 +463,10 @@ class GradScaler(torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded for this optimizer.")
         found = self._found_total(state)
         # Through optimizer.step() (not a private entry point), so wrappers such as the LR
-        # schedulers' step counting see every step.
-        optimizer._fastamp_pending = (inv_scale, found, coef)
-        try:
-            # PyTorch returns what optimizer.step returns (a closure's loss) for optimizers that
-            # handle the scaling themselves.
+        # schedulers' step counting see every step. PyTorch returns what optimizer.step returns
+        # (a closure's loss) for optimizers that handle the scaling themselves.
+        with handing(optimizer, AmpStep(inv_scale, found, coef)):
             retval = optimizer.step(*args, **kwargs)
-        finally:
-            optimizer.__dict__.pop("_fastamp_pending", None)
         state["stage"] = OptState.STEPPED
         self._last_skipped = found > 0
         return retval
@@ -607,7 +478,7 @@ class GradScaler(torch.amp.GradScaler):
             self._check_scale_growth_tracker("update")  # PyTorch's error first
             if is_real(new_scale):
                 # PyTorch fills a float as is (0, inf and NaN included) and fails on an int.
-                new_scale = _check_scale(new_scale, "GradScaler.update", "new_scale")
+                new_scale = check_scale(new_scale, "GradScaler.update", "new_scale")
             elif not isinstance(new_scale, Tensor):
                 raise TypeError(
                     "GradScaler.update: new_scale must be a float or a one-element float tensor, "
@@ -651,17 +522,14 @@ class GradScaler(torch.amp.GradScaler):
             if not entries or not state["found_inf_per_device"]:
                 continue
             dev = update_count.device
-            keys = tuple(k for entry, _ in entries for k in entry.param_ids)
             flags = [_to(f, dev) for _, f in entries]
-            cur = flags[0] if len(flags) == 1 else torch.cat(flags)
-            overflowed = self._found_total(state) > 0
-            rec = self._diag.get(opt_id)
-            if rec is None or rec.keys != keys:
-                places = [pl for entry, _ in entries for pl in entry.places]
-                rec = _Diag(keys, places, torch.zeros_like(cur), torch.full_like(update_count, -1))
-                self._diag[opt_id] = rec
-            rec.flags = torch.where(overflowed, cur, rec.flags)
-            rec.update = torch.where(overflowed, update_count, rec.update)
+            diagnostics.record(
+                self._diag, opt_id,
+                keys=tuple(k for entry, _ in entries for k in entry.param_ids),
+                places=[pl for entry, _ in entries for pl in entry.places],
+                flags=flags[0] if len(flags) == 1 else torch.cat(flags),
+                overflowed=self._found_total(state) > 0, update_count=update_count,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ diagnostics
     def last_step_skipped(self) -> Tensor:
@@ -683,27 +551,7 @@ class GradScaler(torch.amp.GradScaler):
         are labelled by their place in the optimizer (``"param_groups[0][3]"``). This syncs with the
         device (it is a diagnostic, meant for after a NaN loss, not for every step).
         """
-        names: dict[int, str] = {}
-        if model is not None:
-            names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-        best: tuple[int, list[str]] | None = None
-        for rec in self._diag.values():
-            upd = int(rec.update.item())
-            if upd < 0:
-                continue
-            bad = rec.flags.tolist()
-            params = [
-                names.get(k, f"param_groups[{g}][{i}]")
-                for k, (g, i), b in zip(rec.keys, rec.places, bad)
-                if b
-            ]
-            if best is None or upd > best[0]:
-                best = (upd, params)
-            elif upd == best[0]:
-                best[1].extend(params)
-        if best is None:
-            return OverflowReport(None, [])
-        return OverflowReport(best[0], best[1])
+        return diagnostics.report(self._diag, model)
 
     def _maybe_warn_scale(self, scale_val: float) -> None:
         if scale_val < 1.0 and not self._warned_small_scale:
@@ -719,17 +567,17 @@ class GradScaler(torch.amp.GradScaler):
 
     def set_growth_factor(self, new_factor: float) -> None:
         super().set_growth_factor(
-            _check_growth_factor(new_factor, "GradScaler.set_growth_factor", "new_factor")
+            check_growth_factor(new_factor, "GradScaler.set_growth_factor", "new_factor")
         )
 
     def set_backoff_factor(self, new_factor: float) -> None:
         super().set_backoff_factor(
-            _check_backoff_factor(new_factor, "GradScaler.set_backoff_factor", "new_factor")
+            check_backoff_factor(new_factor, "GradScaler.set_backoff_factor", "new_factor")
         )
 
     def set_growth_interval(self, new_interval: int) -> None:
         super().set_growth_interval(
-            _check_growth_interval(new_interval, "GradScaler.set_growth_interval", "new_interval")
+            check_growth_interval(new_interval, "GradScaler.set_growth_interval", "new_interval")
         )
 
     def get_scale(self) -> float:
@@ -782,7 +630,7 @@ class GradScaler(torch.amp.GradScaler):
                 f"GradScaler.load_state_dict: the state dict lacks {missing}; expected the dict "
                 "returned by GradScaler.state_dict() (torch.amp or fastamp)"
             )
-        self._check_state_dict(state_dict)  # everything, before anything is changed
+        check_state_dict(state_dict)  # everything, before anything is changed
         super().load_state_dict(state_dict)
         if "hysteresis" in state_dict:
             self._hysteresis = int(state_dict["hysteresis"])
@@ -792,35 +640,6 @@ class GradScaler(torch.amp.GradScaler):
         self._init_hysteresis_tracker = tracker
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(tracker)
-
-    @staticmethod
-    def _check_state_dict(sd: Mapping[str, Any]) -> None:
-        where = "GradScaler.load_state_dict"
-        scale = sd["scale"]
-        if isinstance(scale, Tensor) and scale.numel() == 1:
-            scale = scale.item()
-        _check_scale(scale, where, "state_dict['scale']")
-        _check_growth_factor(sd["growth_factor"], where, "state_dict['growth_factor']")
-        _check_backoff_factor(sd["backoff_factor"], where, "state_dict['backoff_factor']")
-        _check_growth_interval(sd["growth_interval"], where, "state_dict['growth_interval']")
-        for key in ("_growth_tracker", "_hysteresis_tracker"):
-            if key not in sd:
-                continue
-            tracker = integer(sd[key], where, f"state_dict[{key!r}]", "an int >= 0")
-            if not 0 <= tracker <= _INT32_MAX:
-                raise ValueError(
-                    f"{where}: state_dict[{key!r}] must be an int in [0, 2**31 - 1] (an int32 "
-                    f"counter), got {tracker}"
-                )
-        if "hysteresis" in sd:
-            _check_hysteresis(sd["hysteresis"], where, "state_dict['hysteresis']")
-            lo = real(sd.get("min_scale", 0.0), where, "state_dict['min_scale']", "a finite number >= 0")
-            hi = real(sd.get("max_scale", math.inf), where, "state_dict['max_scale']", "a number >= min_scale")
-            if not (0.0 <= lo <= _FLOAT32_MAX and hi >= lo):
-                raise ValueError(
-                    f"{where}: state_dict['min_scale'], state_dict['max_scale'] = {lo!r}, {hi!r}; "
-                    "expected 0 <= min_scale <= max_scale with min_scale finite"
-                )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

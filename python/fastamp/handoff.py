@@ -1,0 +1,159 @@
+"""The typed hand-offs between fastamp's capabilities: what one class gives another in a step.
+
+A mixed-precision training step through fastamp reads as one line::
+
+    scaler.scale(loss).backward()          # GradScaler: the loss times the device scale
+      -> DistributedDataParallel           # buckets, all-reduces, unpacks the grads, measuring them
+      -> GradStats                         #   (found_inf, sum of squares): DDP -> GradScaler
+    scaler.clip_grad_norm_(opt, max_norm)  # GradScaler: the norm (reusing GradStats when current)
+    scaler.step(opt)                       # -> AmpStep (inv_scale, found_inf, clip_coef)
+      -> fused optimizer kernel            #   GradScaler -> optimizer: unscale, clip, skip, update
+    scaler.update()                        # the scale, on the device
+
+Every arrow is one of the objects below, passed through a public method; no class reads or writes
+another's private attributes (``tests/test_architecture.py`` checks the sources).
+
+* :class:`GradStats` -- DDP to the scaler, through :meth:`GradStatsConsumer.note_grad_stats`.
+* :class:`AmpStep` -- the scaler to a :class:`AmpFusedOptimizer`, for exactly one ``step()`` call:
+  :func:`handing` makes it available while the scaler calls ``optimizer.step()`` (the public
+  entry point, so LR schedulers and wrappers see the step), and the optimizer's ``step`` takes
+  it with :func:`take`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+__all__ = ["AmpFusedOptimizer", "AmpStep", "GradStats", "GradStatsConsumer", "handing", "take"]
+
+
+# ---------------------------------------------------------------------------- scaler -> optimizer
+@dataclass(frozen=True)
+class AmpStep:
+    """What :class:`fastamp.GradScaler` hands a fused optimizer for one step (device tensors only:
+    nothing here syncs with the host).
+
+    * ``inv_scale``: float32 [], the factor that unscales the grads, or None when they are already
+      unscaled (``scaler.unscale_`` ran);
+    * ``found_inf``: float32 [], non-zero when any grad held inf/NaN: the kernel then writes nothing
+      and the step counters hold; None for an unconditional step;
+    * ``clip_coef``: float32 [], ``min(1, max_norm / (norm + 1e-6))`` from
+      ``scaler.clip_grad_norm_``, applied in the update pass, or None (no clipping).
+    """
+
+    inv_scale: Tensor | None
+    found_inf: Tensor | None
+    clip_coef: Tensor | None = None
+
+
+class AmpFusedOptimizer:
+    """Marker base of optimizers whose ``step()`` unscales, clips and skips inside its own kernel.
+
+    Contract: ``step()`` calls :func:`take` once, first thing; with an :class:`AmpStep` it applies
+    it, else it follows ``torch.amp.GradScaler``'s protocol for optimizers that unscale themselves
+    (``grad_scale`` / ``found_inf`` attributes, set by torch's scaler on ``fused=True``
+    optimizers). :class:`fastamp.GradScaler` then skips its unscale pass for them."""
+
+    # torch.amp.GradScaler's flag for that protocol (public in PyTorch's optimizer contract).
+    _step_supports_amp_scaling = True
+
+
+_PENDING: contextvars.ContextVar[tuple[int, AmpStep] | None] = contextvars.ContextVar(
+    "fastamp_amp_step", default=None
+)
+
+
+@contextlib.contextmanager
+def handing(optimizer: AmpFusedOptimizer, step: AmpStep) -> Iterator[None]:
+    """Makes ``step`` the next :func:`take` of ``optimizer`` inside the block (and of no other
+    optimizer). Nothing stays behind when the block ends, whether or not ``step()`` ran or raised."""
+    token = _PENDING.set((id(optimizer), step))
+    try:
+        yield
+    finally:
+        _PENDING.reset(token)
+
+
+def take(optimizer: AmpFusedOptimizer) -> AmpStep | None:
+    """The :class:`AmpStep` handed to ``optimizer`` by the enclosing :func:`handing`, once: a
+    second call in the same block (a closure that steps again) gets None."""
+    pending = _PENDING.get()
+    if pending is None or pending[0] != id(optimizer):
+        return None
+    _PENDING.set(None)
+    return pending[1]
+
+
+# ---------------------------------------------------------------------------- DDP -> scaler
+@dataclass(frozen=True)
+class GradStats:
+    """What the unpack of one DDP backward measured, handed to the scaler.
+
+    ``found_inf`` (float32 [], 1.0 if any all-reduced grad held inf/NaN) and ``sum_sq`` (float32 [],
+    the sum of squares of the grads times the inverse scale) were computed from exactly the tensors
+    in ``grads`` (weak references) at the version counters in ``versions``, with the scale tensor
+    ``scale`` at version ``scale_version``. :meth:`current_for` says whether they still describe an
+    optimizer's grads: every grad the same tensor, not written since, and the scale unchanged.
+    Anything else (``p.grad.mul_``, ``nan_to_num_``, a grad replaced or set to None) and the scaler
+    measures the grads itself."""
+
+    found_inf: Tensor
+    sum_sq: Tensor
+    params: tuple[Tensor, ...]
+    grads: tuple[weakref.ref, ...]
+    versions: tuple[int, ...]
+    scale: weakref.ref | None
+    scale_version: int
+
+    @classmethod
+    def measured(cls, found_inf: Tensor, sum_sq: Tensor, params: Sequence[Tensor],
+                 grads: Sequence[Tensor], scale: Tensor | None) -> GradStats:
+        """The record of ``found_inf`` / ``sum_sq`` just computed from ``grads`` (of ``params``)
+        with ``scale``."""
+        return cls(
+            found_inf=found_inf,
+            sum_sq=sum_sq,
+            params=tuple(params),
+            grads=tuple(weakref.ref(g) for g in grads),
+            versions=tuple(_version(g) for g in grads),
+            scale=weakref.ref(scale) if scale is not None else None,
+            scale_version=_version(scale) if scale is not None else -1,
+        )
+
+    def current_for(self, params: Sequence[Tensor], scale: Tensor | None) -> bool:
+        if scale is None or self.scale is None or self.scale() is not scale:
+            return False
+        if _version(scale) != self.scale_version:
+            return False
+        with_grad = [p for p in params if p.grad is not None]
+        if len(with_grad) != len(self.params) or {id(p) for p in with_grad} != {id(p) for p in self.params}:
+            return False
+        for p, ref, v in zip(self.params, self.grads, self.versions):
+            g = p.grad
+            if g is None or ref() is not g or _version(g) != v:
+                return False
+        return True
+
+
+def _version(t: Tensor) -> int:
+    # private-ok: Tensor._version is PyTorch's in-place write counter (autograd's own check
+    # reads it); there is no public spelling.
+    return t._version
+
+
+@runtime_checkable
+class GradStatsConsumer(Protocol):
+    """What DDP needs of a scaler to hand it :class:`GradStats` (:class:`fastamp.GradScaler`)."""
+
+    def current_scale(self) -> Tensor | None:
+        """The scale as a device tensor (no sync), or None before the first ``scale()``."""
+
+    def note_grad_stats(self, stats: GradStats) -> None:
+        """Keeps ``stats`` for this iteration's ``clip_grad_norm_`` (dropped by ``update()``)."""

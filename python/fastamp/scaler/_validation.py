@@ -1,0 +1,97 @@
+"""Validation of GradScaler's arguments and state_dicts (shared by the constructor, the setters,
+``load_state_dict`` and :func:`fastamp.load_training_state`).
+
+``where`` names the entry point and ``arg`` the argument or state_dict key. PyTorch checks only
+growth_factor > 1 and backoff_factor < 1 (and lets NaN through both); anything else it accepts
+fails later, in update() -- after the optimizer has stepped -- or silently pins the scale at
+0/inf/NaN, where every following step is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastamp._checks import integer, real
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+INT32_MAX = 2**31 - 1  # the growth and hysteresis trackers are int32 tensors
+
+
+def check_scale(value: Any, where: str, arg: str) -> float:
+    v = real(value, where, arg, "a finite number > 0")
+    if not (0.0 < v <= FLOAT32_MAX):  # the scale is a float32 tensor
+        raise ValueError(
+            f"{where}: {arg} must be a finite number > 0, got {value!r}; a scale of 0, inf or NaN "
+            "(or past float32's range) zeroes or overflows every gradient and every step would be "
+            "skipped (expected e.g. 2.0**16, the default init_scale)"
+        )
+    return v
+
+
+def check_growth_factor(value: Any, where: str, arg: str) -> float:
+    v = real(value, where, arg, "a finite number > 1.0")
+    if not (math.isfinite(v) and v > 1.0):
+        raise ValueError(f"{where}: {arg} must be a finite number > 1.0, got {value!r} (expected e.g. 2.0)")
+    return v
+
+
+def check_backoff_factor(value: Any, where: str, arg: str) -> float:
+    v = real(value, where, arg, "a number in (0, 1)")
+    if not (0.0 < v < 1.0):
+        raise ValueError(f"{where}: {arg} must be a number in (0, 1), got {value!r} (expected e.g. 0.5)")
+    return v
+
+
+def check_growth_interval(value: Any, where: str, arg: str) -> int:
+    v = integer(value, where, arg, "an int >= 1")
+    if not 1 <= v <= INT32_MAX:
+        raise ValueError(
+            f"{where}: {arg} must be an int >= 1 and <= 2**31 - 1 (the growth tracker is int32), "
+            f"got {value!r} (expected e.g. 2000)"
+        )
+    return v
+
+
+def check_hysteresis(value: Any, where: str, arg: str) -> int:
+    v = integer(value, where, arg, "an int >= 1")
+    if not 1 <= v <= INT32_MAX:
+        raise ValueError(
+            f"{where}: {arg} must be an int >= 1 and <= 2**31 - 1 (the hysteresis tracker is "
+            f"int32), got {value!r} (expected e.g. 2; 1 is PyTorch's behaviour)"
+        )
+    return v
+
+
+def check_state_dict(sd: Mapping[str, Any], where: str = "GradScaler.load_state_dict") -> None:
+    """Every entry of a GradScaler state_dict (torch.amp's or fastamp's) a load would use, with
+    the key present checked by the caller; raises before anything is changed."""
+    scale = sd["scale"]
+    if isinstance(scale, Tensor) and scale.numel() == 1:
+        scale = scale.item()
+    check_scale(scale, where, "state_dict['scale']")
+    check_growth_factor(sd["growth_factor"], where, "state_dict['growth_factor']")
+    check_backoff_factor(sd["backoff_factor"], where, "state_dict['backoff_factor']")
+    check_growth_interval(sd["growth_interval"], where, "state_dict['growth_interval']")
+    for key in ("_growth_tracker", "_hysteresis_tracker"):
+        if key not in sd:
+            continue
+        tracker = integer(sd[key], where, f"state_dict[{key!r}]", "an int >= 0")
+        if not 0 <= tracker <= INT32_MAX:
+            raise ValueError(
+                f"{where}: state_dict[{key!r}] must be an int in [0, 2**31 - 1] (an int32 "
+                f"counter), got {tracker}"
+            )
+    if "hysteresis" in sd:
+        check_hysteresis(sd["hysteresis"], where, "state_dict['hysteresis']")
+        lo = real(sd.get("min_scale", 0.0), where, "state_dict['min_scale']", "a finite number >= 0")
+        hi = real(sd.get("max_scale", math.inf), where, "state_dict['max_scale']", "a number >= min_scale")
+        if not (0.0 <= lo <= FLOAT32_MAX and hi >= lo):
+            raise ValueError(
+                f"{where}: state_dict['min_scale'], state_dict['max_scale'] = {lo!r}, {hi!r}; "
+                "expected 0 <= min_scale <= max_scale with min_scale finite"
+            )

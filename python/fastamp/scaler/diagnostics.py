@@ -1,0 +1,91 @@
+"""What the scaler remembers of overflows, on the device, and the report it builds from it.
+
+Per optimizer, :func:`record` keeps the per-parameter inf/NaN flags of the last step that
+overflowed, with device ops only (no host sync in the training step); :func:`report` reads them
+back (one sync, meant for after a NaN loss) as an :class:`OverflowReport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = ["OverflowRecord", "OverflowReport", "record", "report"]
+
+
+@dataclass
+class OverflowReport:
+    """Which parameters had inf/NaN grads at the most recent overflow.
+
+    ``update`` is the index of the :meth:`GradScaler.update` call (0-based) whose step overflowed, or
+    None when no overflow has been seen; ``parameters`` holds parameter names when a model was
+    given, else ``"param_groups[g][i]"`` labels of the optimizer.
+    """
+
+    update: int | None
+    parameters: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.update is not None
+
+    def __str__(self) -> str:
+        if self.update is None:
+            return "no overflow recorded"
+        names = ", ".join(self.parameters) if self.parameters else "(none: inf/NaN came from outside the grads)"
+        return f"overflow at update #{self.update}: non-finite grads in {names}"
+
+
+class OverflowRecord:
+    """Per-optimizer, device-resident record of the last overflow (updated without host syncs):
+    ``keys`` the parameter ids, ``places`` their (group, index), ``flags`` one inf/NaN flag per
+    parameter, ``update`` the update() index of that overflow (-1: none yet)."""
+
+    __slots__ = ("keys", "places", "flags", "update")
+
+    def __init__(
+        self, keys: tuple[int, ...], places: list[tuple[int, int]], flags: Tensor, update: Tensor
+    ):
+        self.keys = keys
+        self.places = places
+        self.flags = flags
+        self.update = update
+
+
+def record(records: dict[int, OverflowRecord], opt_id: int, keys: tuple[int, ...],
+           places: list[tuple[int, int]], flags: Tensor, overflowed: Tensor,
+           update_count: Tensor) -> None:
+    """Keeps ``flags`` (one per parameter, on ``update_count``'s device) as optimizer
+    ``opt_id``'s record when ``overflowed`` (a device bool): device ops only."""
+    rec = records.get(opt_id)
+    if rec is None or rec.keys != keys:
+        rec = OverflowRecord(keys, places, torch.zeros_like(flags), torch.full_like(update_count, -1))
+        records[opt_id] = rec
+    rec.flags = torch.where(overflowed, flags, rec.flags)
+    rec.update = torch.where(overflowed, update_count, rec.update)
+
+
+def report(records: dict[int, OverflowRecord], model: torch.nn.Module | None = None) -> OverflowReport:
+    """The parameters whose grads were inf/NaN at the most recent overflow (syncs)."""
+    names: dict[int, str] = {}
+    if model is not None:
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    best: tuple[int, list[str]] | None = None
+    for rec in records.values():
+        upd = int(rec.update.item())
+        if upd < 0:
+            continue
+        bad = rec.flags.tolist()
+        params = [
+            names.get(k, f"param_groups[{g}][{i}]")
+            for k, (g, i), b in zip(rec.keys, rec.places, bad)
+            if b
+        ]
+        if best is None or upd > best[0]:
+            best = (upd, params)
+        elif upd == best[0]:
+            best[1].extend(params)
+    if best is None:
+        return OverflowReport(None, [])
+    return OverflowReport(best[0], best[1])
