@@ -8,6 +8,7 @@ command, instead of failing later with an undefined-symbol error or, worse, a cr
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,19 +54,6 @@ except ImportError as exc:  # pragma: no cover - exercised only with broken buil
 
 def build_info() -> dict[str, Any]:
     """How this fastamp was built: torch/CUDA versions, CUDA archs, compiler, and which kernels exist."""
-    ops = [
-        "grad_stats",
-        "non_finite_check_and_unscale_",
-        "clip_unscale_",
-        "update_scale_",
-        "adam_step_",
-        "sgd_step_",
-        "rng_get_state",
-        "rng_set_state",
-        "tensor_digest",
-        "bucket_pack_",
-        "bucket_unpack_",
-    ]
     return {
         "fastamp_version": _version(),
         "torch_version": _info.TORCH_VERSION,
@@ -77,8 +65,37 @@ def build_info() -> dict[str, Any]:
         "build_type": _info.BUILD_TYPE,
         "python_version": _info.PYTHON_VERSION,
         "sanitizers": _info.SANITIZERS or None,
-        "ops": {name: registered_backends(name) for name in ops},
+        "ops": {name: registered_backends(name) for name in op_names()},
     }
+
+
+def op_names() -> list[str]:
+    """Every ``fastamp::`` operator the loaded library defines (read from the dispatcher, so the
+    list is the schemas themselves)."""
+    prefix = "fastamp::"
+    return sorted(n[len(prefix):] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix))
+
+
+def check_fake_devices(op: str, device: torch.device, lists: Sequence[tuple[str, Sequence[Any]]] = (),
+                       scalars: Mapping[str, Any] | None = None, anchor: str = "") -> None:
+    """The device check of every fake (meta) kernel: each tensor of ``lists`` (``(name, tensors)``)
+    and each non-None tensor of ``scalars`` must be on ``device``.
+
+    The real kernels check this too. A list mixing devices (a meta tensor among CPU ones)
+    dispatches to the fake kernel, which must then raise the same error: the fake kernel of an
+    in-place op returning quietly would make the call a silent no-op. ``anchor`` says where
+    ``device`` comes from, for the message."""
+    where = f" ({anchor})" if anchor else ""
+    for name, tensors in lists:
+        for i, t in enumerate(tensors):
+            if t.device != device:
+                raise RuntimeError(
+                    f"fastamp::{op}: {name}[{i}] is on {t.device}; expected {device}{where}: group "
+                    "tensors by device"
+                )
+    for name, t in (scalars or {}).items():
+        if t is not None and t.device != device:
+            raise RuntimeError(f"fastamp::{op}: {name} is on {t.device}; expected {device}{where}")
 
 
 def registered_backends(op: str) -> list[str]:

@@ -104,6 +104,8 @@ def _build(r: _Report) -> bool:
 
 def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
     from fastamp.checkpoint import _ops as ck
+    from fastamp.optim import _ops as optim_ops
+    from fastamp.parallel import _ops as parallel_ops
     from fastamp.scaler import ops
     from fastamp.testing import (
         adam_ref,
@@ -162,7 +164,7 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         m, v = [torch.zeros_like(p[0])], [torch.zeros_like(p[0])]
         exp = adam_ref(p[0], g[0], m[0], v[0], None, 1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
                        weight_decay=0.01, amsgrad=False, decoupled=True, maximize=False)
-        torch.ops.fastamp.adam_step_(p, g, m, v, [], [torch.zeros((), device=device)], [], 1e-2, None, 0.9,
+        optim_ops.adam_step_(p, g, m, v, [], [torch.zeros((), device=device)], [], 1e-2, None, 0.9,
                                      0.999, 0.01, 1e-8, False, True, False, None, None, None)
         close(p[0], exp[0], 1e-5)
 
@@ -171,7 +173,7 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         b = [torch.zeros_like(p[0])]
         exp = sgd_ref(p[0], g[0], None, True, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0,
                       nesterov=False, maximize=False)
-        torch.ops.fastamp.sgd_step_(p, g, b, [torch.zeros((), device=device)], [], 0.1, None, 0.0, 0.9, 0.0,
+        optim_ops.sgd_step_(p, g, b, [torch.zeros((), device=device)], [], 0.1, None, 0.0, 0.9, 0.0,
                                     False, False, None, None, None)
         close(p[0], exp[0], 1e-6)
 
@@ -189,9 +191,9 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
     def buckets():
         g = make_grads([(10,), (70000,)], torch.float32, device, seed=8)
         bucket = torch.zeros(70010, device=device)
-        torch.ops.fastamp.bucket_pack_(bucket, g, [0, 10], 0.5)
+        parallel_ops.bucket_pack_(bucket, g, [0, 10], 0.5)
         out = [torch.empty_like(t) for t in g]
-        found, sq = torch.ops.fastamp.bucket_unpack_(bucket, out, [0, 10], torch.tensor(1.0, device=device))
+        found, sq = parallel_ops.bucket_unpack_(bucket, out, [0, 10], torch.tensor(1.0, device=device))
         for a, b in zip(out, g):
             close(a, b.double().cpu() * 0.5, 1e-7)
         assert float(found) == 0.0 and math.isclose(float(sq), sum(float((t.double() * 0.5).square().sum()) for t in g), rel_tol=1e-5)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointError, noop_context_fn
 
 from fastamp.checkpoint import planner as _planner
-from fastamp.checkpoint._ops import rng_get_state, rng_set_state, tensor_digest
+from fastamp.checkpoint._ops import tensor_digest
 
 __all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError"]
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from fastamp._checks import is_real
 from fastamp.handoff import AmpFusedOptimizer, take
-from fastamp.optim import _ops  # noqa: F401  (fake kernels for torch.compile)
+from fastamp.optim import _ops
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
@@ -449,7 +449,7 @@ class _FusedStepMixin(AmpFusedOptimizer):
                 ts.append(p)
                 where.append((g, i))
         for ts, where in by_device.values():
-            pair = torch.ops.fastamp.shared_memory_pair(ts)
+            pair = _ops.shared_memory_pair(ts)
             if not pair:
                 continue
             a, b = pair
@@ -553,7 +553,7 @@ class _AdamBase(_FusedStepMixin):
             news.append(new)
         beta1, beta2 = group["betas"]
         lr, lr_t = self._lr(group, params[0].device)
-        torch.ops.fastamp.adam_step_(
+        _ops.adam_step_(
             kparams, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters,
             lr, lr_t, float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"]),
             bool(amsgrad), bool(group.get("decoupled_weight_decay", self._decoupled)),
@@ -661,7 +661,7 @@ class SGD(_FusedStepMixin, torch.optim.SGD):
                 masters.append(master)
             news.append(new)
         lr, lr_t = self._lr(group, params[0].device)
-        torch.ops.fastamp.sgd_step_(
+        _ops.sgd_step_(
             kparams, grads, bufs, counts, masters, lr, lr_t, float(group["weight_decay"]),
             float(momentum), float(group["dampening"]), bool(group["nesterov"]),
             bool(group["maximize"]), inv_scale, found_inf, clip_coef,

@@ -1,32 +1,42 @@
-"""Fake kernels of the gradient-bucket ops (for torch.compile tracing)."""
+"""The gradient-bucket ops: typed wrappers (what :mod:`fastamp.parallel` calls) and their fake
+(meta) kernels for torch.compile tracing. Schemas and argument checks: csrc/parallel/ops.cpp."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import Tensor
 
-import fastamp._library  # noqa: F401  (loads the operator library)
+from fastamp._library import check_fake_devices  # (importing it loads the operator library)
+
+__all__ = ["bucket_pack_", "bucket_unpack_"]
+
+_ops = torch.ops.fastamp
 
 
-def _check_devices(op: str, bucket, grads, **scalars) -> None:
-    # The real kernels check these. Grads on another device than the bucket (a meta tensor among
-    # CPU ones) dispatch to these fake kernels, which must raise too rather than return quietly.
-    for i, g in enumerate(grads):
-        if g.device != bucket.device:
-            raise RuntimeError(
-                f"fastamp::{op}: grads[{i}] is on {g.device} but the bucket is on {bucket.device}"
-            )
-    for name, t in scalars.items():
-        if t.device != bucket.device:
-            raise RuntimeError(f"fastamp::{op}: {name} is on {t.device}; expected {bucket.device}")
+def bucket_pack_(bucket: Tensor, grads: Sequence[Tensor], offsets: Sequence[int], scale: float) -> None:
+    """``bucket[offsets[i] : offsets[i] + grads[i].numel()] = grads[i] * scale`` for every grad, in
+    one multi-tensor pass (the bucket flat and contiguous)."""
+    _ops.bucket_pack_(bucket, grads, list(offsets), float(scale))
+
+
+def bucket_unpack_(bucket: Tensor, grads: Sequence[Tensor], offsets: Sequence[int],
+                   inv_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """Copies each grad's span of the reduced ``bucket`` into it; returns ``(found_inf, sum of
+    (g * inv_scale)^2)``, computed with the scaler's stats kernel over the same chunks (so equal
+    bit for bit to ``fastamp::grad_stats`` over the grads)."""
+    return _ops.bucket_unpack_(bucket, grads, list(offsets), inv_scale)
 
 
 @torch.library.register_fake("fastamp::bucket_pack_")
 def _bucket_pack_fake(bucket, grads, offsets, scale):
-    _check_devices("bucket_pack_", bucket, grads)
+    check_fake_devices("bucket_pack_", bucket.device, [("grads", grads)], anchor="the bucket's device")
     return None
 
 
 @torch.library.register_fake("fastamp::bucket_unpack_")
 def _bucket_unpack_fake(bucket, grads, offsets, inv_scale):
-    _check_devices("bucket_unpack_", bucket, grads, inv_scale=inv_scale)
+    check_fake_devices("bucket_unpack_", bucket.device, [("grads", grads)],
+                       {"inv_scale": inv_scale}, anchor="the bucket's device")
     return (bucket.new_empty((), dtype=torch.float32), bucket.new_empty((), dtype=torch.float32))

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-import fastamp._library  # noqa: F401  (loads the operator library)
 from fastamp._checks import dense_list
+from fastamp._library import check_fake_devices  # (importing it loads the operator library)
 
 __all__ = [
     "grad_stats",
@@ -98,24 +98,9 @@ def update_scale_(
 # --- fake kernels (shapes/dtypes/devices only) ---------------------------------------------------
 
 
-def _fake_check_devices(op: str, grads, anchor: Tensor, **scalars: Tensor) -> None:
-    # The real kernels check this too. A list mixing devices (say a meta tensor among CPU grads)
-    # dispatches to these fake kernels, so they must raise the same error rather than return
-    # quietly (the meta kernel of an in-place op would otherwise be a silent no-op).
-    for i, g in enumerate(grads):
-        if g.device != anchor.device:
-            raise RuntimeError(
-                f"fastamp::{op}: grads[{i}] is on {g.device} but the op runs on {anchor.device} "
-                "(the device of its scalar tensors); group tensors by device"
-            )
-    for name, t in scalars.items():
-        if t.device != anchor.device:
-            raise RuntimeError(f"fastamp::{op}: {name} is on {t.device}; expected {anchor.device}")
-
-
 @torch.library.register_fake("fastamp::grad_stats")
 def _grad_stats_fake(grads, inv_scale, norm_type=2.0):
-    _fake_check_devices("grad_stats", grads, inv_scale)
+    check_fake_devices("grad_stats", inv_scale.device, [("grads", grads)], anchor="the device of inv_scale")
     dev = inv_scale.device
     return (
         inv_scale.new_empty((), dtype=torch.float32, device=dev),
@@ -126,14 +111,16 @@ def _grad_stats_fake(grads, inv_scale, norm_type=2.0):
 
 @torch.library.register_fake("fastamp::non_finite_check_and_unscale_")
 def _unscale_fake(grads, found_inf, inv_scale, tensor_found_inf):
-    _fake_check_devices("non_finite_check_and_unscale_", grads, inv_scale, found_inf=found_inf,
-                        tensor_found_inf=tensor_found_inf)
+    check_fake_devices("non_finite_check_and_unscale_", inv_scale.device, [("grads", grads)],
+                       {"found_inf": found_inf, "tensor_found_inf": tensor_found_inf},
+                       anchor="the device of inv_scale")
     return None
 
 
 @torch.library.register_fake("fastamp::clip_unscale_")
 def _clip_unscale_fake(grads, inv_scale, total_norm, max_norm):
-    _fake_check_devices("clip_unscale_", grads, inv_scale, total_norm=total_norm)
+    check_fake_devices("clip_unscale_", inv_scale.device, [("grads", grads)],
+                       {"total_norm": total_norm}, anchor="the device of inv_scale")
     return None
 
 
@@ -150,6 +137,7 @@ def _update_scale_fake(
     min_scale,
     max_scale,
 ):
-    _fake_check_devices("update_scale_", [], scale, growth_tracker=growth_tracker,
-                        hysteresis_tracker=hysteresis_tracker, found_inf=found_inf)
+    check_fake_devices("update_scale_", scale.device, (),
+                       {"growth_tracker": growth_tracker, "hysteresis_tracker": hysteresis_tracker,
+                        "found_inf": found_inf}, anchor="the device of scale")
     return None
