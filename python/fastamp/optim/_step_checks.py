@@ -1,0 +1,192 @@
+"""Checks of a fused optimizer step, all run before anything is written: every param group's
+params, grads and state (:class:`StepChecks`), and memory shared between params. An error names the
+param group entry, says what was expected and what was found, and leaves params, grads and state
+as they were (a retry then steps every group once)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastamp._checks import is_real
+from fastamp.optim import _ops
+from fastamp.optim._layout import FLOAT_TYPES, state_strides, where_in_groups
+
+
+class StepChecks:
+    """Mixin of the fused optimizers (see :class:`fastamp.optim.optimizers._FusedStepMixin`)."""
+
+    param_groups: list[dict[str, Any]]
+    state: dict[Tensor, dict[str, Any]]
+    _master_weights: bool
+    _ELEMENTWISE: tuple[str, ...] = ()
+
+    def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self._ELEMENTWISE
+
+    def _check_params(self, g: int, group: dict[str, Any]) -> tuple[list[Tensor], list[int]]:
+        """Params of group ``g`` that have grads, with all that the kernel needs checked: nothing
+        is created or written until every group has passed (so an error leaves the params, the
+        grads and the state as they were)."""
+        name = type(self).__name__
+        params: list[Tensor] = []
+        places: list[int] = []
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                if name == "SGD":
+                    msg = "SGD does not support sparse gradients"
+                    fix = "use torch.optim.SGD for these parameters (it takes sparse grads)"
+                else:  # PyTorch's Adam and AdamW raise this text
+                    msg = "Adam does not support sparse gradients, please consider SparseAdam instead"
+                    fix = "put these parameters in a torch.optim.SparseAdam"
+                raise RuntimeError(
+                    f"{msg} (fastamp.optim.{name}: {where_in_groups(g, i)} has a sparse grad, e.g. from "
+                    f"nn.Embedding(sparse=True); expected dense grads: build the module with "
+                    f"sparse=False, or {fix})"
+                )
+            if p.dtype not in FLOAT_TYPES:
+                raise TypeError(
+                    f"fastamp.optim.{name}: {where_in_groups(g, i)} has dtype {p.dtype}; the fused kernels "
+                    "take float32, float16 and bfloat16 params (expected one of those: convert "
+                    "the model, or use torch.optim for others)"
+                )
+            if p.grad.dtype != p.dtype:
+                raise TypeError(
+                    f"fastamp.optim.{name}: {where_in_groups(g, i)} of dtype {p.dtype} has a grad of dtype "
+                    f"{p.grad.dtype}; expected the same dtype"
+                )
+            if p.grad.shape != p.shape or p.grad.device != p.device:
+                # RuntimeError, as PyTorch's update raises for it ("The size of tensor a ...").
+                raise RuntimeError(
+                    f"fastamp.optim.{name}: {where_in_groups(g, i)} has shape {tuple(p.shape)} on "
+                    f"{p.device} but its grad has shape {tuple(p.grad.shape)} on {p.grad.device}; "
+                    "expected a grad of the parameter's shape on its device (was .grad assigned "
+                    "by hand?)"
+                )
+            if params and p.device != params[0].device:
+                raise RuntimeError(
+                    f"fastamp.optim.{name}: {where_in_groups(g, i)} is on {p.device} but "
+                    f"{where_in_groups(g, places[0])} is on {params[0].device}; expected every parameter "
+                    "of a param group on one device (one fused launch per group): move the "
+                    "model with model.to(device), or put each device's parameters in its own "
+                    "param group"
+                )
+            params.append(p)
+            places.append(i)
+        if params:
+            self._check_state(g, group, params, places)
+        return params, places
+
+    def _check_state(self, g: int, group: dict[str, Any], params: list[Tensor],
+                     places: list[int]) -> None:
+        name = type(self).__name__
+        halves = [i for p, i in zip(params, places) if p.dtype != torch.float32]
+        if self._master_weights and halves and len(halves) != len(params):
+            fp32 = next(i for p, i in zip(params, places) if p.dtype == torch.float32)
+            raise RuntimeError(
+                f"fastamp.optim.{name}: with master_weights=True a param group must not mix "
+                f"float32 params with float16/bfloat16 ones ({where_in_groups(g, fp32)} is float32, "
+                f"{where_in_groups(g, halves[0])} is not); put them in separate param groups"
+            )
+        keys = self._elementwise_keys(group)
+        for p, i in zip(params, places):
+            state = self.state.get(p)  # .get: reading must not create an entry
+            if not state:
+                continue
+            master = self._master_weights and p.dtype != torch.float32
+            want = torch.float32 if master else p.dtype
+            shape, device, stride = p.shape, p.device, state_strides(p)
+            for key in keys + (("master_param",) if master else ()):
+                v = state.get(key)
+                if v is None:
+                    if key in self._required_state(state, group):
+                        raise KeyError(
+                            f"fastamp.optim.{name}: the state of {where_in_groups(g, i)} has no {key!r} "
+                            f"(it has {sorted(state)}); expected the state this optimizer creates "
+                            "-- was it saved with other settings (e.g. amsgrad)? Load the matching "
+                            "state_dict, or clear optimizer.state[param] to start it afresh"
+                        )
+                    continue
+                # Fast path first: this runs for every parameter at every step.
+                if not (isinstance(v, Tensor) and v.shape == shape and v.device == device
+                        and v.dtype == want and v.stride() == stride):
+                    self._state_error(f"fastamp.optim.{name}: state[{key!r}] of {where_in_groups(g, i)}", v, p, want,
+                                      stride)
+            step = state.get("step")
+            if step is not None and not (
+                isinstance(step, Tensor) and step.numel() == 1 or is_real(step)
+            ):
+                raise TypeError(
+                    f"fastamp.optim.{name}: state['step'] of {where_in_groups(g, i)} is {step!r}; expected "
+                    "a number or a one-element tensor"
+                )
+
+    @staticmethod
+    def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype,
+                     stride: tuple[int, ...]) -> None:
+        if not isinstance(v, Tensor):
+            raise TypeError(f"{what} is a {type(v).__name__}; expected a tensor like the parameter")
+        if v.shape != p.shape:
+            raise ValueError(
+                f"{what} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}: "
+                "the state belongs to another model (or to parameters in another order). Expected "
+                "state made for these parameters: load the state_dict saved with this model, or "
+                "start from a fresh optimizer"
+            )
+        if v.device != p.device or v.dtype != want:
+            raise TypeError(
+                f"{what} is a {v.dtype} tensor on {v.device}; expected {want} on {p.device} (the "
+                "parameter's device, and float32 with master_weights=True)"
+            )
+        raise ValueError(
+            f"{what} has strides {v.stride()}; expected {stride}, the parameter's memory layout "
+            "(convert the model to the memory format it had when the state was saved)"
+        )
+
+    def _check_shared_memory(self, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]) -> None:
+        """Refuses params that share memory -- a view whose own elements overlap (``expand()``),
+        or two params over the same elements (overlapping slices of one tensor, a param listed
+        twice) -- across all groups, before any is stepped. PyTorch updates such memory once per
+        param, in list order; the fused kernels would update it in an unspecified order."""
+        if torch.compiler.is_compiling():
+            return  # no addresses to compare on FakeTensors; the kernels still check each group
+        by_device: dict[torch.device, tuple[list[Tensor], list[tuple[int, int]]]] = {}
+        for g, _, params, places in checked:
+            for p, i in zip(params, places):
+                ts, where = by_device.setdefault(p.device, ([], []))
+                ts.append(p)
+                where.append((g, i))
+        for ts, where in by_device.values():
+            pair = _ops.shared_memory_pair(ts)
+            if not pair:
+                continue
+            a, b = pair
+            name = type(self).__name__
+            if a == b:
+                raise RuntimeError(
+                    f"fastamp.optim.{name}: {where_in_groups(*where[a])} is a view whose elements overlap "
+                    "in memory (e.g. from expand() or as_strided()), so it cannot be updated in "
+                    "place (PyTorch's optimizers raise for it too); expected a parameter with its "
+                    "own storage: nn.Parameter(t.clone())"
+                )
+            raise RuntimeError(
+                f"fastamp.optim.{name}: {where_in_groups(*where[b])} and {where_in_groups(*where[a])} share memory "
+                "(overlapping views of one tensor, or one parameter listed twice), so the shared "
+                "elements would be updated once per parameter; expected parameters over disjoint "
+                "memory: give each its own storage (nn.Parameter(t.clone())) or list it once"
+            )
+
+    def _kernel_error(self, e: Exception, g: int, places: list[int]) -> Exception:
+        """The kernel's error, with its list positions named as the param group's entries."""
+        where = ", ".join(f"[{k}] = {where_in_groups(g, i)}" for k, i in enumerate(places[:8]))
+        more = ", ..." if len(places) > 8 else ""
+        try:
+            return type(e)(f"{e} (fastamp.optim.{type(self).__name__}: list positions {where}{more}; "
+                           "no param group was stepped)" if g == 0 else
+                           f"{e} (fastamp.optim.{type(self).__name__}: list positions {where}{more})")
+        except Exception:  # an exception type that takes other arguments
+            return e
