@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,8 +43,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from fastamp.handoff import GradStats, GradStatsConsumer
-from fastamp.parallel import _ops
+from fastamp.handoff import GradStats
+from fastamp.parallel._args import check_arguments
+from fastamp.parallel._backward import BackwardSync
+from fastamp.parallel._torch_compat import CallbackJoinHook, ReducerShim, TorchCompat
+from fastamp.parallel.buckets import Bucket, BucketLayout, GradBucket
 
 __all__ = ["DistributedDataParallel", "DDPGradStats", "GradBucket"]
 
@@ -53,104 +55,11 @@ _DEFAULT_BUCKET_MB = 25.0
 _NAME = "fastamp.parallel.DistributedDataParallel"
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
-
-def _refuse(arg: str, why: str) -> NotImplementedError:
-    return NotImplementedError(f"{_NAME}: {arg} is not supported: {why}")
-
-
 # The record DDP hands the scaler (kept under its old name too).
 DDPGradStats = GradStats
 
 
-class GradBucket:
-    """The bucket a comm hook gets: the interface of :class:`torch.distributed.GradBucket`
-    (``index``, ``buffer``, ``gradients``, ``parameters``, ``is_last``, ``set_buffer``).
-
-    ``buffer()`` holds the local grads of the bucket's parameters, flattened, *not* divided by the
-    world size (as in torch: the hook averages)."""
-
-    def __init__(self, index: int, buffer: Tensor, params: list[Tensor], offsets: list[int], last: bool):
-        self._index, self._buffer, self._params, self._offsets, self._last = index, buffer, params, offsets, last
-
-    def index(self) -> int:
-        return self._index
-
-    def buffer(self) -> Tensor:
-        return self._buffer
-
-    def set_buffer(self, tensor: Tensor) -> None:
-        self._buffer = tensor
-
-    def gradients(self) -> list[Tensor]:
-        return [self._buffer.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(self._params, self._offsets)]
-
-    def parameters(self) -> list[Tensor]:
-        return list(self._params)
-
-    def is_last(self) -> bool:
-        return self._last
-
-
-class _Bucket:
-    __slots__ = ("params", "offsets", "buffer", "pending", "work", "launched", "index", "numel")
-
-    def __init__(self, params: list[nn.Parameter], index: int):
-        self.params = params
-        self.index = index
-        self.offsets: list[int] = []
-        n = 0
-        for p in params:
-            self.offsets.append(n)
-            n += p.numel()
-        self.numel = n
-        self.buffer = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
-        self.pending = len(params)
-        self.work = None
-        self.launched = False
-
-    def view_of(self, i: int) -> Tensor:
-        p = self.params[i]
-        return self.buffer.narrow(0, self.offsets[i], p.numel()).view(p.shape)
-
-
-class _ReducerShim:
-    __slots__ = ("_ddp",)
-
-    def __init__(self, ddp: DistributedDataParallel):
-        self._ddp = ddp
-
-    def prepare_for_backward(self, outputs: Any = None) -> None:
-        self._ddp._armed = True
-
-    def __getattr__(self, name: str) -> Any:
-        raise AttributeError(
-            f"{_NAME} has no torch C++ reducer (it buckets gradients itself): reducer.{name} does "
-            "not exist; use the wrapper's public methods (no_sync, join, register_comm_hook, ...)"
-        )
-
-
-class _JoinHook(JoinHook):
-    """Shadows, on a rank that ran out of inputs, every collective one iteration of the others
-    issues (the same ones in the same order as their forward and backward)."""
-
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool):
-        self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
-        super().__init__()
-
-    def main_hook(self) -> None:
-        ddp = self.ddp
-        ddp._check_and_sync_module_buffers()  # torch's: common rank, then the broadcast
-        should_sync = ddp._check_global_requires_backward_grad_sync(is_joined_rank=True)
-        ddp.require_forward_param_sync = should_sync
-        if should_sync:
-            ddp._shadow_backward()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.ddp._sync_final_model(is_last_joiner)
-
-
-class DistributedDataParallel(_TorchDDP):
+class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP):
     """Mirrors :class:`torch.nn.parallel.DistributedDataParallel` (same arguments, same
     ``state_dict`` keys with the ``module.`` prefix); see the module docstring and docs/ddp.md.
 
@@ -181,129 +90,11 @@ class DistributedDataParallel(_TorchDDP):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         # Everything is validated before any state is set or any collective is issued.
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                f"{_NAME}: torch.distributed is not initialised; call "
-                "torch.distributed.init_process_group() first (torchrun sets the environment)"
-            )
-        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
-            raise ValueError(
-                "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
-            )
-        if delay_all_reduce_named_params is not None:
-            raise _refuse(
-                "delay_all_reduce_named_params / param_to_hook_all_reduce",
-                "fastamp launches each bucket's all-reduce as soon as its grads are ready and has "
-                "no delayed group (torch uses it to compose DDP with tensor parallelism). Leave "
-                "them unset, or use torch.nn.parallel.DistributedDataParallel for that model.",
-            )
-        if mixed_precision is not None:
-            raise _refuse(
-                "mixed_precision",
-                "torch's experimental _MixedPrecision keeps low-precision parameter copies inside "
-                "DDP. With fastamp use torch.autocast + fastamp.GradScaler (and, to halve the "
-                "all-reduce bytes, register_comm_hook(None, fp16_compress_hook)).",
-            )
-        if process_group is not None and device_mesh is not None:
-            raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-        if device_mesh is not None:
-            if device_mesh.ndim != 1:
-                raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-            if device_mesh._get_root_mesh() != device_mesh:
-                raise _refuse(
-                    "device_mesh (a mesh sliced from a larger one)",
-                    "DDP composed with tensor parallelism (DTensor parameters) needs torch's "
-                    "reducer; pass a 1-D mesh of the data-parallel ranks, or use torch's DDP.",
-                )
-        if bucket_cap_mb is not None and (
-            isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
-            or not 0 < bucket_cap_mb < float("inf")
-        ):
-            raise ValueError(
-                f"{_NAME}: bucket_cap_mb must be a positive, finite number of megabytes (e.g. 25, "
-                f"PyTorch's default), got {bucket_cap_mb!r}"
-            )
-        if bucket_cap_mb_list is not None:
-            caps = list(bucket_cap_mb_list)
-            if not caps or any(
-                isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf") for c in caps
-            ):
-                raise ValueError(
-                    f"{_NAME}: bucket_cap_mb_list must be a non-empty list of positive, finite "
-                    f"megabytes (one cap per bucket, the last one repeating), got {bucket_cap_mb_list!r}"
-                )
-        ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        module_params = [p for n, p in module.named_parameters() if n not in ignore]
-        if not any(p.requires_grad for p in module_params):
-            raise RuntimeError(
-                "DistributedDataParallel is not needed when a module doesn't have any parameter "
-                "that requires a gradient."
-            )
-        if device_ids is not None and len(device_ids) > 1:
-            raise ValueError(
-                "device_ids can only be None or contain a single element (one device per process); "
-                f"got device_ids={list(device_ids)}"
-            )
-        device_types = {p.device.type for p in module_params}
-        if len(device_types) != 1:
-            raise ValueError(
-                "DistributedDataParallel's input module must be on the same type of devices, but "
-                f"input module parameters locate in {device_types}."
-            )
-        device_type = next(iter(device_types))
-        multi_device = len({p.device for p in module_params}) > 1
-        if not device_ids or device_type == "cpu" or multi_device:
-            if device_ids or output_device:
-                raise ValueError(
-                    "DistributedDataParallel device_ids and output_device arguments only work with "
-                    "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
-                    f"{device_ids}, output_device {output_device}, and module parameters "
-                    f"{ {p.device for p in module_params} }."
-                )
-            device_ids_, output_device_ = None, None
-        else:
-            from torch._utils import _get_device_index
-
-            device_ids_ = [_get_device_index(x, True) for x in device_ids]
-            output_device_ = _get_device_index(output_device if output_device is not None else device_ids[0], True)
-        for name, sub in module.named_modules():
-            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
-                raise _refuse(
-                    f"sparse gradients ({name or 'module'} is an {type(sub).__name__} with sparse=True)",
-                    "the gradient buckets are dense; construct it with sparse=False, or use torch's DDP",
-                )
-        for p in module_params:
-            if isinstance(p, nn.parameter.UninitializedParameter):
-                raise RuntimeError(
-                    "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
-                    "Run a dummy forward pass to correctly initialize the modules"
-                )
-        # torch's deprecations, with torch's warnings.
-        if broadcast_buffers is not None:
-            if forward_sync_buffers is not None:
-                warnings.warn(
-                    "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
-                    "`broadcast_buffers` is deprecated and its value is ignored when "
-                    "`forward_sync_buffers` is provided.",
-                    FutureWarning,
-                    stacklevel=2,
-                )
-            else:
-                warnings.warn(
-                    "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
-                    "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
-                    "syncs buffers at init.",
-                    FutureWarning,
-                    stacklevel=2,
-                )
-        if check_reduction:
-            warnings.warn(
-                "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
-                "Please avoid using it.",
-                FutureWarning,
-                stacklevel=2,
-            )
-
+        ignore, module_params, device_type, multi_device, device_ids_, output_device_ = check_arguments(
+            module, device_ids, output_device, broadcast_buffers, process_group, bucket_cap_mb,
+            check_reduction, delay_all_reduce_named_params, param_to_hook_all_reduce,
+            mixed_precision, device_mesh, bucket_cap_mb_list, forward_sync_buffers,
+        )  # fmt: skip
         nn.Module.__init__(self)
         Joinable.__init__(self)
         self.logger = None  # torch's C++ logger belongs to its reducer
@@ -357,8 +148,8 @@ class DistributedDataParallel(_TorchDDP):
             self._check_same_model()
             self._sync_initial_states(init_sync_buffers)
 
-        self._bucket_of: dict[int, tuple[_Bucket, int]] = {}
-        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, tuple[Bucket, int]] = {}
+        self._buckets: list[Bucket] = []
         self._build_buckets(list(reversed(self._params)))
         self._ready_order: list[nn.Parameter] = []
         # Like torch: no rebuild when the graph may differ between iterations or ranks.
@@ -383,11 +174,14 @@ class DistributedDataParallel(_TorchDDP):
 
     # ------------------------------------------------------------------ what torch's reducer was
     @property
-    def reducer(self) -> _ReducerShim:
+    def reducer(self) -> ReducerShim:
         """Not torch's C++ reducer: the one call clients make on it, ``prepare_for_backward``
         (accelerate's ``trigger_sync_in_backward``), arms the next backward for synchronisation
         as torch's does; anything else raises AttributeError naming it."""
-        return _ReducerShim(self)
+        return ReducerShim(self._arm_next_backward)
+
+    def _arm_next_backward(self) -> None:
+        self._armed = True
 
     # ------------------------------------------------------------------ construction
     def _describe(self) -> list[str]:
@@ -433,57 +227,6 @@ class DistributedDataParallel(_TorchDDP):
             params_and_buffers_to_ignore=self.parameters_to_ignore,
             broadcast_buffers=buffers,
         )
-
-    def _global_src(self) -> int:
-        return dist.get_global_rank(self.process_group, 0) if self.process_group is not dist.group.WORLD else 0
-
-    def _cap(self, i: int) -> int:
-        return self._bucket_caps[min(i, len(self._bucket_caps) - 1)]
-
-    def _build_buckets(self, order: list[nn.Parameter], sizes: list[int] | None = None) -> None:
-        """Contiguous buckets of at most the cap in bytes (bucket_cap_mb, or bucket_cap_mb_list[i]
-        for bucket i), one dtype and device each, in `order` (or exactly `sizes` parameters per
-        bucket, when restoring a saved layout)."""
-        old = self._buckets
-        self._buckets, self._bucket_of = [], {}
-        if sizes is not None:
-            start = 0
-            for n in sizes:
-                self._add_bucket(order[start:start + n])
-                start += n
-        else:
-            current: list[nn.Parameter] = []
-            size = 0
-            for p in order:
-                nbytes = p.numel() * p.element_size()
-                if current and (size + nbytes > self._cap(len(self._buckets)) or p.dtype != current[0].dtype
-                                or p.device != current[0].device):
-                    self._add_bucket(current)
-                    current, size = [], 0
-                current.append(p)
-                size += nbytes
-            if current:
-                self._add_bucket(current)
-        if self.gradient_as_bucket_view:
-            with torch.no_grad():
-                for b in self._buckets:
-                    for i, p in enumerate(b.params):
-                        if p.grad is not None:
-                            view = b.view_of(i)
-                            view.copy_(p.grad)
-                            p.grad = view
-        del old
-
-    def _add_bucket(self, params: list[nn.Parameter]) -> None:
-        b = _Bucket(params, len(self._buckets))
-        self._buckets.append(b)
-        for i, p in enumerate(params):
-            self._bucket_of[id(p)] = (b, i)
-
-    @property
-    def bucket_sizes(self) -> list[int]:
-        """Number of parameters in each bucket, in launch order (for tests and tuning)."""
-        return [len(b.params) for b in self._buckets]
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -570,271 +313,6 @@ class DistributedDataParallel(_TorchDDP):
         finally:
             self.require_backward_grad_sync = old
 
-    # ------------------------------------------------------------------ backward
-    def _on_output_grad(self, token: list) -> None:
-        if token[0]:
-            raise RuntimeError(
-                f"{_NAME}: a second backward through the output of a forward whose gradients "
-                "were already synchronised. torch's DDP would skip the all-reduce here and leave "
-                "the ranks with different gradients; run a new forward for each backward (or "
-                "sum the losses and call backward once)."
-            )
-        if self._armed and not self._started:
-            self._start_backward()
-
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
-        key = id(p)
-        if not self._started:
-            if not self._armed:  # under no_sync (or no DDP forward): local accumulation
-                self._used.add(key)
-                return
-            self._start_backward()
-        self._pending = True
-        if key in self._grad_ready:
-            raise RuntimeError(
-                f"{_NAME}: parameter {self._names[key]} got a gradient twice in one synchronised "
-                "backward (torch: 'Expected to mark a variable ready only once'). It is used both "
-                "inside and outside a reentrant checkpoint (use torch.utils.checkpoint with "
-                "use_reentrant=False, or fastamp.checkpoint), or an earlier backward raised half "
-                "way (its all-reduces are incomplete: recreate the wrapper)."
-            )
-        self._grad_ready.add(key)
-        self._used.add(key)
-        if not self._rebuilt:
-            self._ready_order.append(p)
-        bucket, i = self._bucket_of[key]
-        if self.gradient_as_bucket_view and p.grad is not None:
-            # Divide by the world size now, while this grad is hot in cache (one pass; a pass over
-            # the whole bucket at launch would read it back cold). If grads were set to None,
-            # autograd made a fresh one: the same pass moves it into the bucket. A comm hook gets
-            # the grads undivided (it averages), as in torch.
-            view = bucket.view_of(i)
-            factor = self._pre_factor()
-            with torch.no_grad():
-                if p.grad.data_ptr() != view.data_ptr():
-                    if factor != 1.0:
-                        torch.mul(p.grad, factor, out=view)
-                    else:
-                        view.copy_(p.grad)
-                    p.grad = view
-                elif factor != 1.0:
-                    view.mul_(factor)
-        bucket.pending -= 1
-        self._launch_ready()
-
-    def _pre_factor(self) -> float:
-        if self._comm_hook is not None:
-            return 1.0
-        if self._join_work is not None and not self._divide_by_initial_world_size:
-            if self._divide is None:
-                self._join_work.wait()
-                self._divide = float(self._join_work.result()[0].item())
-            return 1.0 / self._divide
-        return 1.0 / self.world_size
-
-    def _launch_ready(self) -> None:
-        """Launches complete buckets strictly in bucket order. Collectives must be issued in the same
-        order on every rank; buckets may complete in different orders on different ranks."""
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
-            self._launch(self._buckets[self._next_launch])
-            self._next_launch += 1
-
-    def _start_backward(self) -> None:
-        self._started = True
-        self._armed = False
-        self._consuming, self._tokens = self._tokens, []  # done when this backward finishes
-        self._grad_ready = set()
-        self._stats = []
-        self._last_stats = None
-        self._divide = None if (self._join_work is not None and not self._divide_by_initial_world_size) else float(self.world_size)
-        for b in self._buckets:
-            b.pending, b.work, b.launched = len(b.params), None, False
-        self._next_launch = 0
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _launch(self, bucket: _Bucket) -> None:
-        factor = self._pre_factor()
-        with torch.no_grad():
-            if self.gradient_as_bucket_view:
-                for i, p in enumerate(bucket.params):
-                    if id(p) in self._grad_ready:
-                        continue  # divided (or moved) in its hook
-                    view = bucket.view_of(i)
-                    if p.grad is None:  # unused here: contributes zeros
-                        view.zero_()
-                    else:  # unused in this backward but holding a grad: torch reduces it
-                        if p.grad.data_ptr() != view.data_ptr():
-                            view.copy_(p.grad)
-                        if factor != 1.0:
-                            view.mul_(factor)
-            else:
-                present = [(p.grad, off) for p, off in zip(bucket.params, bucket.offsets) if p.grad is not None]
-                if len(present) != len(bucket.params):
-                    bucket.buffer.zero_()
-                if present:
-                    _ops.bucket_pack_(
-                        bucket.buffer, [g.contiguous() for g, _ in present], [o for _, o in present], factor,
-                    )
-            if self._comm_hook is not None:
-                hook, state = self._comm_hook
-                gb = GradBucket(bucket.index, bucket.buffer, bucket.params, bucket.offsets,
-                                bucket.index == len(self._buckets) - 1)
-                bucket.work = hook(state, gb)
-            elif self.world_size > 1:
-                bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-        bucket.launched = True
-
-    def _wait(self, bucket: _Bucket) -> Tensor:
-        """Waits for the bucket's all-reduce (or comm hook future); returns the reduced tensor."""
-        work, bucket.work = bucket.work, None  # a finished Work keeps the process group alive
-        if work is None:
-            return bucket.buffer
-        try:
-            if self._comm_hook is None:
-                work.wait()
-                return bucket.buffer
-            out = work.wait()
-        except Exception as e:
-            raise self._collective_error(f"the all-reduce of gradient bucket {bucket.index}", e) from e
-        if isinstance(out, (list, tuple)) and len(out) == 1:
-            out = out[0]
-        if not isinstance(out, Tensor) or out.numel() != bucket.numel or out.device != bucket.buffer.device:
-            raise RuntimeError(
-                f"{_NAME}: the comm hook's future for bucket {bucket.index} must hold one tensor of "
-                f"{bucket.numel} elements on {bucket.buffer.device} (the reduced bucket.buffer()), got "
-                f"{type(out).__name__}{tuple(out.shape) if isinstance(out, Tensor) else ''}"
-            )
-        return out.reshape(-1).to(bucket.buffer.dtype)
-
-    def _finish_backward(self) -> None:
-        unready = [p for p in self._params if id(p) not in self._grad_ready]
-        if unready and not self.find_unused_parameters and not self.static_graph:
-            names = ", ".join(self._names[id(p)] for p in unready[:10])
-            more = f" and {len(unready) - 10} more" if len(unready) > 10 else ""
-            raise RuntimeError(
-                f"{_NAME}: these parameters received no gradient in this backward: {names}{more}. "
-                "They were not used to compute the loss. Pass find_unused_parameters=True, or "
-                "make every parameter take part in the loss (or set requires_grad=False on the "
-                "unused ones)."
-            )
-        # Unused parameters (allowed): their buckets still need their all-reduce, with zeros.
-        for p in unready:
-            bucket, _ = self._bucket_of[id(p)]
-            bucket.pending -= 1
-        self._launch_ready()
-        global_unused = self._reduce_used_map()
-        scale = self._scaler.current_scale() if self._scaler is not None else None
-        inv = scale.double().reciprocal().float() if scale is not None else None
-        noted: list[tuple[Tensor, Tensor]] = []
-        for b in self._buckets:
-            reduced = self._wait(b)
-            with torch.no_grad():
-                if self.gradient_as_bucket_view:
-                    if reduced.data_ptr() != b.buffer.data_ptr():
-                        b.buffer.copy_(reduced)
-                    for i, p in enumerate(b.params):
-                        if id(p) not in global_unused and p.grad is None:
-                            p.grad = b.view_of(i)
-                    continue
-                grads, offs = [], []
-                for p, off in zip(b.params, b.offsets):
-                    if id(p) in global_unused:
-                        continue  # as torch: left as it was (None unless the user accumulated)
-                    if p.grad is None:  # unused here but used elsewhere: takes the average
-                        p.grad = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    grads.append(p.grad)
-                    offs.append(off)
-                if not grads:
-                    continue
-                if inv is None or inv.device != b.buffer.device:
-                    inv = torch.ones((), dtype=torch.float32, device=b.buffer.device)
-                self._stats.append(self._unpack(b, reduced, grads, offs, inv))
-                noted.extend(zip((p for p in b.params if id(p) not in global_unused), grads))
-        if noted and not self.gradient_as_bucket_view:
-            found, sq = self.grad_stats()
-            self._last_stats = GradStats.measured(
-                found, sq, [p for p, _ in noted], [g for _, g in noted], scale
-            )
-            if self._scaler is not None and scale is not None:
-                self._scaler.note_grad_stats(self._last_stats)
-        if not self._rebuilt:
-            self._rebuilt = True
-            self._rebuild_from_rank0()
-        self._used = set()
-        self._join_work = None
-        for token in self._consuming:
-            token[0] = True
-        self._consuming = []
-        self._pending = False
-        self._started = False
-
-    @staticmethod
-    def _unpack(b: _Bucket, reduced: Tensor, grads: list[Tensor], offs: list[int], inv: Tensor) -> tuple[Tensor, Tensor]:
-        """Copies the reduced bucket into the grads; returns (found_inf, sum of (g * inv)^2).
-
-        One fused op on every device (``fastamp::bucket_unpack_``: one read of the bucket). Its
-        statistics are computed by the scaler's own stats kernel over the grads' chunks, so they
-        are bit-identical to ``fastamp::grad_stats`` over these grads. (On CPU the fused op now
-        runs the AVX2 stats kernel: 0.92 ms against 1.43 ms for a copy + grad_stats of a 26 MB
-        bucket on the 2-core CI machine.)"""
-        del b
-        return _ops.bucket_unpack_(reduced, grads, offs, inv)
-
-    def _reduce_used_map(self) -> set[int]:
-        """ids of the parameters no rank used since the last synchronised backward (torch's
-        globally unused parameters: their grads are not touched)."""
-        if not (self.find_unused_parameters or self.static_graph):
-            return set()
-        if self.static_graph and self._global_unused is not None:
-            return self._global_unused
-        used = torch.tensor([1 if id(p) in self._used else 0 for p in self._params], dtype=torch.int32,
-                            device=self.device)
-        if self.world_size > 1:
-            try:
-                dist.all_reduce(used, group=self.process_group)
-            except Exception as e:
-                raise self._collective_error("the all-reduce of the used-parameter map", e) from e
-        unused = {id(p) for p, u in zip(self._params, used.tolist()) if u == 0}
-        if self.static_graph:
-            self._global_unused = unused
-        return unused
-
-    def _shadow_backward(self) -> None:
-        """A joined rank's share of one backward of the others: zeros for every bucket, in order
-        (through the comm hook if one is registered), the used map, the one-time rebuild."""
-        with torch.no_grad():
-            for b in self._buckets:
-                if self._comm_hook is not None:
-                    hook, state = self._comm_hook
-                    zeros = torch.zeros_like(b.buffer)
-                    gb = GradBucket(b.index, zeros, b.params, b.offsets, b.index == len(self._buckets) - 1)
-                    b.work = hook(state, gb)
-                else:
-                    b.buffer.zero_()
-                    b.work = dist.all_reduce(b.buffer, group=self.process_group, async_op=True)
-            for b in self._buckets:
-                self._wait(b)
-        if self.find_unused_parameters or (self.static_graph and self._global_unused is None):
-            self._used = set()
-            self._reduce_used_map()
-        if not self._rebuilt:
-            self._rebuilt = True
-            self._rebuild_from_rank0()
-
-    def register_grad_scaler(self, scaler: Any) -> None:
-        """Hands the unpack's fused statistics (a :class:`fastamp.handoff.GradStats`) to ``scaler`` (a
-        :class:`fastamp.GradScaler`), whose ``clip_grad_norm_`` then skips its own read pass over
-        the grads -- only while the grads are exactly the ones measured (see
-        :meth:`fastamp.handoff.GradStats.current_for`).
-
-        The sum of squares is of the *unscaled* grads: the unpack multiplies by the scaler's
-        inverse scale in registers (read on the device, no sync)."""
-        if not isinstance(scaler, GradStatsConsumer):
-            raise TypeError(
-                f"{_NAME}.register_grad_scaler: expected a fastamp.GradScaler, got {type(scaler).__name__}"
-            )
-        self._scaler = scaler
-
     # ------------------------------------------------------------------ comm hooks
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """As torch's: ``hook(state, bucket) -> torch.futures.Future[Tensor]`` replaces the
@@ -873,112 +351,17 @@ class DistributedDataParallel(_TorchDDP):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        return _JoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        return CallbackJoinHook(self._join_main_hook, self._sync_final_model)
 
-    # ------------------------------------------------------------------ torch methods without a meaning here
-    def _check_reducer_finalized(self) -> None:
-        if self._pending or self._started:
-            raise RuntimeError(f"{_NAME}: the last backward has not finished synchronising gradients")
-
-    def _set_static_graph(self) -> None:
-        if any(b.launched for b in self._buckets):
-            raise RuntimeError("_set_static_graph: static graph can only be set before the first iteration")
-        self.static_graph = True
-
-    def _register_fused_optim(self, *args: Any, **kwargs: Any) -> None:
-        raise _refuse("_register_fused_optim", "use fastamp.optim's fused optimizers after backward")
-
-    def _register_buffer_comm_hook(self, *args: Any, **kwargs: Any) -> None:
-        raise _refuse("_register_buffer_comm_hook", "buffers are broadcast from rank 0 as with torch's default")
-
-    def _set_sparse_metadata(self, *args: Any, **kwargs: Any) -> None:
-        raise _refuse("_set_sparse_metadata", "sparse gradients are not supported")
-
-    def _update_process_group(self, *args: Any, **kwargs: Any) -> None:
-        raise _refuse("_update_process_group", "wrap the module again with the new process group")
-
-    def _get_ddp_logging_data(self) -> dict[str, Any]:
-        return {"bucket_sizes": ", ".join(str(b.numel * b.buffer.element_size()) for b in self._buckets),
-                "has_rebuilt_buckets": int(self._rebuilt), "world_size": self.world_size,
-                "find_unused_parameters": int(self.find_unused_parameters),
-                "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-                "static_graph": int(self.static_graph), "backend_name": dist.get_backend(self.process_group)}
-
-    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
-        if sample_rate < 1:
-            raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
-
-    def _set_ddp_sink_clone(self, val: bool) -> None:
-        return None
-
-    # ------------------------------------------------------------------ bucket layout (resume)
-    def _rebuild_from_rank0(self) -> None:
-        """Rebuilds the buckets in the order grads became ready in the first iteration -- rank 0's
-        order, broadcast, so that every rank builds the same buckets."""
-        seen = {id(p) for p in self._ready_order}
-        order = [self._index[id(p)] for p in self._ready_order]
-        order += [i for i in reversed(range(len(self._params))) if id(self._params[i]) not in seen]
-        if self.world_size > 1:
-            box = [order]
-            dist.broadcast_object_list(box, src=self._global_src(), group=self.process_group)
-            order = box[0]
-        self._ready_order = []
-        if order != [self._index[id(p)] for b in self._buckets for p in b.params]:
-            self._build_buckets([self._params[i] for i in order])
-
-    def bucket_layout(self) -> dict[str, Any]:
-        """The bucket layout as plain data: which parameter (by index in ``module.parameters()``
-        that require grad) goes in which bucket, and whether the one-time rebuild has happened.
-
-        :func:`fastamp.save_training_state` stores it so that a resumed run sums the same grads
-        in the same buckets as the run it continues (the clip norm is a sum of per-bucket partial
-        sums: another layout rounds differently)."""
-        return {
-            "order": [self._index[id(p)] for b in self._buckets for p in b.params],
-            "bucket_sizes": self.bucket_sizes,
-            "rebuilt": bool(self._rebuilt),
-            "num_params": len(self._params),
-        }
-
-    def load_bucket_layout(self, layout: dict[str, Any]) -> None:
-        """Restores a layout from :meth:`bucket_layout` (validated before anything changes)."""
-        n = len(self._params)
-        if not isinstance(layout, dict) or not {"order", "bucket_sizes", "rebuilt"} <= layout.keys():
-            raise ValueError(
-                "DistributedDataParallel.load_bucket_layout: layout must be the dict returned by "
-                f"bucket_layout() (keys order, bucket_sizes, rebuilt); got {layout!r:.200}"
-            )
-        order, sizes = list(layout["order"]), list(layout["bucket_sizes"])
-        if sorted(order) != list(range(n)) or sum(sizes) != n or any(s <= 0 for s in sizes):
-            raise ValueError(
-                "DistributedDataParallel.load_bucket_layout: the layout does not fit this model "
-                f"({n} parameters that require grad; the layout orders {len(order)} in buckets of "
-                f"{sizes}). Load a layout saved from the same model."
-            )
-        if self._pending:
-            raise RuntimeError("DistributedDataParallel.load_bucket_layout: cannot change buckets during backward")
-        params = [self._params[i] for i in order]
-        start = 0
-        for s in sizes:
-            group = params[start:start + s]
-            if any(p.dtype != group[0].dtype or p.device != group[0].device for p in group):
-                raise ValueError(
-                    "DistributedDataParallel.load_bucket_layout: a bucket would mix dtypes or "
-                    "devices; the layout was saved from a different model"
-                )
-            start += s
-        self._build_buckets(params, sizes)
-        self._rebuilt = bool(layout["rebuilt"]) or self.find_unused_parameters
-        self._ready_order = []
-
-    def grad_stats(self) -> tuple[Tensor, Tensor] | None:
-        """``(found_inf, sum of squares)`` of the all-reduced grads, computed by the unpack of the
-        last backward (None with gradient_as_bucket_view, which has no unpack)."""
-        if not self._stats:
-            return None
-        found = sum(f for f, _ in self._stats)
-        sq = sum(s for _, s in self._stats)
-        return found, sq
+    def _join_main_hook(self) -> None:
+        """A joined rank's share of one iteration of the others: the buffer sync, then (when they
+        synchronise grads) every collective of their backward."""
+        self._check_and_sync_module_buffers()  # torch's: common rank, then the broadcast
+        should_sync = self._check_global_requires_backward_grad_sync(is_joined_rank=True)
+        self.require_forward_param_sync = should_sync
+        if should_sync:
+            self._shadow_backward()
 
     # ------------------------------------------------------------------ module protocol
     def __getstate__(self):

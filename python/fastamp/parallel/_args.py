@@ -1,0 +1,150 @@
+"""The constructor arguments of DistributedDataParallel: torch's checks with torch's messages,
+torch's deprecation warnings, and an error naming each argument fastamp refuses (see docs/ddp.md)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+_NAME = "fastamp.parallel.DistributedDataParallel"
+
+
+def refuse(arg: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"{_NAME}: {arg} is not supported: {why}")
+
+
+def check_arguments(module: nn.Module, device_ids: Any, output_device: Any, broadcast_buffers: Any,
+                    process_group: Any, bucket_cap_mb: Any, check_reduction: bool,
+                    delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any,
+                    mixed_precision: Any, device_mesh: Any, bucket_cap_mb_list: Any,
+                    forward_sync_buffers: Any) -> tuple[set[str], list[nn.Parameter], str, bool, Any, Any]:
+    """Raises (before anything is set up) for arguments torch refuses or fastamp cannot honour;
+    returns ``(ignored names, the module's parameters, device type, whether the module spans
+    several devices, device_ids, output_device)``."""
+    # Everything is validated before any state is set or any collective is issued.
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{_NAME}: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group() first (torchrun sets the environment)"
+        )
+    if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+        raise ValueError(
+            "delay_all_reduce_named_params and param_to_hook_all_reduce need to be set at the same time."
+        )
+    if delay_all_reduce_named_params is not None:
+        raise refuse(
+            "delay_all_reduce_named_params / param_to_hook_all_reduce",
+            "fastamp launches each bucket's all-reduce as soon as its grads are ready and has "
+            "no delayed group (torch uses it to compose DDP with tensor parallelism). Leave "
+            "them unset, or use torch.nn.parallel.DistributedDataParallel for that model.",
+        )
+    if mixed_precision is not None:
+        raise refuse(
+            "mixed_precision",
+            "torch's experimental _MixedPrecision keeps low-precision parameter copies inside "
+            "DDP. With fastamp use torch.autocast + fastamp.GradScaler (and, to halve the "
+            "all-reduce bytes, register_comm_hook(None, fp16_compress_hook)).",
+        )
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        if device_mesh._get_root_mesh() != device_mesh:
+            raise refuse(
+                "device_mesh (a mesh sliced from a larger one)",
+                "DDP composed with tensor parallelism (DTensor parameters) needs torch's "
+                "reducer; pass a 1-D mesh of the data-parallel ranks, or use torch's DDP.",
+            )
+    if bucket_cap_mb is not None and (
+        isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+        or not 0 < bucket_cap_mb < float("inf")
+    ):
+        raise ValueError(
+            f"{_NAME}: bucket_cap_mb must be a positive, finite number of megabytes (e.g. 25, "
+            f"PyTorch's default), got {bucket_cap_mb!r}"
+        )
+    if bucket_cap_mb_list is not None:
+        caps = list(bucket_cap_mb_list)
+        if not caps or any(
+            isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf") for c in caps
+        ):
+            raise ValueError(
+                f"{_NAME}: bucket_cap_mb_list must be a non-empty list of positive, finite "
+                f"megabytes (one cap per bucket, the last one repeating), got {bucket_cap_mb_list!r}"
+            )
+    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    module_params = [p for n, p in module.named_parameters() if n not in ignore]
+    if not any(p.requires_grad for p in module_params):
+        raise RuntimeError(
+            "DistributedDataParallel is not needed when a module doesn't have any parameter "
+            "that requires a gradient."
+        )
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(
+            "device_ids can only be None or contain a single element (one device per process); "
+            f"got device_ids={list(device_ids)}"
+        )
+    device_types = {p.device.type for p in module_params}
+    if len(device_types) != 1:
+        raise ValueError(
+            "DistributedDataParallel's input module must be on the same type of devices, but "
+            f"input module parameters locate in {device_types}."
+        )
+    device_type = next(iter(device_types))
+    multi_device = len({p.device for p in module_params}) > 1
+    if not device_ids or device_type == "cpu" or multi_device:
+        if device_ids or output_device:
+            raise ValueError(
+                "DistributedDataParallel device_ids and output_device arguments only work with "
+                "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+                f"{device_ids}, output_device {output_device}, and module parameters "
+                f"{ {p.device for p in module_params} }."
+            )
+        device_ids_, output_device_ = None, None
+    else:
+        from torch._utils import _get_device_index
+
+        device_ids_ = [_get_device_index(x, True) for x in device_ids]
+        output_device_ = _get_device_index(output_device if output_device is not None else device_ids[0], True)
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            raise refuse(
+                f"sparse gradients ({name or 'module'} is an {type(sub).__name__} with sparse=True)",
+                "the gradient buckets are dense; construct it with sparse=False, or use torch's DDP",
+            )
+    for p in module_params:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise RuntimeError(
+                "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
+                "Run a dummy forward pass to correctly initialize the modules"
+            )
+    # torch's deprecations, with torch's warnings.
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            warnings.warn(
+                "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+                "`broadcast_buffers` is deprecated and its value is ignored when "
+                "`forward_sync_buffers` is provided.",
+                FutureWarning,
+                stacklevel=2,
+            )
+        else:
+            warnings.warn(
+                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
+                "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
+                "syncs buffers at init.",
+                FutureWarning,
+                stacklevel=2,
+            )
+    if check_reduction:
+        warnings.warn(
+            "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
+            "Please avoid using it.",
+            FutureWarning,
+            stacklevel=2,
+        )
+    return ignore, module_params, device_type, multi_device, device_ids_, output_device_
