@@ -21,7 +21,7 @@ import contextlib
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -31,7 +31,9 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from fastamp._checks import is_real, real
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, handing
 from fastamp.scaler import _ops, diagnostics
-from fastamp.scaler._grads import DeviceGrads, collect_grads
+from fastamp.scaler._clip import GradClipping
+from fastamp.scaler._grads import DeviceGrads, collect_grads, to_device
+from fastamp.scaler._state import ScalerState
 from fastamp.scaler._validation import (
     FLOAT32_MAX,
     check_backoff_factor,
@@ -39,23 +41,18 @@ from fastamp.scaler._validation import (
     check_growth_interval,
     check_hysteresis,
     check_scale,
-    check_state_dict,
 )
 from fastamp.scaler.diagnostics import OverflowReport
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
 
 
-def _to(t: Tensor, device: torch.device) -> Tensor:
-    """``t`` on ``device``, without a copy when it is already there (no sync either way)."""
-    return t if t.device == device else t.to(device, non_blocking=True)
-
 
 def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, AmpFusedOptimizer)
 
 
-class GradScaler(torch.amp.GradScaler):
+class GradScaler(ScalerState, GradClipping, torch.amp.GradScaler):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
     Args:
@@ -225,174 +222,11 @@ class GradScaler(torch.amp.GradScaler):
         with torch.no_grad():
             for dev, entry in per_device.items():
                 f = found_inf.to(device=dev, non_blocking=True, copy=True)
-                flags[dev] = _ops.non_finite_check_and_unscale_(entry.grads, f, _to(inv_scale, dev))
+                flags[dev] = _ops.non_finite_check_and_unscale_(entry.grads, f, to_device(inv_scale, dev))
                 self._grads_written()  # the op checks all its input before writing any
                 found[dev] = f
         self._record_flags(optimizer, per_device, flags)
         return found
-
-    # ------------------------------------------------------------------ hand-offs (fastamp.handoff)
-    def current_scale(self) -> Tensor | None:
-        """The scale as a device tensor (no host sync), or None before the first ``scale()`` /
-        when disabled. fastamp extra: :class:`fastamp.parallel.DistributedDataParallel` unscales
-        the sum of squares it measures with it."""
-        return self._scale if self._enabled else None
-
-    def note_grad_stats(self, stats: GradStats) -> None:
-        """fastamp extra: takes a :class:`fastamp.handoff.GradStats` (from
-        :class:`fastamp.parallel.DistributedDataParallel`, which measured the all-reduced grads
-        while unpacking them). ``clip_grad_norm_`` reuses it instead of reading the grads again
-        only while ``stats.current_for(params, scale)`` (same grads, unwritten since, same scale);
-        ``update()`` drops it."""
-        if not isinstance(stats, GradStats):
-            raise TypeError(
-                f"GradScaler.note_grad_stats: stats must be a fastamp.handoff.GradStats, got "
-                f"{type(stats).__name__}"
-            )
-        self._ddp_stats = stats
-
-    def _reuse_ddp_stats(self, optimizer: torch.optim.Optimizer) -> tuple[Tensor, Tensor] | None:
-        stats = self._ddp_stats
-        if stats is None:
-            return None
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if not stats.current_for(params, self._scale):
-            return None
-        return stats.found_inf, stats.sum_sq
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        # For optimizers that unscale inside their own kernel (fused=True): a read-only inf/NaN
-        # check. PyTorch unscales by 1.0 here, rewriting every grad to itself.
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        per_device = collect_grads(optimizer, allow_fp16=True)
-        one = torch.ones((), dtype=torch.float32, device=scale.device)
-        found: dict[torch.device, Tensor] = {}
-        flags: dict[torch.device, Tensor] = {}
-        with torch.no_grad():
-            for dev, entry in per_device.items():
-                found[dev], _, flags[dev] = _ops.grad_stats(entry.grads, _to(one, dev))
-        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
-        self._record_flags(optimizer, per_device, flags)
-        return found
-
-    def clip_grad_norm_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        max_norm: float,
-        norm_type: float = 2.0,
-    ) -> Tensor:
-        """Unscale and clip the optimizer's grads; return the total norm of the *unscaled* grads.
-
-        Equivalent to ``scaler.unscale_(optimizer)`` followed by
-        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)``, but in two passes over the
-        grads instead of four or more: a read-only pass finds inf/NaN and accumulates the norm (fp32,
-        even for half grads), then one write pass multiplies by ``inv_scale * clip_coef``. The norm is
-        returned as a device tensor: nothing syncs with the host. On a step with inf/NaN grads the
-        norm is inf/NaN and the following :meth:`step` is skipped, as with PyTorch's recipe.
-
-        Counts as this iteration's ``unscale_`` for ``optimizer`` (calling ``unscale_`` afterwards
-        raises, as a second ``unscale_`` would). If ``unscale_`` was already called, only clips.
-        """
-        if not isinstance(getattr(optimizer, "param_groups", None), list):
-            raise TypeError(
-                "clip_grad_norm_: optimizer must be the torch.optim.Optimizer whose grads to clip, "
-                f"got {type(optimizer).__name__}. fastamp clips an optimizer's params, not an "
-                "iterable of tensors: expected scaler.clip_grad_norm_(optimizer, max_norm)"
-            )
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not (max_norm >= 0):
-            raise ValueError(
-                f"clip_grad_norm_: max_norm must be a non-negative number, got {max_norm!r} "
-                "(expected e.g. 1.0; inf disables clipping)"
-            )
-        norm_arg = norm_type
-        try:
-            norm_type = float(norm_type)
-        except (TypeError, ValueError):
-            norm_type = math.nan
-        if isinstance(norm_arg, bool) or not (norm_type > 0):
-            raise ValueError(
-                f"clip_grad_norm_: norm_type must be a positive number or inf, got {norm_arg!r} "
-                "(expected e.g. 2.0, 1.0 or float('inf'))"
-            )
-        if not self._enabled:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-
-        scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
-        with self._restore_on_error(optimizer):
-            return self._clip_grad_norm(optimizer, scale, float(max_norm), norm_type)
-
-    def _clip_grad_norm(
-        self, optimizer: torch.optim.Optimizer, scale: Tensor, max_norm: float, norm_type: float
-    ) -> Tensor:
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError(
-                "clip_grad_norm_() is being called after step(). Expected once per iteration, "
-                "between scaler.scale(loss).backward() and scaler.step(optimizer) (after "
-                "scaler.update() it may be called again)"
-            )
-        already_unscaled = state["stage"] is OptState.UNSCALED
-        # A fastamp fused optimizer takes the clip coefficient into its own kernel: the grads are
-        # only read here (so fp16 grads are fine), and unscaled + clipped in the update pass.
-        fused = _is_fastamp_fused(optimizer) and not already_unscaled
-        per_device = collect_grads(optimizer, already_unscaled or fused, "clip_grad_norm_")
-
-        if already_unscaled:
-            inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
-        else:
-            inv_scale = scale.double().reciprocal().float()
-        found: dict[torch.device, Tensor] = {}
-        flags: dict[torch.device, Tensor] = {}
-        pow_sums: list[Tensor] = []
-        invs: dict[torch.device, Tensor] = {dev: _to(inv_scale, dev) for dev in per_device}
-        reuse = (
-            self._reuse_ddp_stats(optimizer)
-            if norm_type == 2.0 and not already_unscaled and len(per_device) == 1
-            else None
-        )
-        with torch.no_grad():
-            if reuse is not None:
-                # DDP's unpack already read these grads for the inf check and the sum of squares.
-                (dev,) = per_device
-                found[dev] = _to(reuse[0], dev)
-                pow_sums.append(_to(reuse[1], scale.device))
-            for dev, entry in per_device.items() if reuse is None else ():
-                found[dev], pow_sum, flags[dev] = _ops.grad_stats(entry.grads, invs[dev], norm_type)
-                pow_sums.append(_to(pow_sum, scale.device))
-            if not pow_sums:
-                total_norm = torch.zeros((), dtype=torch.float32, device=scale.device)
-            else:
-                total = pow_sums[0]
-                for p in pow_sums[1:]:
-                    total = torch.maximum(total, p) if math.isinf(norm_type) else total + p
-                if math.isinf(norm_type) or norm_type == 1.0:
-                    total_norm = total
-                elif norm_type == 2.0:
-                    total_norm = total.sqrt()
-                else:
-                    total_norm = total.pow(1.0 / norm_type)
-            if fused:
-                coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-                state["fastamp_clip"] = (inv_scale, coef)
-            else:
-                for dev, entry in per_device.items():
-                    _ops.clip_unscale_(entry.grads, invs[dev], _to(total_norm, dev), float(max_norm))
-                    self._grads_written()
-
-        if already_unscaled:
-            # Keep the inf checks of the earlier unscale_: they saw the grads before clipping.
-            prev = state["found_inf_per_device"]
-            for dev, f in found.items():
-                if dev in prev:
-                    prev[dev] = torch.maximum(prev[dev], f)
-                else:
-                    prev[dev] = f
-        else:
-            state["found_inf_per_device"] = found
-            self._record_flags(optimizer, per_device, flags)
-            state["stage"] = OptState.UNSCALED
-        return total_norm
 
     # ------------------------------------------------------------------ step / update
     def _maybe_opt_step(
@@ -420,7 +254,7 @@ class GradScaler(torch.amp.GradScaler):
         total = optimizer_state.get("fastamp_found_total")
         if total is None:
             assert self._scale is not None
-            values = [_to(v, self._scale.device) for v in optimizer_state["found_inf_per_device"].values()]
+            values = [to_device(v, self._scale.device) for v in optimizer_state["found_inf_per_device"].values()]
             total = values[0]
             for v in values[1:]:
                 total = total + v
@@ -522,7 +356,7 @@ class GradScaler(torch.amp.GradScaler):
             if not entries or not state["found_inf_per_device"]:
                 continue
             dev = update_count.device
-            flags = [_to(f, dev) for _, f in entries]
+            flags = [to_device(f, dev) for _, f in entries]
             diagnostics.record(
                 self._diag, opt_id,
                 keys=tuple(k for entry, _ in entries for k in entry.param_ids),
@@ -585,86 +419,3 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             self._maybe_warn_scale(value)
         return value
-
-    # ------------------------------------------------------------------ state
-    def _get_hysteresis_tracker(self) -> int:
-        if self._hysteresis_tracker is None:
-            return self._init_hysteresis_tracker
-        return int(self._hysteresis_tracker.item())
-
-    def _has_extras(self) -> bool:
-        return self._hysteresis != 1 or self._min_scale != 0.0 or not math.isinf(self._max_scale)
-
-    def state_dict(self) -> dict[str, Any]:
-        """PyTorch's five entries; plus the hysteresis/bounds entries only when they are in use,
-        so the dict of a default-configured scaler is exactly PyTorch's."""
-        out = super().state_dict()
-        if self._enabled and self._has_extras():
-            out["hysteresis"] = self._hysteresis
-            out["_hysteresis_tracker"] = self._get_hysteresis_tracker()
-            out["min_scale"] = self._min_scale
-            out["max_scale"] = self._max_scale
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Accepts dicts from ``torch.amp.GradScaler`` and from ``fastamp.GradScaler``."""
-        if not self._enabled:
-            return
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(
-                "GradScaler.load_state_dict: state_dict must be the dict returned by "
-                f"GradScaler.state_dict() (torch.amp or fastamp), got {type(state_dict).__name__}"
-            )
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved "
-                "from a disabled instance of GradScaler."
-            )
-        missing = [
-            k
-            for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-            if k not in state_dict
-        ]
-        if missing:
-            raise KeyError(
-                f"GradScaler.load_state_dict: the state dict lacks {missing}; expected the dict "
-                "returned by GradScaler.state_dict() (torch.amp or fastamp)"
-            )
-        check_state_dict(state_dict)  # everything, before anything is changed
-        super().load_state_dict(state_dict)
-        if "hysteresis" in state_dict:
-            self._hysteresis = int(state_dict["hysteresis"])
-            self._min_scale = float(state_dict.get("min_scale", 0.0))
-            self._max_scale = float(state_dict.get("max_scale", math.inf))
-        tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
-        self._init_hysteresis_tracker = tracker
-        if self._hysteresis_tracker is not None:
-            self._hysteresis_tracker.fill_(tracker)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        if self._enabled:
-            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
-        state["_hysteresis_tracker"] = None
-        state["_last_skipped"] = None
-        state["_update_count"] = None
-        state["_diag"] = {}
-        state["_ddp_stats"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        defaults = {
-            "_hysteresis": 1,
-            "_min_scale": 0.0,
-            "_max_scale": math.inf,
-            "_init_hysteresis_tracker": state.get("_hysteresis", 1),
-            "_hysteresis_tracker": None,
-            "_last_skipped": None,
-            "_update_count": None,
-            "_diag": {},
-            "_warned_small_scale": False,
-            "_ddp_stats": None,
-        }
-        for k, v in defaults.items():
-            state.setdefault(k, v)
-        super().__setstate__(state)
