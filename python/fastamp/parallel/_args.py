@@ -53,6 +53,7 @@ def check_arguments(module: nn.Module, device_ids: Any, output_device: Any, broa
     if device_mesh is not None:
         if device_mesh.ndim != 1:
             raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+        # private-ok: DeviceMesh has no public "root mesh" accessor; torch's DDP asks the same.
         if device_mesh._get_root_mesh() != device_mesh:
             raise refuse(
                 "device_mesh (a mesh sliced from a larger one)",

@@ -100,6 +100,8 @@ class BackwardSync:
         for b in self._buckets:
             b.pending, b.work, b.launched = len(b.params), None, False
         self._next_launch = 0
+        # private-ok: autograd's end-of-backward callback queue has no public spelling; torch's
+        # DDP (static graph, join) and FSDP queue their own callbacks through it.
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _launch(self, bucket: Bucket) -> None:

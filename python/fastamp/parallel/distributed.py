@@ -271,12 +271,13 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
             token = [False]
             self._tokens.append(token)
             del self._tokens[:-64]  # forwards with no backward (grad-enabled evaluation) add up
-            ref = weakref.ref(self)
+            # A weak method: the graph must not keep the wrapper alive.
+            on_grad = weakref.WeakMethod(self._on_output_grad)
 
-            def prehook(grads: Any, ref: Any = ref, token: list = token) -> None:
-                ddp = ref()
-                if ddp is not None:
-                    ddp._on_output_grad(token)
+            def prehook(grads: Any, on_grad: Any = on_grad, token: list = token) -> None:
+                fn = on_grad()
+                if fn is not None:
+                    fn(token)
 
             for t in _find_tensors(output):
                 if t.grad_fn is not None:

@@ -58,6 +58,8 @@ def collect_grads(
                 # check the coalesced values (as PyTorch does).
                 if param.grad.dtype is torch.float16:
                     param.grad = param.grad.coalesce()
+                # private-ok: Tensor._values() is the documented accessor of a sparse COO
+                # tensor's values (torch.amp.GradScaler unscales them through it too).
                 grad = param.grad._values()
             else:
                 grad = param.grad

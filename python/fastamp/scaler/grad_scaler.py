@@ -17,11 +17,9 @@ accept it unchanged. What changes underneath:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,6 +32,7 @@ from fastamp.scaler import _ops, diagnostics
 from fastamp.scaler._clip import GradClipping
 from fastamp.scaler._grads import DeviceGrads, collect_grads, to_device
 from fastamp.scaler._state import ScalerState
+from fastamp.scaler._transaction import RestoreOnError
 from fastamp.scaler._validation import (
     FLOAT32_MAX,
     check_backoff_factor,
@@ -52,7 +51,7 @@ def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, AmpFusedOptimizer)
 
 
-class GradScaler(ScalerState, GradClipping, torch.amp.GradScaler):
+class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
     Args:
@@ -137,46 +136,6 @@ class GradScaler(ScalerState, GradClipping, torch.amp.GradScaler):
         if self._update_count is None:
             self._update_count = torch.zeros((), dtype=torch.int64, device=self._scale.device)
         return self._hysteresis_tracker, self._update_count
-
-    # ------------------------------------------------------------------ errors leave no trace
-    @contextlib.contextmanager
-    def _restore_on_error(self, optimizer: Any) -> Iterator[None]:
-        """Puts the optimizer's per-iteration state back as it was when the block raises.
-
-        PyTorch leaves a fresh entry behind (``_per_optimizer_states`` is a defaultdict), after
-        which the scaler refuses to be pickled, and a failing fused step would leave inf checks
-        that a retry then mixes with new ones. Once a grad has been written (``_grads_written``)
-        the new stage is the truth and is kept.
-        """
-        outer = self.__dict__.get("_write_mark")
-        mark = self.__dict__["_write_mark"] = [False]
-        states = self._per_optimizer_states
-        key = id(optimizer)
-        saved = None
-        if key in states:  # `in` does not create an entry
-            saved = dict(states[key])
-            if isinstance(saved.get("found_inf_per_device"), dict):
-                saved["found_inf_per_device"] = dict(saved["found_inf_per_device"])
-        try:
-            yield
-        except BaseException:
-            if self._per_optimizer_states is states and not mark[0]:
-                if saved is None:
-                    states.pop(key, None)
-                else:
-                    states[key] = saved
-            raise
-        finally:
-            if outer is None:
-                self.__dict__.pop("_write_mark", None)
-            else:
-                outer[0] = outer[0] or mark[0]
-                self._write_mark = outer
-
-    def _grads_written(self) -> None:
-        mark = self.__dict__.get("_write_mark")
-        if mark is not None:
-            mark[0] = True
 
     def scale(self, outputs: Any) -> Any:
         if self._enabled:

@@ -1,0 +1,225 @@
+"""The layering rules of docs/architecture.md, checked on the sources (no build needed).
+
+* No object reaches into another's private attributes: ``x._name`` is allowed only on ``self``,
+  ``cls`` and ``super()``, and on modules (``torch._C``); anything else must say why on its line
+  (or in the comment right above it) with a ``# private-ok: <reason>`` comment -- kept for PyTorch's own
+  interfaces that have no public spelling.
+* No import loop between fastamp's modules (imports inside functions count: they only hide a
+  loop).
+* No file in python/ or csrc/ over 400 lines unless its header says why.
+* Classes call the op layer, never ``torch.ops.fastamp`` directly (only ``*/_ops.py`` and the
+  loader do).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PY = ROOT / "python" / "fastamp"
+MAX_LINES = 400
+_REASON = re.compile(r"(over|more than) 400 lines", re.I)
+
+
+def _py_files() -> list[pathlib.Path]:
+    return sorted(p for p in PY.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PY.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imported_modules(tree: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                names.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                names.add(a.asname or a.name)
+    return names
+
+
+def private_accesses(source: str) -> list[tuple[int, str]]:
+    """``(line, expression)`` of each ``x._name`` on something other than self/cls/super()/a module,
+    without a ``# private-ok:`` note on its line or in the comment lines above it."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    modules = _imported_modules(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not (node.attr.startswith("__") and node.attr.endswith("__"))):
+            continue
+        base = node.value
+        root = base
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+            continue
+        if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+            continue
+        if isinstance(root, ast.Name) and root.id in modules and all(
+            not isinstance(n, ast.Call) for n in ast.walk(base)
+        ) and _looks_like_module_path(base, modules):
+            continue
+        if not _noted(lines, node.lineno - 1):
+            found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def _noted(lines: list[str], i: int) -> bool:
+    """A ``# private-ok:`` note on line ``i`` or in the comment lines right above it."""
+    if "private-ok:" in lines[i]:
+        return True
+    i -= 1
+    while i >= 0 and lines[i].lstrip().startswith("#"):
+        if "private-ok:" in lines[i]:
+            return True
+        i -= 1
+    return False
+
+
+def _looks_like_module_path(base: ast.expr, modules: set[str]) -> bool:
+    """``torch``, ``torch._C``, ``dist``...: a chain of names from an imported module whose parts
+    are modules by convention (lower case), not a class (``torch.autograd.Variable``)."""
+    parts = []
+    while isinstance(base, ast.Attribute):
+        parts.append(base.attr)
+        base = base.value
+    if not isinstance(base, ast.Name) or base.id not in modules:
+        return False
+    return all(p == p.lower() or p == "_C" for p in parts) and base.id == base.id.lower()
+
+
+def test_private_access_scanner_catches_and_allows():
+    src = (
+        "import torch\n"
+        "class A:\n"
+        "    def f(self, other):\n"
+        "        self._x = 1\n"
+        "        super()._y()\n"
+        "        torch._C._foo()\n"
+        "        other._z = 2\n"
+        "        # private-ok: a documented reason\n"
+        "        other._w\n"
+        "        torch.autograd.Variable._engine\n"
+    )
+    assert [e for _, e in private_accesses(src)] == ["other._z", "torch.autograd.Variable._engine"]
+
+
+@pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
+def test_no_private_access_across_objects(path):
+    bad = private_accesses(path.read_text())
+    assert not bad, (
+        f"{path.relative_to(ROOT)} reaches into private attributes of other objects: "
+        + "; ".join(f"line {n}: {e}" for n, e in bad)
+        + " -- add a public interface (see fastamp.handoff), or a '# private-ok: <reason>' note "
+        "for PyTorch/client internals with no public spelling"
+    )
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in _py_files()}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = mod if is_pkg else mod.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        pkg = pkg.rpartition(".")[0]
+                    base = f"{pkg}.{base}" if base else pkg
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            for t in targets:
+                if t in modules and t != mod and not mod.startswith(t + "."):
+                    # a submodule importing its own package's __init__ is Python's import order,
+                    # not a dependency of the layers
+                    graph[mod].add(t)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_a_loop():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_loop():
+    cycles = _cycles(_import_graph())
+    assert not cycles, f"import loops between fastamp modules: {cycles}"
+
+
+def _sources() -> list[pathlib.Path]:
+    files = _py_files()
+    for ext in ("*.cpp", "*.h", "*.cu", "*.cuh", "*.inc"):
+        files += sorted((ROOT / "csrc").rglob(ext))
+    return files
+
+
+@pytest.mark.parametrize("path", _sources(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_file_length(path):
+    lines = path.read_text().splitlines()
+    if len(lines) <= MAX_LINES:
+        return
+    header = "\n".join(lines[:40])
+    assert _REASON.search(header), (
+        f"{path.relative_to(ROOT)} has {len(lines)} lines (> {MAX_LINES}); split it, or say in its "
+        f"header why it is over {MAX_LINES} lines"
+    )
+
+
+@pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
+def test_classes_call_the_op_layer(path):
+    if path.name in ("_ops.py", "_library.py"):
+        return
+    assert "torch.ops.fastamp" not in path.read_text(), (
+        f"{path.relative_to(ROOT)} calls torch.ops.fastamp directly; call the capability's _ops.py"
+    )
