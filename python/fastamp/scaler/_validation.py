@@ -47,24 +47,22 @@ def check_backoff_factor(value: Any, where: str, arg: str) -> float:
     return v
 
 
-def check_growth_interval(value: Any, where: str, arg: str) -> int:
+def _int32_count(value: Any, where: str, arg: str, tracker: str, example: str) -> int:
     v = integer(value, where, arg, "an int >= 1")
     if not 1 <= v <= INT32_MAX:
         raise ValueError(
-            f"{where}: {arg} must be an int >= 1 and <= 2**31 - 1 (the growth tracker is int32), "
-            f"got {value!r} (expected e.g. 2000)"
+            f"{where}: {arg} must be an int >= 1 and <= 2**31 - 1 (the {tracker} tracker is "
+            f"int32), got {value!r} (expected e.g. {example})"
         )
     return v
+
+
+def check_growth_interval(value: Any, where: str, arg: str) -> int:
+    return _int32_count(value, where, arg, "growth", "2000")
 
 
 def check_hysteresis(value: Any, where: str, arg: str) -> int:
-    v = integer(value, where, arg, "an int >= 1")
-    if not 1 <= v <= INT32_MAX:
-        raise ValueError(
-            f"{where}: {arg} must be an int >= 1 and <= 2**31 - 1 (the hysteresis tracker is "
-            f"int32), got {value!r} (expected e.g. 2; 1 is PyTorch's behaviour)"
-        )
-    return v
+    return _int32_count(value, where, arg, "hysteresis", "2; 1 is PyTorch's behaviour")
 
 
 def check_state_dict(sd: Mapping[str, Any], where: str = "GradScaler.load_state_dict") -> None:
