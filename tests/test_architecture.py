@@ -57,6 +57,14 @@ def private_accesses(source: str) -> list[tuple[int, str]]:
     modules = _imported_modules(tree)
     found = []
     for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                and node.args[1].value.startswith("_") and not node.args[1].value.startswith("__")):
+            target = node.args[0]
+            if not (isinstance(target, ast.Name) and target.id in ("self", "cls")) and not _noted(lines, node.lineno - 1):
+                found.append((node.lineno, ast.unparse(node)))
+            continue
         if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
                 and not (node.attr.startswith("__") and node.attr.endswith("__"))):
             continue
@@ -113,8 +121,11 @@ def test_private_access_scanner_catches_and_allows():
         "        # private-ok: a documented reason\n"
         "        other._w\n"
         "        torch.autograd.Variable._engine\n"
+        "        getattr(other, '_v', None)\n"
+        "        getattr(self, '_u', None)\n"
     )
-    assert [e for _, e in private_accesses(src)] == ["other._z", "torch.autograd.Variable._engine"]
+    assert [e for _, e in private_accesses(src)] == [
+        "other._z", "torch.autograd.Variable._engine", "getattr(other, '_v', None)"]
 
 
 @pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))

@@ -77,6 +77,8 @@ def check_arguments(module: nn.Module, device_ids: Any, output_device: Any, broa
                 f"{_NAME}: bucket_cap_mb_list must be a non-empty list of positive, finite "
                 f"megabytes (one cap per bucket, the last one repeating), got {bucket_cap_mb_list!r}"
             )
+    # private-ok: torch's DDP reads the parameters to ignore from this module attribute (set by
+    # DistributedDataParallel._set_params_and_buffers_to_ignore_for_model), so it is read here too.
     ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
     module_params = [p for n, p in module.named_parameters() if n not in ignore]
     if not any(p.requires_grad for p in module_params):
