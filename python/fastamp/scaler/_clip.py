@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from fastamp.handoff import AmpFusedOptimizer, GradStats
+from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats
 from fastamp.scaler import _ops
 from fastamp.scaler._grads import collect_grads, to_device
 
@@ -166,7 +166,8 @@ class GradClipping:
                     total_norm = total.pow(1.0 / norm_type)
             if fused:
                 coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-                state["fastamp_clip"] = (inv_scale, coef)
+                # The step's scalars but found_inf (summed over devices at step()).
+                state["fastamp_clip"] = AmpStep(inv_scale, None, coef)
             else:
                 for dev, entry in per_device.items():
                     _ops.clip_unscale_(entry.grads, invs[dev], to_device(total_norm, dev), float(max_norm))

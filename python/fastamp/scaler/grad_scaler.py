@@ -244,9 +244,9 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        clip = state.pop("fastamp_clip", None)
+        clip: AmpStep | None = state.pop("fastamp_clip", None)
         if clip is not None:  # clip_grad_norm_ ran the stats pass; grads are still scaled
-            inv_scale, coef = clip
+            inv_scale, coef = clip.inv_scale, clip.clip_coef
         elif state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
             inv_scale, coef = scale.double().reciprocal().float(), None
