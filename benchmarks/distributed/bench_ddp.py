@@ -104,29 +104,24 @@ def load_baseline(ref):
 
 
 class _OldScalerHandoff:
-    """The baseline hands its stats as (params, found_inf, sum_sq); today's scaler takes a
-    DDPGradStats. This adapter builds one for the grads as they are (the baseline's unconditional
-    reuse), so the baseline's step costs what it cost."""
+    """The baseline reads the scale as ``_scale`` and hands its stats as (params, found_inf,
+    sum_sq); today's scaler takes a fastamp.handoff.GradStats through note_grad_stats. This adapter
+    (the object the baseline talks to) builds one for the grads as they are (the baseline's
+    unconditional reuse), so the baseline's step costs what it cost."""
 
     def __init__(self, scaler):
-        self._scaler = scaler
+        self.scaler = scaler
 
     @property
     def _scale(self):
-        return self._scaler._scale
+        return self.scaler.current_scale()
 
     def _note_grad_stats(self, params, found, sq):
-        import weakref
+        from fastamp.handoff import GradStats
 
-        from fastamp.parallel import DDPGradStats
-
-        scale = self._scaler._scale
         with_grad = [p for p in params if p.grad is not None]
-        self._scaler._note_grad_stats(DDPGradStats(
-            found_inf=found, sum_sq=sq, params=tuple(with_grad),
-            grads=tuple(weakref.ref(p.grad) for p in with_grad),
-            versions=tuple(p.grad._version for p in with_grad),
-            scale=weakref.ref(scale), scale_version=scale._version))
+        self.scaler.note_grad_stats(GradStats.measured(
+            found, sq, with_grad, [p.grad for p in with_grad], self.scaler.current_scale()))
 
 
 def make_variant(kind, view, base, args):
