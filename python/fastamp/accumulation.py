@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -54,8 +54,10 @@ def scale_lr(base_lr: float, base_batch: int, effective_batch: int, rule: str = 
 class _Micro:
     """One micro-batch: a context manager (no_sync when needed) with ``backward(loss)``."""
 
-    def __init__(self, acc: GradientAccumulator, group_size: int, last_in_group: bool):
+    def __init__(self, acc: GradientAccumulator, group_size: int, last_in_group: bool,
+                 step: Callable[[], None]):
         self.acc = acc
+        self.step = step  # the accumulator's optimizer step, run after the group's last backward
         self.group_size = group_size
         self.last = last_in_group
         self._stack: contextlib.ExitStack | None = None
@@ -97,7 +99,7 @@ class _Micro:
             if not self._backward_done:
                 raise RuntimeError("GradientAccumulator: call micro.backward(loss) inside `with micro:`")
             if self.last:
-                self.acc._optimizer_step()
+                self.step()
                 self.stepped = True
         return False
 
@@ -180,4 +182,4 @@ class GradientAccumulator:
             if not group:
                 return
             for pos, batch in enumerate(group):
-                yield batch, _Micro(self, len(group), pos == len(group) - 1)
+                yield batch, _Micro(self, len(group), pos == len(group) - 1, self._optimizer_step)

@@ -43,12 +43,13 @@ from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
 import fastamp  # noqa: E402
+from fastamp.handoff import AmpFusedOptimizer  # noqa: E402
 
 __all__ = ["Accelerator", "install_grad_scaler", "clip_grad_norm_"]
 
 # Where accelerate's scaler is a plain torch.amp.GradScaler; FSDP (ShardedGradScaler), DeepSpeed,
 # Megatron and XLA bring their own.
-_PLAIN_DDP_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+PLAIN_DDP_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
 def install_grad_scaler(accelerator: _Accelerator, scaler: torch.amp.GradScaler | None = None):
@@ -61,16 +62,18 @@ def install_grad_scaler(accelerator: _Accelerator, scaler: torch.amp.GradScaler 
             "install_grad_scaler: the accelerator must use mixed_precision='fp16' (loss scaling is "
             f"for fp16), got mixed_precision={accelerator.mixed_precision!r}"
         )
-    if accelerator.distributed_type not in _PLAIN_DDP_TYPES:
+    if accelerator.distributed_type not in PLAIN_DDP_TYPES:
         raise ValueError(
             "install_grad_scaler: supported with distributed_type NO, MULTI_CPU or MULTI_GPU, got "
             f"{accelerator.distributed_type}: FSDP, DeepSpeed, Megatron-LM and XLA manage their own "
             "scaler"
         )
+    # private-ok: accelerate keeps the optimizers prepare() returned only in Accelerator._optimizers
+    # (no public accessor); read, never written.
     if accelerator._optimizers:
         raise RuntimeError(
             "install_grad_scaler: call it before accelerator.prepare(): "
-            f"{len(accelerator._optimizers)} optimizer(s) were already prepared with the old scaler"
+            f"{len(accelerator._optimizers)} optimizer(s) were already prepared with the old scaler"  # private-ok: as above
         )
     if scaler is None:
         handler = accelerator.scaler_handler
@@ -102,10 +105,10 @@ def clip_grad_norm_(accelerator: _Accelerator, parameters: Iterable[torch.Tensor
     if (
         isinstance(scaler, fastamp.GradScaler)
         and scaler.is_enabled()
-        and accelerator.distributed_type in _PLAIN_DDP_TYPES
+        and accelerator.distributed_type in PLAIN_DDP_TYPES
     ):
         wanted = {id(p) for p in params if p.grad is not None}
-        for acc_opt in accelerator._optimizers:
+        for acc_opt in accelerator._optimizers:  # private-ok: see install_grad_scaler
             opt = _unwrap(acc_opt)
             owned = {id(p) for g in opt.param_groups for p in g["params"] if p.grad is not None}
             if owned == wanted:
@@ -124,7 +127,7 @@ class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
             self.gradient_state.sync_gradients
             and isinstance(self.scaler, fastamp.GradScaler)
             and self.scaler.is_enabled()
-            and getattr(_unwrap(self), "_fastamp_fused", False)
+            and isinstance(_unwrap(self), AmpFusedOptimizer)
         ):
             self._is_overflow = bool(self.scaler.last_step_skipped())
 
@@ -135,7 +138,7 @@ class Accelerator(_Accelerator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.mixed_precision == "fp16" and self.distributed_type in _PLAIN_DDP_TYPES:
+        if self.mixed_precision == "fp16" and self.distributed_type in PLAIN_DDP_TYPES:
             install_grad_scaler(self)
 
     def prepare_optimizer(self, optimizer, device_placement=None):

@@ -43,6 +43,8 @@ __all__ = ["FastampDDPStrategy", "FastampPrecision"]
 
 
 def _handles_unscaling(optimizer: Any) -> bool:
+    # private-ok: _step_supports_amp_scaling is torch.amp.GradScaler's documented flag for
+    # optimizers that unscale themselves (fused=True); Lightning and torch read it the same way.
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
