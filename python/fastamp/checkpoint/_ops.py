@@ -13,6 +13,12 @@ from fastamp._checks import dense_list
 __all__ = ["rng_get_state", "rng_set_state", "tensor_digest"]
 
 
+# The OpOverloads themselves, for the checkpoint's per-region RNG snapshot (a call through the
+# packet resolves the overload every time).
+rng_get_state_overload = torch.ops.fastamp.rng_get_state.default
+rng_set_state_overload = torch.ops.fastamp.rng_set_state.default
+
+
 def rng_get_state() -> list[Tensor]:
     """``[cpu_state, cuda:0_state, ...]``: the default CPU generator and every *initialised* CUDA
     device's generator in one call (an uninitialised device gets an empty tensor).

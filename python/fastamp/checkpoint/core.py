@@ -14,220 +14,21 @@ early stop, autocast replay are its machinery), plus:
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointError, noop_context_fn
 
-from fastamp.checkpoint import planner as _planner
-from fastamp.checkpoint._ops import tensor_digest
+from fastamp.checkpoint import accounting
+from fastamp.checkpoint._determinism import bitwise_context_fn, checked_context_fn
+from fastamp.checkpoint._replay import RngReplay
 
 __all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError"]
 
 _DETERMINISM_CHECKS = ("default", "none", "bitwise")
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_rng_get_state_op = torch.ops.fastamp.rng_get_state.default
-_rng_set_state_op = torch.ops.fastamp.rng_set_state.default
-
-
-_cpu_generator = torch.default_generator
 _cuda_initialized = torch.cuda.is_initialized
-
-
-def _rng_get_state() -> list[Tensor]:
-    # Until CUDA is initialised the snapshot is the CPU generator's alone: read it directly (the
-    # op costs a dispatcher round trip, several microseconds inside a checkpointed region).
-    if not _cuda_initialized():
-        return [_cpu_generator.get_state()]
-    return _rng_get_state_op()
-
-
-def _rng_set_state(states: list[Tensor]) -> None:
-    if len(states) == 1:
-        _cpu_generator.set_state(states[0])  # a fresh get_state() tensor: plain bytes
-    else:
-        _rng_set_state_op(states)
-
-
-class _RngReplay:
-    """Runs ``fn``; on every later call (a recompute) replays the RNG state of the first call for
-    all generators, then puts the generators back where they were (fork semantics)."""
-
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-        self.state: list[Tensor] | None = None
-
-    @staticmethod
-    def _get() -> list[Tensor]:
-        # Outside any dispatch mode: the block's context_fn modes (selective checkpointing's cache,
-        # the bitwise check) must see the block's ops only, not this bookkeeping. (Entering the
-        # context costs more than the snapshot: skipped when no mode is active.)
-        if _dispatch_modes() == 0:
-            return _rng_get_state()
-        with _disable_current_modes():
-            return _rng_get_state()
-
-    @staticmethod
-    def _set(states: list[Tensor]) -> None:
-        if _dispatch_modes() == 0:
-            _rng_set_state(states)
-            return
-        with _disable_current_modes():
-            _rng_set_state(states)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.state is None:
-            self.state = before = self._get()
-            out = self.fn(*args, **kwargs)
-            if len(before) == 1 and not _cuda_initialized():
-                return out  # no CUDA generator before or after: nothing can have appeared
-            after = self._get()
-            newly = [i - 1 for i in range(1, len(after))
-                     if after[i].numel() and not (i < len(before) and before[i].numel())]
-            if newly:
-                self.warn_newly_used(newly)
-            return out
-        current = self._get()
-        self._set(self.state)
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            self._set(current)
-
-    @staticmethod
-    def warn_newly_used(newly: Any) -> None:
-        # A warning, not an error: the block has run (BatchNorm statistics, RNG moved), and
-        # PyTorch does not replay such devices either.
-        warnings.warn(
-            f"fastamp.checkpoint: CUDA device(s) {newly} were first used inside the "
-            "checkpointed function, so their RNG state before it is unknown: the "
-            "recompute does not replay their random numbers (as with PyTorch, which "
-            "replays only the devices of the arguments). Initialise them before the "
-            "checkpoint (e.g. torch.cuda.init() or a first tensor on each device) for an "
-            "exact replay.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-# Factories whose output is uninitialised memory: their bytes legitimately differ.
-_NONDETERMINISTIC_BY_DESIGN = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
-
-
-def _digests(out: Any) -> list[tuple[int, Tensor]]:
-    tensors = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
-    result = []
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.layout == torch.strided and t.device.type != "meta":
-            by_device.setdefault(t.device, []).append(i)
-    for idxs in by_device.values():
-        d = tensor_digest([tensors[i] for i in idxs])
-        result.extend((i, d[k]) for k, i in enumerate(idxs))
-    return sorted(result, key=lambda x: x[0])
-
-
-class _DigestMode(TorchDispatchMode):
-    """Forward: records (op, output digests) per op. Recompute: compares them as ops run."""
-
-    def __init__(self, log: list[tuple[str, list[tuple[int, Tensor]]]], compare: bool):
-        super().__init__()
-        self.log = log
-        self.compare = compare
-        self.k = 0
-
-    def __enter__(self):
-        self.k = 0  # every recompute (retain_graph, several backwards) starts from the first op
-        return super().__enter__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # Aliases (detach, views) compute nothing, and the recompute detaches its inputs where the
-        # forward did not; uninitialised factories legitimately differ.
-        if func.is_view or func.__name__.split(".")[0] in _NONDETERMINISTIC_BY_DESIGN:
-            return out
-        digests = _digests(out)
-        name = str(func)
-        if not self.compare:
-            self.log.append((name, digests))
-        else:
-            if self.k >= len(self.log):
-                raise CheckpointError(
-                    f"fastamp.checkpoint (determinism_check='bitwise'): the recompute ran more ops "
-                    f"than the forward (op #{self.k}: {name})"
-                )
-            fwd_name, fwd = self.log[self.k]
-            if fwd_name != name:
-                raise CheckpointError(
-                    f"fastamp.checkpoint (determinism_check='bitwise'): op #{self.k} was {fwd_name} "
-                    f"in the forward but {name} in the recompute: the function took another path"
-                )
-            for (i, a), (_, b) in zip(fwd, digests):
-                if not torch.equal(a, b):
-                    raise CheckpointError(
-                        f"fastamp.checkpoint (determinism_check='bitwise'): output {i} of op "
-                        f"#{self.k} ({name}) differs bitwise between the forward and the recompute. "
-                        "The block is not deterministic: it draws randomness that is not replayed "
-                        "(a torch.Generator of its own, numpy/python random), reads mutable state, "
-                        "or uses a nondeterministic kernel."
-                    )
-        self.k += 1
-        return out
-
-
-class _Both:
-    """Enters two context managers as one (the user's context_fn and the bitwise check)."""
-
-    def __init__(self, outer: Any, inner: Any):
-        self.outer, self.inner = outer, inner
-        self.stack: contextlib.ExitStack | None = None
-
-    def __enter__(self):
-        self.stack = contextlib.ExitStack()
-        self.stack.enter_context(self.outer)
-        self.stack.enter_context(self.inner)
-        return self
-
-    def __exit__(self, *exc):
-        assert self.stack is not None
-        return self.stack.__exit__(*exc)
-
-
-def _checked_context_fn(context_fn: Callable[[], Any]) -> Callable[[], tuple[Any, Any]]:
-    """context_fn, with its result checked before the forward runs (PyTorch unpacks it and says
-    only "cannot unpack non-iterable ...")."""
-
-    def checked():
-        out = context_fn()
-        ok = isinstance(out, tuple) and len(out) == 2 and all(
-            hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in out)
-        if not ok:
-            hint = (
-                " -- a function: was the policy factory passed uncalled (context_fn=selective "
-                "instead of context_fn=selective())?" if callable(out) else "")
-            raise TypeError(
-                "fastamp.checkpoint.checkpoint: context_fn must return two context managers "
-                f"(forward, recompute), but it returned a {type(out).__name__}{hint}; expected "
-                "e.g. context_fn=fastamp.checkpoint.selective()"
-            )
-        return out
-
-    return checked
-
-
-def _bitwise_context_fn(user_context_fn: Callable[[], tuple[Any, Any]]):
-    def context_fn():
-        fwd, rec = user_context_fn()
-        log: list = []
-        return _Both(fwd, _DigestMode(log, compare=False)), _Both(rec, _DigestMode(log, compare=True))
-
-    return context_fn
 
 
 def checkpoint(
@@ -295,13 +96,13 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
                 preserve_rng_state: bool, context_fn: Callable[[], tuple[Any, Any]],
                 determinism_check: str, debug: bool, early_stop: bool) -> Any:
     grad_enabled = torch.is_grad_enabled()
-    if grad_enabled and _planner._active_counters:
-        _planner.note_checkpoint_inputs((args, kwargs))  # the region keeps its inputs until backward
+    if grad_enabled and accounting.counting():
+        accounting.note_checkpoint_inputs((args, kwargs))  # the region keeps its inputs until backward
     run = function
     torch_rng = False  # whether torch's own RNG stash does the replay
     if preserve_rng_state and grad_enabled:
         if _cuda_initialized():
-            run = _RngReplay(function)  # every initialised CUDA generator, and the CPU one
+            run = RngReplay(function)  # every initialised CUDA generator, and the CPU one
         else:
             # Only the CPU generator exists: PyTorch's stash of it is exactly that replay, and
             # reusing it costs nothing on top of torch's checkpoint.
@@ -314,10 +115,10 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
                 "that differs; it cannot be combined with debug=True (PyTorch's debug mode takes "
                 "over context_fn)"
             )
-        context_fn = _bitwise_context_fn(context_fn)
+        context_fn = bitwise_context_fn(context_fn)
         torch_check = "default"
     if context_fn is not noop_context_fn:
-        context_fn = _checked_context_fn(context_fn)
+        context_fn = checked_context_fn(context_fn)
     # Like PyTorch, a block none of whose inputs or parameters requires grad just runs (frozen
     # layers when fine-tuning): nothing is recomputed, nothing raises.
     if _GENERATOR is None:
@@ -335,7 +136,7 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     else:
         out = _run_generator(run, args, kwargs, torch_rng, context_fn, torch_check, debug, early_stop)
     if torch_rng and _cuda_initialized():
-        _RngReplay.warn_newly_used("all initialised")
+        RngReplay.warn_newly_used("all initialised")
     return out
 
 
@@ -344,6 +145,8 @@ def _find_generator() -> Callable[..., Any] | None:
     drives (else None: the public function is used, at the cost of its dynamo frame hook)."""
     import inspect
 
+    # private-ok: the generator behind torch.utils.checkpoint's non-reentrant mode (the public
+    # function adds a dynamo frame hook per call); its signature is checked below, else unused.
     gen = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
     if gen is None:
         return None

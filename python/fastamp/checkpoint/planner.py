@@ -21,80 +21,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from fastamp.checkpoint.accounting import SavedBytes, count_saved_bytes
+from fastamp.checkpoint.core import checkpoint
+from fastamp.checkpoint.policies import selective
+
 __all__ = ["BlockStats", "CheckpointPlan", "SavedBytes", "apply", "count_saved_bytes", "measure_blocks"]
-
-_active_counters: list[SavedBytes] = []
-
-
-class SavedBytes:
-    """Bytes of distinct storages autograd saved (parameters excluded), optionally per block."""
-
-    def __init__(self, exclude: Sequence[Tensor] = ()):
-        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
-        self._seen: set[int] = set()
-        self._saved = 0
-        self._caches: list[Any] = []
-        self.by_block: dict[str, int] = {}
-        self.block: str | None = None
-
-    @property
-    def total(self) -> int:
-        """Bytes saved so far, including selective checkpointing's caches as they are now."""
-        extra = 0
-        seen = set(self._seen)
-        for cache in self._caches:
-            for leaf in tree_leaves(cache):
-                t = getattr(leaf, "val", leaf)  # PyTorch wraps cached outputs in _VersionWrapper
-                if isinstance(t, Tensor) and t.layout == torch.strided:
-                    st = t.untyped_storage()
-                    if st.data_ptr() not in seen and st.data_ptr() not in self._excluded:
-                        seen.add(st.data_ptr())
-                        extra += st.nbytes()
-        return self._saved + extra
-
-    def add(self, t: Tensor) -> None:
-        if not isinstance(t, Tensor) or t.layout != torch.strided or t.device.type == "meta":
-            return
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self._excluded or ptr in self._seen or ptr == 0:
-            return
-        self._seen.add(ptr)
-        self._saved += storage.nbytes()
-        if self.block is not None:
-            self.by_block[self.block] = self.by_block.get(self.block, 0) + storage.nbytes()
-
-
-def note_cache(cache: Any) -> None:
-    """Called by selective checkpointing: the tensors it caches stay alive until backward."""
-    for counter in _active_counters:
-        counter._caches.append(cache)
-
-
-def note_checkpoint_inputs(args: Any) -> None:
-    """Called by checkpoint wrappers: the region's inputs stay alive until its backward."""
-    for counter in _active_counters:
-        for t in tree_leaves(args):
-            if isinstance(t, Tensor):
-                counter.add(t)
-
-
-@contextlib.contextmanager
-def count_saved_bytes(model: nn.Module | None = None) -> Iterator[SavedBytes]:
-    """Counts the activation bytes saved for backward by the code run inside."""
-    counter = SavedBytes(list(model.parameters()) if model is not None else ())
-
-    def pack(t: Tensor) -> Tensor:
-        counter.add(t)
-        return t
-
-    _active_counters.append(counter)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield counter
-    finally:
-        _active_counters.remove(counter)
-
 
 @dataclass
 class BlockStats:
@@ -122,18 +53,27 @@ class CheckpointPlan:
     selective: list[str] = field(default_factory=list)  # selectively checkpointed
     _undo: list[Any] = field(default_factory=list, repr=False)
 
-    def _estimate(self, full: Sequence[str], sel: Sequence[str]) -> int:
+    def estimate(self, full: Sequence[str], sel: Sequence[str]) -> int:
+        """Saved activation bytes with the blocks ``full`` checkpointed and ``sel`` selectively."""
         freed = sum(b.freed_bytes for b in self.blocks if b.name in full)
         freed += sum(b.selective_freed_bytes for b in self.blocks if b.name in sel)
         return self.baseline_bytes - freed
 
     @property
     def estimated_bytes(self) -> int:
-        return self._estimate(self.chosen, self.selective)
+        return self.estimate(self.chosen, self.selective)
 
     @property
     def recompute_s(self) -> float:
         return sum(b.forward_s for b in self.blocks if b.name in self.chosen or b.name in self.selective)
+
+    def install(self, model: nn.Module) -> None:
+        """Wraps the forward of each chosen block of ``model`` in a checkpoint (selective for the
+        blocks in ``selective``); :meth:`remove` undoes it."""
+        for name in self.chosen + self.selective:
+            module = model.get_submodule(name)
+            module.forward = functools.partial(_checkpointed_forward, module.forward, name in self.selective)
+            self._undo.append(module)
 
     def remove(self) -> None:
         """Undoes apply(): the blocks run without checkpointing again."""
@@ -201,14 +141,15 @@ def measure_blocks(
 def _scratch_buffers(model: nn.Module) -> Iterator[None]:
     """The measuring forwards run on copies of the buffers, so a BatchNorm's running statistics
     (and any other buffer a forward updates) are as they were afterwards."""
-    saved = [(m, k, b) for m in model.modules() for k, b in m._buffers.items() if b is not None]
+    # nn.Module.__setattr__ assigns an existing buffer's name into the buffer slot.
+    saved = [(m, k, b) for m in model.modules() for k, b in m.named_buffers(recurse=False)]
     for m, k, b in saved:
-        m._buffers[k] = b.detach().clone()
+        setattr(m, k, b.detach().clone())
     try:
         yield
     finally:
         for m, k, b in saved:
-            m._buffers[k] = b
+            setattr(m, k, b)
 
 
 def _check_blocks(model: nn.Module, blocks: Sequence[str]) -> list[str]:
@@ -269,9 +210,6 @@ def _measure(model: nn.Module, sample_input: Any, names: list[str], modules: dic
         for n in names
     ]
     if measure_selective:
-        from fastamp.checkpoint.core import checkpoint
-        from fastamp.checkpoint.policies import selective
-
         for b in result:
             if b.name not in inputs:
                 continue
@@ -283,9 +221,6 @@ def _measure(model: nn.Module, sample_input: Any, names: list[str], modules: dic
 
 
 def _checkpointed_forward(forward, selectively, *args, **kwargs):
-    from fastamp.checkpoint.core import checkpoint
-    from fastamp.checkpoint.policies import selective
-
     if selectively:
         return checkpoint(forward, *args, use_reentrant=False, context_fn=selective(), **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
@@ -330,7 +265,7 @@ def apply(
             sel = [extra.name] if extra is not None and extra.selective_freed_bytes > 0 else []
             if extra is not None and not sel:
                 continue
-            est = plan._estimate(full, sel)
+            est = plan.estimate(full, sel)
             if est > budget_bytes:
                 continue
             cost = sum(b.forward_s for b in stats if b.name in full or b.name in sel)
@@ -347,10 +282,7 @@ def apply(
             "raise the budget, shrink the batch, or add offload_activations()"
         )
     plan.chosen.sort(key=[b.name for b in stats].index)
-    for name in plan.chosen + plan.selective:
-        module = model.get_submodule(name)
-        module.forward = functools.partial(_checkpointed_forward, module.forward, name in plan.selective)
-        plan._undo.append(module)
+    plan.install(model)
     if verbose:
         print(plan)
     return plan

@@ -12,25 +12,25 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-__all__ = ["save_compute_intensive", "selective", "CheckpointPolicy"]
+from fastamp.checkpoint.accounting import note_cache
 
-_aten = torch.ops.aten
+__all__ = ["save_compute_intensive", "selective", "CheckpointPolicy"]
 
 # Matmuls, convolutions and attention: expensive to recompute, cheap to keep relative to their
 # cost. Everything else (pointwise, norms, activations, dropout) is recomputed.
 _COMPUTE_INTENSIVE = {
-    _aten.mm.default,
-    _aten.bmm.default,
-    _aten.addmm.default,
-    _aten.baddbmm.default,
-    _aten.convolution.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.baddbmm.default,
+    torch.ops.aten.convolution.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
 for _name in ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"):
-    if hasattr(_aten, _name):
-        _COMPUTE_INTENSIVE.add(getattr(_aten, _name).default)
+    if hasattr(torch.ops.aten, _name):
+        _COMPUTE_INTENSIVE.add(getattr(torch.ops.aten, _name).default)
 
 
 def save_compute_intensive(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -77,8 +77,6 @@ def selective(
         caching, cached = create_selective_checkpoint_contexts(policy)
         # The outputs the policy saves live in this cache, not in autograd's saved tensors; let
         # fastamp's activation accounting (count_saved_bytes, the planner) see them.
-        from fastamp.checkpoint.planner import note_cache
-
         note_cache(caching.storage)
         return caching, cached
 
