@@ -76,7 +76,7 @@ def tiered(*, default: int, slow: int, examples: tuple[dict, ...] = (), **strate
     ``examples`` are explicit ``@example(**kwargs)`` cases (regressions) that both tiers run first.
 
     Usage: ``test_x, test_x_slow = tiered(default=50, slow=2000, case=cases())(_check_x)``.
-    The profiles are registered in tests/fuzz/conftest.py.
+    The profiles are registered in tests/conftest.py.
     """
 
     def deco(prop):

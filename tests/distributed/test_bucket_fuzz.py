@@ -16,7 +16,7 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 
-from tests.fuzz.strategies import (
+from tests._fuzz import (
     HALF_DTYPES,
     Guarded,
     TensorSpec,

@@ -11,58 +11,14 @@ the numbers, when the machine has too little memory available.
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import pytest
 import torch
 
 from fastamp.scaler import ops
-from tests.fuzz.strategies import bits, expect_error
-
-N = 2**31 + 4099  # elements of a "large" tensor: past int32 indexing, and not a multiple of 64 Ki
-CHUNK = 2**24  # reference chunk: 16 Mi elements (a 128 MiB float64 temporary)
-DT = torch.bfloat16
-GiB = 2**30
-EPS32 = 2.0**-24
-
-
-def available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def need(nbytes: int) -> None:
-    have = available_bytes()
-    if have < nbytes:
-        pytest.skip(
-            f"needs {nbytes / GiB:.1f} GiB of available memory, this machine has {have / GiB:.1f} GiB"
-        )
-
-
-def chunk_values(seed: int, c: int, n: int) -> torch.Tensor:
-    """The bfloat16 values of chunk ``c`` (``n`` elements): fresh random normals times 3."""
-    gen = torch.Generator().manual_seed(seed * 100_003 + c)
-    return (torch.randn(n, generator=gen) * 3.0).to(DT)
-
-
-def fill(t: torch.Tensor, seed: int) -> None:
-    for c, s in enumerate(range(0, t.numel(), CHUNK)):
-        n = min(CHUNK, t.numel() - s)
-        t[s : s + n] = chunk_values(seed, c, n)
-
-
-def chunks(numel: int):
-    for c, s in enumerate(range(0, numel, CHUNK)):
-        yield c, s, min(CHUNK, numel - s)
-
+from tests._fuzz import bits, expect_error
+from tests._large import CHUNK, DT, EPS32, GiB, N, chunk_values, chunks, fill, need  # noqa: F401
 
 # --- default tier: refused without allocating ---------------------------------------------------
 
@@ -81,10 +37,6 @@ def test_huge_overlapping_views_are_refused_cheaply():
     for v in (expanded, folded):
         expect_error(lambda v=v: ops.non_finite_check_and_unscale_([v], found, inv), ["grads[0]"])
         expect_error(lambda v=v: ops.clip_unscale_([v], inv, torch.tensor(1.0), 1.0), ["grads[0]"])
-        expect_error(
-            lambda v=v: torch.ops.fastamp.bucket_pack_(torch.zeros(8, dtype=DT), [v], [0], 1.0),
-            ["grads[0]"],
-        )
     assert time.perf_counter() - t0 < 5.0
     assert float(found) == 0.0 and torch.equal(bits(base), bits(snap))
 
@@ -155,63 +107,6 @@ def test_grad_stats_and_unscale_past_2_pow_31():
             assert math.isnan(float(got[-1]))
             got, expected = got[:-1], expected[:-1]
         assert torch.equal(bits(got), bits(expected)), f"chunk {c} (elements {s}..{s + n})"
-
-
-@pytest.mark.slow
-def test_bucket_ops_past_2_pow_31():
-    """bucket_pack_/bucket_unpack_ with slots past element 2^31 of a bfloat16 bucket, and a grad of
-    more than 2^31 elements: exact copies, nothing written outside the slots, found_inf and the sum
-    of squares of the copied elements against chunked float64."""
-    need(2 * N * 2 + 2 * GiB)  # bucket + one large grad + temporaries
-    seed = 12
-    nb = N + 300
-    bucket = torch.full((nb,), 7.0, dtype=DT)
-    big = torch.empty(N, dtype=DT)
-    fill(big, seed)
-    small = [chunk_values(seed, 10**6 + k, 37 + k) for k in range(3)]
-    # big at offset 100 ends at N + 100; the small ones sit right after it, past 2^31.
-    offsets = [100, N + 100 + 5, N + 100 + 5 + 37, N + 100 + 5 + 37 + 38 + 1]
-    grads = [big, *small]
-    scale = 0.5  # exact: pack must reproduce the grads times 1/2 bit for bit
-    torch.ops.fastamp.bucket_pack_(bucket, grads, offsets, scale)
-    # Outside the slots, still 7.0; inside, g * 0.5.
-    seven = torch.tensor(7.0, dtype=DT)
-    assert bool((bucket[:100] == seven).all()) and bool(
-        (bucket[offsets[-1] + small[-1].numel() :] == seven).all()
-    )
-    assert bool((bucket[N + 100 : N + 105] == seven).all()) and bool(
-        bucket[offsets[3] - 1] == seven
-    )
-    for c, s, n in chunks(N):
-        assert torch.equal(
-            bits(bucket[100 + s : 100 + s + n]),
-            bits((chunk_values(seed, c, n).float() * 0.5).to(DT)),
-        )
-    for o, g in zip(offsets[1:], small):
-        assert torch.equal(bits(bucket[o : o + g.numel()]), bits((g.float() * 0.5).to(DT)))
-
-    # Unpack back into the grads (the big one is overwritten with the halved values).
-    bucket[offsets[2] + 3] = math.inf  # in a slot past 2^31: must be found
-    bucket[N + 100 + 2] = math.nan  # in a gap: must not
-    inv_t = torch.tensor(2.0)
-    for g in grads:
-        g.fill_(-1.0)
-    found, pow_sum = torch.ops.fastamp.bucket_unpack_(bucket, grads, offsets, inv_t)
-    assert float(found) == 1.0 and float(pow_sum) == math.inf
-    bucket[offsets[2] + 3] = 1.0
-    found, pow_sum = torch.ops.fastamp.bucket_unpack_(bucket, grads, offsets, inv_t)
-    assert float(found) == 0.0
-    ref = 0.0
-    for c, s, n in chunks(N):
-        x = bucket[100 + s : 100 + s + n]
-        assert torch.equal(bits(big[s : s + n]), bits(x)), f"chunk {c} of the large grad"
-        u = (x.double() * 2.0).float().double()
-        ref += float((u * u).sum())
-    for o, g in zip(offsets[1:], small):
-        assert torch.equal(bits(g), bits(bucket[o : o + g.numel()]))
-        u = (g.double() * 2.0).float().double()
-        ref += float((u * u).sum())
-    assert math.isclose(float(pow_sum), ref, rel_tol=1e-4)
 
 
 @pytest.mark.slow

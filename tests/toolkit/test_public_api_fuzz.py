@@ -27,7 +27,7 @@ from torch import nn
 
 import fastamp
 from fastamp.testing import assert_bitwise_equal
-from tests.fuzz.strategies import tiered
+from tests._fuzz import tiered
 
 OPTIMIZERS = ("Adam", "AdamW", "SGD")
 BAD_NUMBERS = (-1.0, 0.0, math.nan, math.inf, "2", None, True, 3, 2.0)

@@ -17,7 +17,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 
 from fastamp.testing import adam_ref, sgd_ref
-from tests.fuzz.strategies import (
+from tests._fuzz import (
     DENSE_LAYOUTS,
     HALF_DTYPES,
     Guarded,

@@ -19,7 +19,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 
 from fastamp.checkpoint import ops
-from tests.fuzz.strategies import (
+from tests._fuzz import (
     ALL_DTYPES,
     LAYOUTS,
     bits,

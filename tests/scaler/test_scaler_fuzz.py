@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from fastamp.scaler import ops
 from fastamp.testing import update_scale_ref
-from tests.fuzz.strategies import (
+from tests._fuzz import (
     GRAD_DTYPES,
     LAYOUTS,
     NON_GRAD_DTYPES,

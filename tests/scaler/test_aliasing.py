@@ -16,11 +16,6 @@ def _scalars(n):
     return torch.zeros(()), torch.full((), 0.5), torch.zeros(n, dtype=torch.bool)
 
 
-def _adam(params, grads, exp_avgs, exp_avg_sqs, steps):
-    ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, [], steps, [], 1e-3, None, 0.9, 0.999,
-                   0.0, 1e-8, False, False, False, None, None, None)
-
-
 @pytest.mark.parametrize("views", ["same", "overlapping_slices", "strided_collision"])
 def test_unscale_refuses_shared_elements_and_writes_nothing(views):
     x = torch.randn(40)
@@ -46,25 +41,3 @@ def test_disjoint_views_of_one_storage_are_accepted():
     found, inv, flags = _scalars(4)
     ops.non_finite_check_and_unscale_([x[:10], x[10:20], x[20:40:2], x[21:40:2]], found, inv, flags)
     assert torch.allclose(x.double(), ref, rtol=0, atol=1e-7)
-
-
-def test_adam_refuses_a_param_passed_as_its_own_state():
-    p, g, v = torch.randn(6), torch.randn(6), torch.rand(6)
-    st = torch.zeros(1)
-    before = (p.clone(), v.clone(), st.clone())
-    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] and params\[0\] share memory"):
-        _adam([p], [g], [p], [v], [st])
-    with pytest.raises(RuntimeError, match=r"params\[1\] and params\[0\] share memory"):
-        _adam([p, p], [g, g], [torch.zeros(6), torch.zeros(6)], [v, v.clone()], [st, st.clone()])
-    with pytest.raises(RuntimeError, match=r"state_steps\[1\] and state_steps\[0\] share memory"):
-        _adam([p, torch.randn(6)], [g, g], [torch.zeros(6), torch.zeros(6)],
-              [torch.zeros(6), torch.zeros(6)], [st, st])
-    assert all(torch.equal(a, b) for a, b in zip((p, v, st), before))
-
-
-def test_bucket_unpack_refuses_overlapping_grads():
-    bucket, g = torch.randn(10), torch.randn(10)
-    before = g.clone()
-    with pytest.raises(RuntimeError, match=r"bucket_unpack_: grads\[1\] and grads\[0\] share memory"):
-        ops.bucket_unpack_(bucket, [g[:5], g[3:8]], [0, 5], torch.ones(()))
-    assert torch.equal(g, before)
