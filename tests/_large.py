@@ -1,5 +1,5 @@
 """Helpers of the >2^31-element tests (tests/scaler/test_large_tensors.py,
-tests/distributed/test_bucket_large.py): the data of every chunk is regenerated from its seed, so no
+tests/parallel/test_bucket_large.py): the data of every chunk is regenerated from its seed, so no
 copy and no float64 version of a whole tensor is ever held; tests skip when memory is short."""
 
 from __future__ import annotations

@@ -18,6 +18,8 @@
 #include <immintrin.h>
 #endif
 
+#include "common/amp_math.h"
+
 #ifndef FASTAMP_CPU_NS
 #error "cpu_convert.h is for the per-ISA kernel files, which define FASTAMP_CPU_NS"
 #endif
@@ -26,8 +28,7 @@ namespace fastamp {
 inline namespace FASTAMP_CPU_NS {
 namespace cpu {
 
-template <typename T>
-using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+using ::fastamp::opmath_t;  // common/amp_math.h
 
 inline float bits_to_float(uint32_t b) {
   float f;

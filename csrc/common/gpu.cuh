@@ -80,6 +80,14 @@ void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, Strea
 #endif
 }
 
+/// The one vector-access type: N elements of T, aligned to their size (16 bytes for the engine's
+/// chunk loop; the optimizers' 4-element groups, 8 or 16 bytes by dtype). Loaded and stored only
+/// through vec_load / vec_store.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
 /// Vector load of a V (e.g. 16 bytes) from p, which must be aligned to alignof(V): a GPU faults
 /// on a misaligned vector access, and the emulator reports one.
 template <typename V>

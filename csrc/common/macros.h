@@ -4,9 +4,7 @@
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define FASTAMP_HOST_DEVICE __host__ __device__
-#define FASTAMP_DEVICE __device__
 #else
 #define FASTAMP_HOST_DEVICE
-#define FASTAMP_DEVICE
 #endif
 

@@ -235,9 +235,7 @@ template <typename T>
 constexpr int kMtaVec = 16 / static_cast<int>(sizeof(T));
 
 template <typename T>
-struct alignas(16) MtaVec {
-  T v[kMtaVec<T>];
-};
+using MtaVec = gpu::Vec<T, kMtaVec<T>>;
 
 // mta_chunk_loop is also compiled for the host, whose compiler does not know `#pragma unroll`.
 #if defined(__CUDA_ARCH__)

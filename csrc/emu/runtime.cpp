@@ -2,6 +2,12 @@
 // threads are fibers on the calling OS thread; a fiber runs until it reaches a barrier
 // or a warp collective that cannot complete yet, or exits, and the scheduler then picks the next
 // runnable fiber in the launch's order.
+//
+// Over 400 lines because the scheduler, the fiber switch (hand-written on x86-64, ucontext
+// elsewhere) with its AddressSanitizer annotations, the barrier and the warp collectives all work
+// on one piece of file-local state, the block being run and its current fiber; splitting them
+// would export that state through a header for no reader's benefit. The file is sectioned in that
+// order: fiber contexts, the block run, launch, __syncthreads, warp collectives.
 #include "emu/runtime.h"
 
 #if !defined(__x86_64__)

@@ -37,9 +37,7 @@ namespace {
 constexpr int kPack = 4;
 
 template <typename T>
-struct alignas(sizeof(T) * kPack) Pack {
-  T v[kPack];
-};
+using Pack = gpu::Vec<T, kPack>;
 
 template <typename T>
 __device__ __forceinline__ bool pack_aligned(const T* p) {
@@ -250,23 +248,6 @@ struct SgdOp {
 
 // --- host side ----------------------------------------------------------------------------------
 
-/// Calls f(std::bool_constant<a>, std::bool_constant<b>).
-template <typename F>
-void with_bools(bool a, bool b, const F& f) {
-  if (a) {
-    if (b) {
-      f(std::true_type{}, std::true_type{});
-    } else {
-      f(std::true_type{}, std::false_type{});
-    }
-  } else {
-    if (b) {
-      f(std::false_type{}, std::true_type{});
-    } else {
-      f(std::false_type{}, std::false_type{});
-    }
-  }
-}
 
 /// The lists of `plan` in the ops' layout: params, grads, state..., [master].
 std::vector<const std::vector<FlatTensor>*> update_lists(const StepPlan& plan) {

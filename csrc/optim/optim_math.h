@@ -7,6 +7,7 @@
 /// unscaled and clipped in registers (g * inv_scale * clip_coef), never written back.
 #pragma once
 
+#include "common/amp_math.h"
 #include "common/macros.h"
 
 #include <cmath>
@@ -56,9 +57,10 @@ struct SgdHyper {
 // Functions live in a per-ISA inline namespace (see scaler_math.h for why).
 inline namespace FASTAMP_CPU_NS {
 
-/// The loss-scaled gradient made ready for the update rule: unscale, clip, maximize.
+/// The loss-scaled gradient made ready for the update rule: unscale and clip (the scaler's own
+/// unscale_clip, common/amp_math.h), then maximize.
 FASTAMP_HOST_DEVICE inline float prep_grad(float g, float inv, float coef, bool maximize) {
-  const float u = (g * inv) * coef;
+  const float u = unscale_clip(g, inv, coef);
   return maximize ? -u : u;
 }
 

@@ -2,6 +2,10 @@
 // CPU kernels); this file arranges it into per-chunk functors run by multi_tensor_apply_cuda.cuh.
 // Every per-step scalar (inv_scale, total_norm, found_inf, scale) is read and written on the device
 // through pointers, so none of these ops synchronises with the host.
+//
+// Every launch here goes through the engine except update_scale_kernel: one thread updating three
+// scalars (scale, growth and hysteresis trackers) has no list to chunk; it is launched <<<1, 1>>>
+// on the current stream, right after the stats that produce found_inf.
 #include <torch/library.h>
 
 #include "common/gpu.cuh"

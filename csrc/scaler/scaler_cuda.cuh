@@ -15,10 +15,6 @@
 namespace fastamp {
 namespace scaler {
 
-/// Same op-math types as the CPU kernels: half types compute in fp32, double stays double.
-template <typename T>
-using opmath_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
 /// Inf-norm partials combine by max, every other norm by sum (the partials are already |x|^p).
 template <NormKind K>
 constexpr NormKind kCombineKind = K == NormKind::kInf ? NormKind::kInf : NormKind::kL2;

@@ -3,6 +3,7 @@
 /// kernels and the CUDA kernels. CPU tests of this math therefore cover the CUDA arithmetic too.
 #pragma once
 
+#include "common/amp_math.h"
 #include "common/macros.h"
 
 #include <cmath>
@@ -54,11 +55,6 @@ FASTAMP_HOST_DEVICE inline T nonfinite_probe(T v) {
   return v - v;
 }
 
-template <typename T>
-FASTAMP_HOST_DEVICE inline bool is_finite(T v) {
-  return nonfinite_probe(v) == T(0);
-}
-
 /// The unscaled value, computed exactly as torch._amp_foreach_non_finite_check_and_unscale_ does:
 /// one multiply by the fp32 reciprocal of the scale, in the op-math type (fp32 for half types).
 template <typename opmath_t>
@@ -95,13 +91,6 @@ FASTAMP_HOST_DEVICE inline float norm_combine(float a, float b) {
 FASTAMP_HOST_DEVICE inline float clip_coef(float total_norm, float max_norm) {
   const float c = max_norm / (total_norm + 1e-6f);
   return c > 1.0f ? 1.0f : c;
-}
-
-/// Unscale and clip one value in registers: (v * inv_scale) * coef, the two roundings of the
-/// unscale_ + clip_grad_norm_ recipe for fp32, but a single rounding to the storage type.
-template <typename opmath_t>
-FASTAMP_HOST_DEVICE inline opmath_t unscale_clip(opmath_t v, float inv_scale, float coef) {
-  return (v * inv_scale) * coef;
 }
 
 /// Dynamic loss-scale update.

@@ -77,7 +77,7 @@ MUTANTS = {
     ),
     # The pack writes one element past each chunk of the bucket.
     "out_of_bounds_write": Mutant(
-        "distributed/bucket_cuda.cu",
+        "parallel/bucket_cuda.cu",
         "    mta_transform(blk.ptr<T>(1), blk.ptr<T>(0), blk.len,\n"
         "                  [&](T x) { return static_cast<T>(static_cast<float>(x) * s); });",
         "    mta_transform(blk.ptr<T>(1), blk.ptr<T>(0), blk.len,\n"

@@ -95,17 +95,17 @@ selftest misaligned "runtime error: load of misaligned address"
 # Default: the op tests (with the op fuzzers) and the public classes' differential tests,
 # whose gloo workers run the bucket ops in spawned processes that inherit this environment; then
 # the op tests again on the baseline (non-AVX2) copy of the CPU kernels. Not run here:
-# tests/distributed/test_faults.py and test_fault_soak.py (they kill processes on purpose, so a
+# tests/parallel/test_faults.py and test_fault_soak.py (they kill processes on purpose, so a
 # sanitizer death there could pass as the injected fault) and tests/test_examples.py (the same
 # ops through the same classes, for minutes more).
 OP_TESTS=(tests/scaler/test_ops.py tests/optim/test_optim_ops.py
-  tests/checkpoint/test_checkpoint_ops.py tests/distributed/test_bucket_ops.py)
+  tests/checkpoint/test_checkpoint_ops.py tests/parallel/test_bucket_ops.py)
 OP_TESTS+=(tests/scaler/test_scaler_fuzz.py tests/optim/test_optim_fuzz.py
-  tests/checkpoint/test_checkpoint_fuzz.py tests/distributed/test_bucket_fuzz.py
-  tests/scaler/test_large_tensors.py tests/distributed/test_bucket_large.py)
+  tests/checkpoint/test_checkpoint_fuzz.py tests/parallel/test_bucket_fuzz.py
+  tests/scaler/test_large_tensors.py tests/parallel/test_bucket_large.py)
 CLASS_TESTS=(tests/scaler/test_grad_scaler.py tests/scaler/test_cpu_capabilities.py
   tests/scaler/test_compile.py tests/optim/test_optimizers.py tests/checkpoint/test_checkpoint.py
-  tests/distributed/test_ddp.py tests/toolkit tests/test_library.py)
+  tests/parallel/test_ddp.py tests/toolkit tests/test_library.py)
 
 # The CUDA emulator library with the same sanitizers (its objects are cached in build/cuda_emu/asan).
 # Its fibers tell ASan about every stack switch, so the fibers' stacks are not reported.

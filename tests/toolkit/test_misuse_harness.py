@@ -11,8 +11,8 @@ import torch
 
 from tests._misuse import FASTAMP, _diff, _snapshot, _trained, _world
 from tests.checkpoint import test_misuse as checkpoint_misuse
-from tests.distributed import test_misuse as distributed_misuse
 from tests.optim import test_misuse as optim_misuse
+from tests.parallel import test_misuse as distributed_misuse
 from tests.scaler import test_misuse as scaler_misuse
 from tests.toolkit import test_misuse as toolkit_misuse
 

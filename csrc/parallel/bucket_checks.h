@@ -9,7 +9,7 @@
 #include <vector>
 
 namespace fastamp {
-namespace distributed {
+namespace parallel {
 
 /// One gradient's slice of the bucket: elements [offset, offset + numel).
 struct Slot {
@@ -78,5 +78,5 @@ inline std::vector<Slot> check_bucket_unpack(const at::Tensor& bucket, at::Tenso
   return slots;
 }
 
-}  // namespace distributed
+}  // namespace parallel
 }  // namespace fastamp

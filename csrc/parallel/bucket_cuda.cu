@@ -11,14 +11,14 @@
 
 #include "common/gpu.cuh"
 #include "common/multi_tensor_apply_cuda.cuh"
-#include "distributed/bucket_checks.h"
+#include "parallel/bucket_checks.h"
 #include "scaler/scaler_cuda.cuh"
 
 #include <array>
 #include <vector>
 
 namespace fastamp {
-namespace distributed {
+namespace parallel {
 namespace {
 
 using scaler::NormKind;
@@ -110,10 +110,10 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
 }
 
 }  // namespace
-}  // namespace distributed
+}  // namespace parallel
 }  // namespace fastamp
 
 FASTAMP_CUDA_KERNELS(m) {
-  m.impl("bucket_pack_", &fastamp::distributed::bucket_pack_cuda);
-  m.impl("bucket_unpack_", &fastamp::distributed::bucket_unpack_cuda);
+  m.impl("bucket_pack_", &fastamp::parallel::bucket_pack_cuda);
+  m.impl("bucket_unpack_", &fastamp::parallel::bucket_unpack_cuda);
 }

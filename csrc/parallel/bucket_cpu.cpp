@@ -6,7 +6,7 @@
 #include <ATen/Parallel.h>
 
 #include "common/multi_tensor_apply_cpu.h"
-#include "distributed/bucket_checks.h"
+#include "parallel/bucket_checks.h"
 #include "scaler/scaler_cpu_kernels.h"
 #include "scaler/scaler_math.h"
 
@@ -14,7 +14,7 @@
 #include <vector>
 
 namespace fastamp {
-namespace distributed {
+namespace parallel {
 namespace {
 
 // Chunks of the slots, so large grads spread over threads and the sums stay deterministic.
@@ -81,10 +81,10 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cpu(const at::Tensor& bucket, a
 }
 
 }  // namespace
-}  // namespace distributed
+}  // namespace parallel
 }  // namespace fastamp
 
 TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
-  m.impl("bucket_pack_", &fastamp::distributed::bucket_pack_cpu);
-  m.impl("bucket_unpack_", &fastamp::distributed::bucket_unpack_cpu);
+  m.impl("bucket_pack_", &fastamp::parallel::bucket_pack_cpu);
+  m.impl("bucket_unpack_", &fastamp::parallel::bucket_unpack_cpu);
 }

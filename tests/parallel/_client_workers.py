@@ -1,4 +1,4 @@
-"""Workers of tests/distributed/test_ddp_clients.py: the client libraries (accelerate,
+"""Workers of tests/parallel/test_ddp_clients.py: the client libraries (accelerate,
 transformers, Lightning) with fastamp's DDP, each run next to the same library with torch's DDP
 on the same data. The libraries initialise the process group themselves from the torchrun-style
 environment variables set here. The recipes are the ones docs/ddp.md gives."""

@@ -3,7 +3,7 @@
 import pytest
 import torch.multiprocessing as mp
 
-from tests.distributed import _workers
+from tests.parallel import _workers
 
 
 def _spawn(fn, world, tmp_path):

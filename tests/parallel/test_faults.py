@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastamp.testing import assert_bitwise_equal
-from tests.distributed import _fault_workers as W
+from tests.parallel import _fault_workers as W
 
 STEPS, SAVE_AT, FAULT_AT = 12, 6, 8
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tests.distributed import _fault_workers as W
+from tests.parallel import _fault_workers as W
 
 
 def _soak(tmp_path, steps, seed, autocast):

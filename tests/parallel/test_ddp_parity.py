@@ -5,7 +5,7 @@ comm hooks and join. Each worker compares the two on the same inputs; see _parit
 import pytest
 import torch.multiprocessing as mp
 
-from tests.distributed import _parity_workers as W
+from tests.parallel import _parity_workers as W
 
 
 def _spawn(fn, world, tmp_path):

@@ -6,7 +6,7 @@ import socket
 import pytest
 import torch.multiprocessing as mp
 
-from tests.distributed import _client_workers as W
+from tests.parallel import _client_workers as W
 
 pytestmark = pytest.mark.clients
 

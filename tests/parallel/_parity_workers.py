@@ -1,4 +1,4 @@
-"""Workers of tests/distributed/test_ddp_parity.py: fastamp's DDP and torch's DDP side by side in
+"""Workers of tests/parallel/test_ddp_parity.py: fastamp's DDP and torch's DDP side by side in
 the same gloo processes, on the same inputs (each rank its own shard). Each worker asserts by
 itself; a failure makes torch.multiprocessing.spawn raise in the test with the traceback.
 
@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as TDDP
 
 import fastamp
 from fastamp.parallel import DistributedDataParallel as FDDP
-from tests.distributed._workers import _finish, _init
+from tests.parallel._workers import _finish, _init
 
 
 def _data(rank, steps, n=4, d_in=6, d_out=3, seed=77):
