@@ -36,6 +36,7 @@ from fastamp._resume_checks import (
     set_rng_state,
 )
 from fastamp._state_io import atomic_save, check_weights_only, decode_extra, encode_extra
+from fastamp.scaler import GradScaler
 
 __all__ = ["TrainingState", "load_training_state", "save_training_state"]
 
@@ -78,8 +79,10 @@ def _save_id(distributed: bool, world: int) -> str:
 
 def _scaler_mid_iteration(scaler: torch.amp.GradScaler) -> bool:
     """Whether ``scaler`` is between an iteration's unscale_/step and its update()."""
+    if isinstance(scaler, GradScaler):
+        return scaler.in_iteration()
     # private-ok: torch.amp.GradScaler keeps each optimizer's stage (READY / UNSCALED / STEPPED)
-    # only in _per_optimizer_states, with no public accessor; fastamp.GradScaler inherits it.
+    # only in _per_optimizer_states, with no public accessor (fastamp's has in_iteration()).
     states = getattr(scaler, "_per_optimizer_states", None) or {}
     return any(getattr(st.get("stage"), "name", "READY") != "READY" for st in states.values())
 

@@ -95,3 +95,21 @@ def test_raw_update_scale_op_raises_like_torchs(case):
                                                             float("inf")))
     assert got is want, (got, want)
     assert_bitwise_equal([scale.clone(), tracker.clone(), hyst.clone()], before)
+
+
+def test_in_iteration_follows_the_per_optimizer_stage():
+    """fastamp extra used by save_training_state: True from the first unscale_/step of an
+    iteration until update(), as torch's per-optimizer stage says."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = fastamp.GradScaler("cpu")
+    assert not scaler.in_iteration()
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    assert not scaler.in_iteration()  # backward alone does not start the scaler's iteration
+    scaler.unscale_(opt)
+    assert scaler.in_iteration()
+    scaler.step(opt)
+    assert scaler.in_iteration()
+    scaler.update()
+    assert not scaler.in_iteration()
+    assert not fastamp.GradScaler("cpu", enabled=False).in_iteration()

@@ -325,6 +325,13 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
             )  # fmt: skip
 
     # ------------------------------------------------------------------ diagnostics
+    def in_iteration(self) -> bool:
+        """fastamp extra: True between an iteration's first ``unscale_`` / ``clip_grad_norm_`` /
+        ``step`` and its ``update()`` (when a checkpoint of the scaler would be half a step)."""
+        if not self._enabled:  # a disabled scaler has no per-optimizer state (as torch's)
+            return False
+        return any(state["stage"] is not OptState.READY for state in self._per_optimizer_states.values())
+
     def last_step_skipped(self) -> Tensor:
         """A device bool tensor: did the most recent :meth:`step` skip ``optimizer.step()``?
 
