@@ -39,6 +39,11 @@ namespace fastamp {
 /// that the per-thread element order, and hence every reduction, depends on the sizes only.
 constexpr int kMtaThreads = 512;
 
+/// Elements of list 0 per element of a side list (see mta_pack): the 8-bit optimizer state keeps
+/// one float32 scale per block of 256. kChunkElems is a multiple, so a block never straddles chunks.
+constexpr int kMtaSideBlock = 256;
+static_assert(kChunkElems % kMtaSideBlock == 0, "a side block must not straddle two chunks");
+
 /// Vectors each thread loads before it computes on any, so several 16-byte loads are in flight.
 constexpr int kMtaIlp = 4;
 
@@ -90,6 +95,13 @@ struct MtaBlock {
   __device__ __forceinline__ T* ptr(int d) const {
     return static_cast<T*>(data[d]) + start;
   }
+
+  /// List d's elements for this chunk when d is a side list (one element per kMtaSideBlock
+  /// elements of list 0, e.g. the block scales of 8-bit optimizer state).
+  template <typename T>
+  __device__ __forceinline__ T* side_ptr(int d) const {
+    return static_cast<T*>(data[d]) + start / kMtaSideBlock;
+  }
 };
 
 namespace detail {
@@ -128,16 +140,21 @@ __global__ void __launch_bounds__(kMtaThreads)
   }
 }
 
-inline bool mta_supported_dtype(c10::ScalarType t) {
+/// List 0 selects the kernel's instantiation, so it must be a floating type; the other lists may
+/// also hold uint8 (8-bit codes).
+inline bool mta_supported_dtype(c10::ScalarType t, bool list0 = true) {
   return t == c10::ScalarType::Float || t == c10::ScalarType::Half ||
-         t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Double;
+         t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Double ||
+         (!list0 && t == c10::ScalarType::Byte);
 }
 
 /// Host half of the driver: validates `lists`, then cuts their chunks into kernel-argument tables
 /// and calls emit(meta, nblocks) for each table in plan order. It makes no CUDA call, so the
 /// packing can be tested on machines without a GPU. Everything is checked before the first emit.
-template <int Depth, typename Emit>
+/// The last `Side` lists are side lists: item i holds ceil(numel_i / kMtaSideBlock) elements.
+template <int Depth, typename Emit, int Side = 0>
 void mta_pack(const std::array<const std::vector<FlatTensor>*, Depth>& lists, Emit&& emit) {
+  static_assert(Side >= 0 && Side < Depth, "list 0 is never a side list");
   static_assert(Depth >= 1, "at least one tensor list");
   static_assert(sizeof(MtaMeta<Depth>) <= kMtaMetaBytes, "metadata exceeds its kernel-arg budget");
   constexpr int kMaxTensors = MtaMeta<Depth>::kMaxTensors;
@@ -147,10 +164,12 @@ void mta_pack(const std::array<const std::vector<FlatTensor>*, Depth>& lists, Em
     const auto& l = *lists[static_cast<size_t>(d)];
     TORCH_INTERNAL_ASSERT(l.size() == items.size(), "multi_tensor_apply: list ", d, " has ",
                           l.size(), " non-empty tensors, list 0 has ", items.size());
+    const bool side = d >= Depth - Side;
     for (size_t i = 0; i < l.size(); ++i) {
-      TORCH_INTERNAL_ASSERT(l[i].numel == items[i].numel,
+      const int64_t want = side ? (items[i].numel + kMtaSideBlock - 1) / kMtaSideBlock : items[i].numel;
+      TORCH_INTERNAL_ASSERT(l[i].numel == want,
                             "multi_tensor_apply: numel mismatch between lists at item ", i);
-      TORCH_INTERNAL_ASSERT(mta_supported_dtype(l[i].dtype),
+      TORCH_INTERNAL_ASSERT(mta_supported_dtype(l[i].dtype, d == 0),
                             "multi_tensor_apply: unsupported dtype ", l[i].dtype);
     }
   }
@@ -203,9 +222,10 @@ void mta_pack(const std::array<const std::vector<FlatTensor>*, Depth>& lists, Em
 }  // namespace detail
 
 /// Runs `op` over every chunk of `Depth` parallel tensor lists (item i of every list has the same
-/// numel; list 0's dtype selects the kernel instantiation) on the current stream of `device`.
-/// Launches nothing when the lists hold no elements. Never synchronises with the host.
-template <int Depth, typename Op>
+/// numel, but for the last `Side` lists: see mta_pack; list 0's dtype selects the kernel
+/// instantiation) on the current stream of `device`. Launches nothing when the lists hold no
+/// elements. Never synchronises with the host.
+template <int Depth, typename Op, int Side = 0>
 void cuda_multi_tensor_apply(const std::array<const std::vector<FlatTensor>*, Depth>& lists,
                              const c10::Device& device, const Op& op) {
   static_assert(std::is_trivially_copyable_v<Op>, "the op is passed by value as a kernel argument");
@@ -215,10 +235,11 @@ void cuda_multi_tensor_apply(const std::array<const std::vector<FlatTensor>*, De
                         " is not a ", gpu::kDeviceName, " device");
   gpu::DeviceGuard guard(device);
   const gpu::Stream stream = gpu::current_stream(device);
-  detail::mta_pack<Depth>(lists, [&](const MtaMeta<Depth>& meta, int nblocks) {
+  const auto emit = [&](const MtaMeta<Depth>& meta, int nblocks) {
     gpu::launch("multi_tensor_apply_kernel", &detail::multi_tensor_apply_kernel<Depth, Op>,
                 dim3(static_cast<unsigned>(nblocks)), dim3(kMtaThreads), stream, meta, op);
-  });
+  };
+  detail::mta_pack<Depth, const decltype(emit)&, Side>(lists, emit);
 }
 
 /// Single-list form of cuda_multi_tensor_apply.

@@ -42,6 +42,23 @@ void sgd_step_no_kernel(at::TensorList params, at::TensorList grads,
               " in this build");
 }
 
+void adam_lowbit_step_no_kernel(at::TensorList params, at::TensorList grads,
+                                at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                                at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
+                                at::TensorList state_steps, at::TensorList master_params, int64_t,
+                                double, const c10::optional<at::Tensor>& lr_tensor, double, double,
+                                double, double, bool, bool,
+                                const c10::optional<at::Tensor>& inv_scale,
+                                const c10::optional<at::Tensor>& found_inf,
+                                const c10::optional<at::Tensor>& clip_coef) {
+  const LowbitPlan plan = check_adam_lowbit_step(params, grads, exp_avgs, exp_avg_sqs,
+                                                 exp_avg_absmax, exp_avg_sq_absmax, state_steps,
+                                                 master_params, lr_tensor, inv_scale, found_inf,
+                                                 clip_coef);
+  TORCH_CHECK(plan.empty(), "fastamp::adam_lowbit_step_: no kernel for params on ", plan.device,
+              " in this build");
+}
+
 std::vector<int64_t> shared_memory_pair(at::TensorList tensors) {
   return find_shared_memory(tensors);
 }
@@ -76,6 +93,21 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
       "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, "
       "Tensor? inv_scale, Tensor? found_inf, Tensor? clip_coef) -> ()");
 
+  // Adam/AdamW step with low-precision moments, fused as adam_step_ (one pass; with found_inf != 0
+  // nothing is written and state_steps hold). exp_avgs / exp_avg_sqs are either bfloat16, written
+  // with stochastic rounding keyed by (seed, new step, list position, element index), or uint8
+  // codes of 256-element blocks whose float32 scales are exp_avg_absmax / exp_avg_sq_absmax (one
+  // per block; empty lists with bfloat16 state); see csrc/optim/lowbit_math.h for the formats.
+  // Reads grads and the optional device scalars; writes params (or master_params, then params),
+  // the moments, their scales and state_steps. No amsgrad.
+  m.def(
+      "adam_lowbit_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] exp_avg_absmax, Tensor(e!)[] exp_avg_sq_absmax, "
+      "Tensor(f!)[] state_steps, Tensor(g!)[] master_params, int seed, float lr, "
+      "Tensor? lr_tensor, float beta1, float beta2, float weight_decay, float eps, "
+      "bool decoupled_weight_decay, bool maximize, Tensor? inv_scale, Tensor? found_inf, "
+      "Tensor? clip_coef) -> ()");
+
   // The first pair [i, j] (i <= j) of `tensors` that share an element of memory ([i, i]: the
   // tensor's own elements overlap, as after expand()), or [] when none does. Reads only sizes,
   // strides and addresses (no data, no sync); the same on every device. The optimizers run it
@@ -87,4 +119,5 @@ TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
   m.impl("shared_memory_pair", &fastamp::optim::shared_memory_pair);
   m.impl("adam_step_", &fastamp::optim::adam_step_no_kernel);
   m.impl("sgd_step_", &fastamp::optim::sgd_step_no_kernel);
+  m.impl("adam_lowbit_step_", &fastamp::optim::adam_lowbit_step_no_kernel);
 }

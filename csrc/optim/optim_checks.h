@@ -54,5 +54,23 @@ StepPlan check_sgd_step(at::TensorList params, at::TensorList grads,
                         const c10::optional<at::Tensor>& found_inf,
                         const c10::optional<at::Tensor>& clip_coef);
 
+/// The validated arguments of fastamp::adam_lowbit_step_: `state` = [exp_avgs, exp_avg_sqs] in
+/// bfloat16 or uint8 codes; with uint8 codes (`int8`), `absmax` = [exp_avg_absmax,
+/// exp_avg_sq_absmax], float32 with one element per 256-element block of each param.
+struct LowbitPlan : StepPlan {
+  bool int8 = false;
+  std::vector<FlatTensorList> absmax;
+};
+
+/// Everything fastamp::adam_lowbit_step_ checks, for both backends, before anything is written.
+LowbitPlan check_adam_lowbit_step(at::TensorList params, at::TensorList grads,
+                                  at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                                  at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
+                                  at::TensorList state_steps, at::TensorList master_params,
+                                  const c10::optional<at::Tensor>& lr_tensor,
+                                  const c10::optional<at::Tensor>& inv_scale,
+                                  const c10::optional<at::Tensor>& found_inf,
+                                  const c10::optional<at::Tensor>& clip_coef);
+
 }  // namespace optim
 }  // namespace fastamp

@@ -115,6 +115,65 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
   advance_steps(state_steps);
 }
 
+void adam_lowbit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                          at::TensorList exp_avg_sqs, at::TensorList exp_avg_absmax,
+                          at::TensorList exp_avg_sq_absmax, at::TensorList state_steps,
+                          at::TensorList master_params, int64_t seed, double lr,
+                          const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                          double weight_decay, double eps, bool decoupled_weight_decay,
+                          bool maximize, const c10::optional<at::Tensor>& inv_scale,
+                          const c10::optional<at::Tensor>& found_inf,
+                          const c10::optional<at::Tensor>& clip_coef) {
+  LowbitPlan plan = check_adam_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax,
+                                           exp_avg_sq_absmax, state_steps, master_params,
+                                           lr_tensor, inv_scale, found_inf, clip_coef);
+  if (plan.empty()) return;
+  const StepScalars& dev = plan.scalars;
+  const CpuScalars s = read_scalars(dev);
+  if (s.skip) return;  // an overflowed step writes nothing, not even the step counters
+  const double lr_v = dev.lr != nullptr ? static_cast<double>(*dev.lr) : lr;
+  const AdamHyper h =
+      adam_hyper(beta1, beta2, weight_decay, eps, false, decoupled_weight_decay, maximize);
+  const auto& items = plan.params.items();
+  std::vector<AdamCoefs> coefs(items.size());
+  std::vector<uint32_t> keys(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const float old = *state_steps[items[i].index].data_ptr<float>();
+    coefs[i] = adam_coefs(h, lr_v, static_cast<double>(old) + 1.0);
+    keys[i] = sr_key(static_cast<uint32_t>(seed), static_cast<uint32_t>(old + 1.0f),
+                     static_cast<uint32_t>(items[i].index));
+  }
+  const FlatTensorList* master = plan.has_master ? &plan.master : nullptr;
+  const OptimCpuKernels& k = optim_cpu_kernels();
+  const auto kernel = plan.int8 ? k.adam_q8 : k.adam_bf16;
+  cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) {
+    const size_t it = static_cast<size_t>(ch.item);
+    float* am = nullptr;
+    float* av = nullptr;
+    if (plan.int8) {  // chunks start on a block boundary (kChunkElems % kQuantBlock == 0)
+      am = static_cast<float*>(plan.absmax[0].items()[it].data) + ch.start / kQuantBlock;
+      av = static_cast<float*>(plan.absmax[1].items()[it].data) + ch.start / kQuantBlock;
+    }
+    AdamLowbitChunk a{items[it].dtype,
+                      at_elem(items[it], ch.start),
+                      at_elem(plan.grads.items()[it], ch.start),
+                      at_elem(plan.state[0].items()[it], ch.start),
+                      at_elem(plan.state[1].items()[it], ch.start),
+                      am,
+                      av,
+                      static_cast<float*>(at_elem_or_null(master, it, ch.start)),
+                      ch.len,
+                      ch.start,
+                      keys[it],
+                      s.inv_scale,
+                      s.clip_coef};
+    kernel(a, h, coefs[it]);
+  });
+  advance_steps(state_steps);
+}
+
+static_assert(kChunkElems % kQuantBlock == 0, "a quantization block must not straddle two chunks");
+
 }  // namespace
 
 const OptimCpuKernels& optim_cpu_kernels() {
@@ -130,4 +189,5 @@ const OptimCpuKernels& optim_cpu_kernels() {
 TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
   m.impl("adam_step_", &fastamp::optim::adam_step_cpu);
   m.impl("sgd_step_", &fastamp::optim::sgd_step_cpu);
+  m.impl("adam_lowbit_step_", &fastamp::optim::adam_lowbit_step_cpu);
 }

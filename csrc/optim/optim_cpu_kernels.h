@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "optim/lowbit_math.h"
 #include "optim/optim_math.h"
 
 namespace fastamp {
@@ -40,10 +41,30 @@ struct SgdChunk {
   bool first;
 };
 
+/// One chunk of one param of fastamp::adam_lowbit_step_: bfloat16 moments (`exp_avg`,
+/// `exp_avg_sq` point at uint16 bits) or 8-bit codes (uint8, with the block scales at
+/// `m_absmax` / `v_absmax`, offset to the chunk's first 256-element block).
+struct AdamLowbitChunk {
+  c10::ScalarType dtype;
+  void* param;
+  const void* grad;
+  void* exp_avg;
+  void* exp_avg_sq;
+  float* m_absmax;  ///< null unless 8-bit
+  float* v_absmax;
+  float* master;    ///< null unless master weights
+  int64_t n;
+  int64_t start;    ///< index of the chunk's first element in its tensor (the rounding's counter)
+  uint32_t key;     ///< sr_key of the tensor at this step (bfloat16 state)
+  float inv_scale;
+  float clip_coef;
+};
+
 struct OptimCpuKernels {
-  const char* name;
   void (*adam)(const AdamChunk&, const AdamHyper&, const AdamCoefs&);
   void (*sgd)(const SgdChunk&, const SgdHyper&);
+  void (*adam_bf16)(const AdamLowbitChunk&, const AdamHyper&, const AdamCoefs&);
+  void (*adam_q8)(const AdamLowbitChunk&, const AdamHyper&, const AdamCoefs&);
 };
 
 const OptimCpuKernels& optim_cpu_kernels_default();

@@ -93,31 +93,63 @@ FASTAMP_HOST_DEVICE inline AdamCoefs adam_coefs(const AdamHyper& h, double lr, d
   return c;
 }
 
-/// torch.lerp's formula (the branch keeps it exact at weight 1).
+/// torch.lerp's formula (the branch keeps it exact at weight 1). kSide 1 / 2 fixes the branch
+/// taken (w < 0.5 / w >= 0.5) at compile time, for loops whose w is a constant: an element loop
+/// with no branch vectorises.
+template <int kSide = 0>
 FASTAMP_HOST_DEVICE inline float lerp(float a, float b, float w) {
-  return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+  if constexpr (kSide == 1) {
+    return a + w * (b - a);
+  } else if constexpr (kSide == 2) {
+    return b - (b - a) * (1.0f - w);
+  } else {
+    return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+  }
 }
 
-/// One Adam/AdamW element update. `p` is the fp32 (master) parameter, `g` the prepared gradient;
-/// vmax is read and written only with amsgrad.
-FASTAMP_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& v, float& vmax,
-                                            const AdamHyper& h, const AdamCoefs& c) {
-  if (h.weight_decay != 0.0f) {
-    if (h.decoupled) {
-      p = p * c.decay;                       // param.mul_(1 - lr * weight_decay)
-    } else {
-      g = g + h.weight_decay * p;            // grad.add(param, alpha=weight_decay)
-    }
+/// One Adam/AdamW element update with the weight-decay mode and amsgrad fixed at compile time
+/// (kDecay: 0 none, 1 L2 (Adam), 2 decoupled (AdamW)), so an element loop has no branch on them
+/// and vectorises. `p` is the fp32 (master) parameter, `g` the prepared gradient; vmax is read and
+/// written only with amsgrad.
+template <int kDecay, bool kAmsgrad, int kLerp = 0>
+FASTAMP_HOST_DEVICE inline void adam_update_fixed(float& p, float g, float& m, float& v, float& vmax,
+                                                  const AdamHyper& h, const AdamCoefs& c) {
+  if constexpr (kDecay == 2) {
+    p = p * c.decay;                         // param.mul_(1 - lr * weight_decay)
+  } else if constexpr (kDecay == 1) {
+    g = g + h.weight_decay * p;              // grad.add(param, alpha=weight_decay)
   }
-  m = lerp(m, g, h.one_minus_beta1);         // exp_avg.lerp_(grad, 1 - beta1)
+  m = lerp<kLerp>(m, g, h.one_minus_beta1);  // exp_avg.lerp_(grad, 1 - beta1)
   v = v * h.beta2 + (h.one_minus_beta2 * g) * g;  // mul_(beta2).addcmul_(g, g, 1 - beta2)
   float vhat = v;
-  if (h.amsgrad) {
+  if constexpr (kAmsgrad) {
     vmax = vmax > v ? vmax : v;              // torch.maximum (NaN never reaches here: skipped)
     vhat = vmax;
   }
   const float denom = std::sqrt(vhat) / c.bc2_sqrt + h.eps;
   p = p + (c.neg_step_size * m) / denom;     // param.addcdiv_(exp_avg, denom, -step_size)
+}
+
+/// The weight-decay mode of adam_update_fixed for these hyperparameters.
+inline int adam_decay_mode(const AdamHyper& h) {
+  return h.weight_decay == 0.0f ? 0 : (h.decoupled ? 2 : 1);
+}
+
+/// One Adam/AdamW element update, the flags read at run time (the same arithmetic).
+FASTAMP_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& v, float& vmax,
+                                            const AdamHyper& h, const AdamCoefs& c) {
+  if (h.weight_decay != 0.0f) {
+    if (h.decoupled) {
+      h.amsgrad ? adam_update_fixed<2, true>(p, g, m, v, vmax, h, c)
+                : adam_update_fixed<2, false>(p, g, m, v, vmax, h, c);
+    } else {
+      h.amsgrad ? adam_update_fixed<1, true>(p, g, m, v, vmax, h, c)
+                : adam_update_fixed<1, false>(p, g, m, v, vmax, h, c);
+    }
+  } else {
+    h.amsgrad ? adam_update_fixed<0, true>(p, g, m, v, vmax, h, c)
+              : adam_update_fixed<0, false>(p, g, m, v, vmax, h, c);
+  }
 }
 
 

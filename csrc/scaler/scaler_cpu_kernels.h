@@ -18,7 +18,6 @@ namespace scaler {
 
 /// The chunk kernels of one instruction set. Pointers are the chunk's first element.
 struct CpuKernels {
-  const char* name;
   // kind is a NormKind: passed as an int because NormKind lives in a per-ISA inline namespace.
   void (*stats)(c10::ScalarType dtype, int32_t kind, const void* x, int64_t n, float inv_scale,
                 float p, float* acc_out, bool* nonfinite_out);

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeviceMemory", "Peak", "summary", "track"]
+__all__ = ["DeviceMemory", "Peak", "optimizer_state_bytes", "summary", "track"]
 
 _MB = 2.0**20
 
@@ -148,3 +148,34 @@ def track(device: str | torch.device | None = None, print_: bool = False) -> Ite
             result.peak = max(result.peak, result.end)
     if print_:
         print(result)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Bytes the optimizer's state takes, measured from the storages of its tensors (each storage
+    counted once): ``state_bytes`` (moments, their block scales, step counters), ``master_bytes``
+    (fp32 master copies of half params, kept apart: they are weights), ``params`` (elements of the
+    parameters that have state) and ``state_bytes_per_param``.
+
+    float32 Adam moments: 8 bytes per parameter; ``state_dtype=torch.bfloat16``: 4;
+    ``state_dtype="int8"``: 2 + 8/256 (plus the float32 state of tensors below 4096 elements).
+    """
+    seen: set[tuple[int, int]] = set()
+    state_bytes = master_bytes = params = 0
+    for p, st in optimizer.state.items():
+        if not isinstance(st, dict) or not st:
+            continue
+        params += p.numel() if isinstance(p, torch.Tensor) else 0
+        for key, v in st.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            storage = v.untyped_storage()
+            ident = (storage.data_ptr(), storage.nbytes())
+            if ident in seen:
+                continue
+            seen.add(ident)
+            if key == "master_param":
+                master_bytes += storage.nbytes()
+            else:
+                state_bytes += storage.nbytes()
+    return {"state_bytes": state_bytes, "master_bytes": master_bytes, "params": params,
+            "state_bytes_per_param": state_bytes / params if params else 0.0}

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from fastamp._library import check_fake_devices  # (importing it loads the operator library)
 
-__all__ = ["adam_step_", "sgd_step_", "shared_memory_pair"]
+__all__ = ["adam_lowbit_step_", "adam_step_", "sgd_step_", "shared_memory_pair"]
 
 _ops = torch.ops.fastamp
 
@@ -34,6 +34,25 @@ def adam_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequ
                     master_params, float(lr), lr_tensor, float(beta1), float(beta2),
                     float(weight_decay), float(eps), bool(amsgrad), bool(decoupled_weight_decay),
                     bool(maximize), inv_scale, found_inf, clip_coef)
+
+
+def adam_lowbit_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+                      exp_avg_sqs: Sequence[Tensor], exp_avg_absmax: Sequence[Tensor],
+                      exp_avg_sq_absmax: Sequence[Tensor], state_steps: Sequence[Tensor],
+                      master_params: Sequence[Tensor], seed: int, lr: float,
+                      lr_tensor: Tensor | None, beta1: float, beta2: float, weight_decay: float,
+                      eps: float, decoupled_weight_decay: bool, maximize: bool,
+                      inv_scale: Tensor | None, found_inf: Tensor | None,
+                      clip_coef: Tensor | None) -> None:
+    """:func:`adam_step_` with low-precision moments (fastamp.optim.lowbit): bfloat16 ones,
+    written with stochastic rounding keyed by ``seed``, or uint8 codes of 256-element blocks with
+    their float32 scales in ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (empty lists for
+    bfloat16). One pass; with ``found_inf`` non-zero nothing is written. No amsgrad."""
+    _ops.adam_lowbit_step_(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax,
+                           exp_avg_sq_absmax, state_steps, master_params, int(seed), float(lr),
+                           lr_tensor, float(beta1), float(beta2), float(weight_decay), float(eps),
+                           bool(decoupled_weight_decay), bool(maximize), inv_scale, found_inf,
+                           clip_coef)
 
 
 def sgd_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
@@ -79,6 +98,23 @@ def _sgd_step_fake(params, grads, momentum_buffers, state_steps, master_params, 
             "sgd_step_", params[0].device,
             [("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers),
              ("state_steps", state_steps), ("master_params", master_params)],
+            {"lr_tensor": lr_tensor, "inv_scale": inv_scale, "found_inf": found_inf,
+             "clip_coef": clip_coef}, anchor="the device of params[0]")  # fmt: skip
+    return None
+
+
+@torch.library.register_fake("fastamp::adam_lowbit_step_")
+def _adam_lowbit_step_fake(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
+                           state_steps, master_params, seed, lr, lr_tensor, beta1, beta2,
+                           weight_decay, eps, decoupled_weight_decay, maximize, inv_scale,
+                           found_inf, clip_coef):
+    if params:
+        check_fake_devices(
+            "adam_lowbit_step_", params[0].device,
+            [("params", params), ("grads", grads), ("exp_avgs", exp_avgs),
+             ("exp_avg_sqs", exp_avg_sqs), ("exp_avg_absmax", exp_avg_absmax),
+             ("exp_avg_sq_absmax", exp_avg_sq_absmax), ("state_steps", state_steps),
+             ("master_params", master_params)],
             {"lr_tensor": lr_tensor, "inv_scale": inv_scale, "found_inf": found_inf,
              "clip_coef": clip_coef}, anchor="the device of params[0]")  # fmt: skip
     return None

@@ -99,8 +99,17 @@ class StepChecks:
                 continue
             master = self._master_weights and p.dtype != torch.float32
             want = torch.float32 if master else p.dtype
+            m = state.get("exp_avg")
+            if self._lowbit_format(group, p) != "float32" or (
+                isinstance(m, Tensor) and m.dtype != want and m.dtype in (torch.uint8, torch.bfloat16)
+            ):
+                # Low-precision state (or state of another precision, which the step converts).
+                self._check_lowbit_state(f"fastamp.optim.{name}", g, i, p, state)
+                keys_left: tuple[str, ...] = ("master_param",) if master else ()
+            else:
+                keys_left = keys + (("master_param",) if master else ())
             shape, device, stride = p.shape, p.device, state_strides(p)
-            for key in keys + (("master_param",) if master else ()):
+            for key in keys_left:
                 v = state.get(key)
                 if v is None:
                     if key in self._required_state(state, group):
@@ -124,6 +133,41 @@ class StepChecks:
                     f"fastamp.optim.{name}: state['step'] of {where_in_groups(g, i)} is {step!r}; expected "
                     "a number or a one-element tensor"
                 )
+
+    def _lowbit_format(self, group: dict[str, Any], p: Tensor) -> str:
+        """The format of ``p``'s moments in ``group`` ("float32": the param's own dtype)."""
+        return "float32"
+
+    @staticmethod
+    def _check_lowbit_state(name: str, g: int, i: int, p: Tensor, state: dict[str, Any]) -> None:
+        """Moments in any of the formats the step converts between: float tensors, or uint8
+        codes with their float32 block scales, all of ``p``'s shape on its device."""
+        where = f"{name}: the state of {where_in_groups(g, i)}"
+        for key in ("exp_avg", "exp_avg_sq"):
+            v = state.get(key)
+            if v is None:
+                if "exp_avg" in state or "exp_avg_sq" in state:
+                    raise KeyError(f"{where} has no {key!r} (it has {sorted(state)})")
+                continue
+            if not (isinstance(v, Tensor) and v.shape == p.shape and v.device == p.device
+                    and (v.is_floating_point() or v.dtype == torch.uint8)):
+                raise TypeError(
+                    f"{where}: state[{key!r}] is {type(v).__name__ if not isinstance(v, Tensor) else f'a {v.dtype} tensor of shape {tuple(v.shape)} on {v.device}'}; "
+                    f"expected a float tensor or uint8 codes of the parameter's shape {tuple(p.shape)} "
+                    f"on {p.device}"
+                )
+        if isinstance(state.get("exp_avg"), Tensor) and state["exp_avg"].dtype == torch.uint8:
+            blocks = (p.numel() + 255) // 256
+            for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+                v = state.get(key)
+                if not (isinstance(v, Tensor) and v.dtype == torch.float32 and v.dim() == 1
+                        and v.numel() == blocks and v.device == p.device):
+                    raise TypeError(
+                        f"{where}: state[{key!r}] must be a float32 tensor of {blocks} block "
+                        f"scales on {p.device} beside 8-bit codes; got "
+                        f"{v.dtype if isinstance(v, Tensor) else type(v).__name__}"
+                        f"{tuple(v.shape) if isinstance(v, Tensor) else ''}"
+                    )
 
     @staticmethod
     def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype,

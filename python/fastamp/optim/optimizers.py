@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 
 from fastamp.handoff import AmpFusedOptimizer, take
-from fastamp.optim import _ops
+from fastamp.optim import _ops, lowbit
 from fastamp.optim._layout import grad_like, kernel_view, on_device
+from fastamp.optim._lowbit_step import LowbitAdamMixin
 from fastamp.optim._state_dict import StateDictChecks
 from fastamp.optim._step_checks import StepChecks
 
@@ -144,7 +145,7 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
                 self.state[p].update(new)
 
 
-class _AdamBase(_FusedStepMixin):
+class _AdamBase(LowbitAdamMixin, _FusedStepMixin):
     _ELEMENTWISE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
 
@@ -160,6 +161,18 @@ class _AdamBase(_FusedStepMixin):
         return len(state) > 0  # PyTorch's Adam.__setstate__ reads it (KeyError after the load)
 
     def _group_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
+        low = [p for p in params if self._lowbit_format(group, p) != "float32"]
+        if low:
+            self._check_lowbit_group(group)
+            rest = [p for p in params if self._lowbit_format(group, p) == "float32"]
+        else:
+            rest = params
+        if rest:
+            self._full_step(group, rest, inv_scale, found_inf, clip_coef)
+        if low:
+            self._lowbit_step(group, low, inv_scale, found_inf, clip_coef)
+
+    def _full_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
         amsgrad = group["amsgrad"]
         kparams, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters = [], [], [], [], [], [], []
         news: list[dict[str, Any]] = []
@@ -172,7 +185,10 @@ class _AdamBase(_FusedStepMixin):
                 staged.append((p, kp))
             master = self._master(p, state, new)
             like = master if master is not None else kp
-            if "exp_avg" not in state:
+            if isinstance(state.get("exp_avg"), Tensor) and state["exp_avg"].dtype != like.dtype:
+                # Moments of another precision (the group's state_dtype changed): back to float.
+                new.update(lowbit.convert(state, "float32", like))
+            if "exp_avg" not in state and "exp_avg" not in new:
                 new["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
                 new["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
                 if amsgrad:
@@ -196,7 +212,10 @@ class _AdamBase(_FusedStepMixin):
             bool(group["maximize"]), inv_scale, found_inf, clip_coef,
         )  # fmt: skip
         self._commit(params, news, staged)
-
+        for p, new in zip(params, news):  # converted back from 8-bit codes: drop their scales
+            if "exp_avg" in new:
+                self.state[p].pop("exp_avg_absmax", None)
+                self.state[p].pop("exp_avg_sq_absmax", None)
 
 class Adam(_AdamBase, torch.optim.Adam):
     """Fused :class:`torch.optim.Adam` (see the module docstring); ``master_weights`` is extra."""
@@ -206,7 +225,7 @@ class Adam(_AdamBase, torch.optim.Adam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
-                 master_weights=False) -> None:  # fmt: skip
+                 master_weights=False, state_dtype=torch.float32, state_seed=0) -> None:  # fmt: skip
         torch.optim.Adam.__init__(
             self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=capturable,
@@ -214,6 +233,7 @@ class Adam(_AdamBase, torch.optim.Adam):
             decoupled_weight_decay=decoupled_weight_decay,
         )  # fmt: skip
         self._fastamp_init(master_weights)
+        self._lowbit_init(state_dtype, state_seed)
 
 
 class AdamW(_AdamBase, torch.optim.AdamW):
@@ -223,13 +243,15 @@ class AdamW(_AdamBase, torch.optim.AdamW):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, master_weights=False) -> None:  # fmt: skip
+                 differentiable=False, fused=None, master_weights=False, state_dtype=torch.float32,
+                 state_seed=0) -> None:  # fmt: skip
         torch.optim.AdamW.__init__(
             self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
         )  # fmt: skip
         self._fastamp_init(master_weights)
+        self._lowbit_init(state_dtype, state_seed)
 
 
 class SGD(_FusedStepMixin, torch.optim.SGD):

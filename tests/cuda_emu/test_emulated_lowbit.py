@@ -1,0 +1,69 @@
+"""The CUDA kernel of fastamp::adam_lowbit_step_ (csrc/optim/lowbit_cuda.cu) on the emulator against
+the CPU kernel, bit for bit, in every launch order, canaries intact (harness.run_case): bfloat16
+state with stochastic rounding and 8-bit codes with their block scales (side lists of the engine:
+blocks of 256 that straddle a chunk boundary and a partial last block), half params with master
+weights, and an overflowed step that writes nothing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from harness import Mem, run_case, tensors_of
+
+from fastamp.optim import lowbit
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+CHUNK = 65536
+
+SPECS = {
+    # (numel, dtype, offset in its buffer)
+    "fp32-blocks": [(1, F32, 0), (255, F32, 1), (256, F32, 2), (257, F32, 3), (4097, F32, 0),
+                    (CHUNK + 300, F32, 1)],
+    "fp16": [(513, F16, 1), (CHUNK - 1, F16, 0)],
+    "bf16": [(2 * CHUNK + 17, BF16, 3), (31, BF16, 0)],
+}
+
+
+def _build(spec, fmt, master, found=0.0, inject=None):
+    def build(mem: Mem):
+        params = [mem.place(mem.randn(n, dt, 0.1), off) for n, dt, off in spec]
+        gs = []
+        for i, (n, dt, off) in enumerate(spec):
+            g = mem.randn(n, dt, 64.0)
+            for j, v in (inject or {}).get(i, []):
+                g[j] = v
+            gs.append(mem.place(g, off))
+        ms, vs, ams, avs = [], [], [], []
+        for n, _, off in spec:
+            m = mem.randn(n, F32, 1e-2)
+            v = mem.randn(n, F32, 1e-3).abs()
+            st = lowbit.convert({"exp_avg": m, "exp_avg_sq": v}, fmt, torch.empty(n))
+            ms.append(mem.place(st["exp_avg"], off))
+            vs.append(mem.place(st["exp_avg_sq"], off))
+            if fmt == "int8":
+                ams.append(mem.place(st["exp_avg_absmax"]))
+                avs.append(mem.place(st["exp_avg_sq_absmax"]))
+        masters = [mem.place(p.float(), off) for p, (_, _, off) in zip(params, spec)] if master else []
+        steps = [torch.tensor(float(3 + i)) for i in range(len(spec))]
+        return (params, gs, ms, vs, ams, avs, steps, masters, 12345, 0.05, None, 0.9, 0.999, 0.01,
+                1e-8, True, False, torch.tensor(1 / 64), torch.tensor(found), torch.tensor(0.7))
+    return build
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_adam_lowbit_step(name, fmt):
+    master = name != "fp32-blocks"
+    run_case("adam_lowbit_step_", _build(SPECS[name], fmt, master))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+def test_adam_lowbit_step_found_inf_writes_nothing(fmt):
+    build = _build(SPECS["fp32-blocks"], fmt, False, found=1.0, inject={5: [(70, math.inf)]})
+    out = run_case("adam_lowbit_step_", build, orders=("ascending", "random"))
+    fresh = tensors_of(list(build(Mem(0))))
+    for i, (a, b) in enumerate(zip(out["emu"], fresh)):
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), (
+            f"adam_lowbit_step_ with found_inf=1 wrote into argument tensor {i}")
