@@ -168,6 +168,25 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
                                      0.999, 0.01, 1e-8, False, True, False, None, None, None)
         close(p[0], exp[0], 1e-5)
 
+    def adam_lowbit():
+        from fastamp.optim import lowbit
+
+        for fmt in ("int8", "bfloat16"):
+            p = make_grads([(5000,)], torch.float32, device, seed=9)[0]
+            g = make_grads([(5000,)], torch.float32, device, seed=10)[0]
+            m = make_grads([(5000,)], torch.float32, device, seed=11)[0] * 1e-2
+            v = make_grads([(5000,)], torch.float32, device, seed=12)[0].abs() * 1e-3
+            st = lowbit.convert({"exp_avg": m, "exp_avg_sq": v}, fmt, p)
+            m0, v0 = lowbit.moments_float32(st)
+            exp = adam_ref(p, g, m0, v0, None, 1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=0.01, amsgrad=False, decoupled=True, maximize=False)
+            int8 = fmt == "int8"
+            optim_ops.adam_lowbit_step_(
+                [p], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [st["exp_avg_absmax"]] if int8 else [],
+                [st["exp_avg_sq_absmax"]] if int8 else [], [torch.zeros((), device=device)], [], 0,
+                1e-2, None, 0.9, 0.999, 0.01, 1e-8, True, False, None, None, None)
+            close(p, exp[0], 1e-5)
+
     def sgd():
         p, g = make_grads([(999,)], torch.float32, device, seed=6), make_grads([(999,)], torch.float32, device, seed=7)
         b = [torch.zeros_like(p[0])]
@@ -199,7 +218,8 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         assert float(found) == 0.0 and math.isclose(float(sq), sum(float((t.double() * 0.5).square().sum()) for t in g), rel_tol=1e-5)
 
     return [("grad_stats", grad_stats), ("non_finite_check_and_unscale_", unscale), ("clip_unscale_", clip),
-            ("update_scale_", update_scale), ("adam_step_", adam), ("sgd_step_", sgd),
+            ("update_scale_", update_scale), ("adam_step_", adam), ("adam_lowbit_step_", adam_lowbit),
+            ("sgd_step_", sgd),
             ("tensor_digest + rng_get/set_state", digest_and_rng), ("bucket_pack_/unpack_", buckets)]
 
 
