@@ -98,7 +98,7 @@ selftest misaligned "runtime error: load of misaligned address"
 # tests/parallel/test_faults.py and test_fault_soak.py (they kill processes on purpose, so a
 # sanitizer death there could pass as the injected fault) and tests/test_examples.py (the same
 # ops through the same classes, for minutes more).
-OP_TESTS=(tests/scaler/test_ops.py tests/optim/test_optim_ops.py
+OP_TESTS=(tests/scaler/test_ops.py tests/optim/test_optim_ops.py tests/optim/test_lowbit.py
   tests/checkpoint/test_checkpoint_ops.py tests/parallel/test_bucket_ops.py)
 OP_TESTS+=(tests/scaler/test_scaler_fuzz.py tests/optim/test_optim_fuzz.py
   tests/checkpoint/test_checkpoint_fuzz.py tests/parallel/test_bucket_fuzz.py
@@ -114,8 +114,8 @@ emu_lib=$("$PY" tests/cuda_emu/build.py --sanitize | tail -n 1)
 export FASTAMP_EMU_LIB=$emu_lib
 # The emulator's self-tests, and one case family per op (every op and launcher path, not every
 # dtype x size combination: the full set runs uninstrumented in step 1).
-EMU_TESTS=(tests/cuda_emu/test_emulator.py tests/cuda_emu/test_emulated_ops.py
-  -k "test_emulator or (grad_stats and 2.0) or non_finite or (clip_unscale and 10.0) or split or many or update_scale or (bucket and dtype0) or (digest and dtype0) or (adam_step and fp16) or (sgd_step and bf16) or found_inf")
+EMU_TESTS=(tests/cuda_emu/test_emulator.py tests/cuda_emu/test_emulated_ops.py tests/cuda_emu/test_emulated_lowbit.py
+  -k "(lowbit and (fp16 or found_inf)) or test_emulator or (grad_stats and 2.0) or non_finite or (clip_unscale and 10.0) or split or many or update_scale or (bucket and dtype0) or (digest and dtype0) or (adam_step and fp16) or (sgd_step and bf16) or found_inf")
 
 rc=0
 passes=()
