@@ -109,9 +109,12 @@ FASTAMP_HOST_DEVICE inline uint32_t sr_high(int64_t index) {
   return static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32) * 0x85EBCA6Bu;
 }
 
-/// 32 random bits for the element whose index has low 32 bits `lo` and sr_high() `high`.
+/// 32 random bits for the element whose index has low 32 bits `lo` and sr_high() `high`: one
+/// hash of the (already mixed) key combined with the counter (mix32 is a bijection with full
+/// avalanche, so distinct counters give independent-looking bits; one round keeps the CPU loop
+/// cheap).
 FASTAMP_HOST_DEVICE inline uint32_t sr_bits32(uint32_t key, uint32_t lo, uint32_t high) {
-  return mix32(key ^ mix32(lo ^ high));
+  return mix32(key ^ lo ^ high);
 }
 
 /// 32 random bits for element `index` of the tensor keyed `key`: the low 16 round exp_avg, the

@@ -225,7 +225,7 @@ def sr_bits(key: int, index: Tensor) -> Tensor:
     """32 random bits per element index (int64 tensor) of the tensor keyed ``key``."""
     i = index.to(torch.int64)
     lo, hi = i & _M32, (i >> 32) & _M32
-    return _mix32(torch.full_like(i, key) ^ _mix32(lo ^ ((hi * 0x85EBCA6B) & _M32)))
+    return _mix32(torch.full_like(i, key) ^ lo ^ ((hi * 0x85EBCA6B) & _M32))
 
 
 def bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
