@@ -8,20 +8,30 @@ namespace fastamp {
 namespace optim {
 namespace {
 
+void check_len(const char* op, const char* name, size_t len, size_t n) {
+  TORCH_CHECK(len == n, op, ": ", name, " has ", len, " tensors; expected one per param (", n, ")");
+}
+
+/// The list-length checks every step op starts with: grads, each of `state`, state_steps and
+/// (when given) master_params hold one tensor per param. Returns whether master params are given.
+bool check_lengths(const char* op, at::TensorList params, at::TensorList grads,
+                   const std::vector<std::pair<const char*, at::TensorList>>& state,
+                   at::TensorList state_steps, at::TensorList master_params) {
+  TORCH_CHECK(!params.empty() || grads.empty(), op, ": grads given without params");
+  const size_t n = params.size();
+  check_len(op, "grads", grads.size(), n);
+  check_len(op, "state_steps", state_steps.size(), n);
+  for (const auto& [name, list] : state) check_len(op, name, list.size(), n);
+  const bool has_master = !master_params.empty();
+  if (has_master) check_len(op, "master_params", master_params.size(), n);
+  return has_master;
+}
+
 StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
                     const std::vector<std::pair<const char*, at::TensorList>>& state,
                     at::TensorList state_steps, at::TensorList master_params) {
-  TORCH_CHECK(!params.empty() || grads.empty(), op, ": grads given without params");
   const size_t n = params.size();
-  const auto same_len = [&](const char* name, size_t len) {
-    TORCH_CHECK(len == n, op, ": ", name, " has ", len, " tensors; expected one per param (",
-                      n, ")");
-  };
-  same_len("grads", grads.size());
-  same_len("state_steps", state_steps.size());
-  for (const auto& [name, list] : state) same_len(name, list.size());
-  const bool has_master = !master_params.empty();
-  if (has_master) same_len("master_params", master_params.size());
+  const bool has_master = check_lengths(op, params, grads, state, state_steps, master_params);
   StepPlan plan;
   plan.has_master = has_master;
   if (n == 0) return plan;
@@ -149,18 +159,10 @@ LowbitPlan check_adam_lowbit_step(at::TensorList params, at::TensorList grads,
                                   const c10::optional<at::Tensor>& clip_coef) {
   constexpr const char* op = "fastamp::adam_lowbit_step_";
   constexpr int64_t kBlock = 256;  // lowbit_math.h's kQuantBlock
-  TORCH_CHECK(!params.empty() || grads.empty(), op, ": grads given without params");
   const size_t n = params.size();
-  const auto same_len = [&](const char* name, size_t len) {
-    TORCH_CHECK(len == n, op, ": ", name, " has ", len, " tensors; expected one per param (", n,
-                ")");
-  };
-  same_len("grads", grads.size());
-  same_len("exp_avgs", exp_avgs.size());
-  same_len("exp_avg_sqs", exp_avg_sqs.size());
-  same_len("state_steps", state_steps.size());
-  const bool has_master = !master_params.empty();
-  if (has_master) same_len("master_params", master_params.size());
+  const bool has_master = check_lengths(
+      op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, state_steps,
+      master_params);
   LowbitPlan plan;
   plan.has_master = has_master;
   if (n == 0) return plan;
@@ -172,8 +174,8 @@ LowbitPlan check_adam_lowbit_step(at::TensorList params, at::TensorList grads,
               "; expected bfloat16 (16-bit state) or uint8 (8-bit codes)");
   plan.int8 = code_t == at::kByte;
   if (plan.int8) {
-    same_len("exp_avg_absmax", exp_avg_absmax.size());
-    same_len("exp_avg_sq_absmax", exp_avg_sq_absmax.size());
+    check_len(op, "exp_avg_absmax", exp_avg_absmax.size(), n);
+    check_len(op, "exp_avg_sq_absmax", exp_avg_sq_absmax.size(), n);
   } else {
     TORCH_CHECK(exp_avg_absmax.empty() && exp_avg_sq_absmax.empty(), op,
                 ": exp_avg_absmax and exp_avg_sq_absmax must be empty with bfloat16 state (they "
