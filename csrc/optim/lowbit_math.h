@@ -11,14 +11,17 @@
 ///   bit arithmetic (no table search, so encode and decode vectorise):
 ///     exp_avg:    sign, 4-bit exponent, 3-bit mantissa of m / absmax(m)  (|y| in [2^-14, 1])
 ///     exp_avg_sq: 5-bit exponent, 3-bit mantissa of v / max(v)          (y in [2^-30, 1])
-///   rounded to nearest even; smaller magnitudes flush to 0. The relative rounding error is at
-///   most 2^-4 in each moment (2^-5 in sqrt(v), the update's denominator).
+///   computed from y truncated to bfloat16 (the high half of its bits), the mantissa rounded to
+///   nearest even; smaller magnitudes decode to 0. The relative error is at most 2^-4 + 2^-8 in
+///   each moment (about half that in sqrt(v), the update's denominator).
 #pragma once
 
 #include "common/macros.h"
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #ifndef FASTAMP_CPU_NS
 #define FASTAMP_CPU_NS cap_default
@@ -45,40 +48,99 @@ FASTAMP_HOST_DEVICE inline float bits_float(uint32_t u) {
   return f;
 }
 
+// The functions below are templates over the lane type so that the CPU kernels run the very same
+// expressions on SIMD vectors (GCC vector extensions, common/cpu_simd.h) as the scalar reference
+// and the CUDA kernel run on single values: `sel` and `splat` are the only helpers the two need.
+
+/// mask ? a : b, lane-wise for vectors.
+template <class M, class V>
+FASTAMP_HOST_DEVICE inline V sel(M mask, V a, V b) {
+  return mask ? a : b;
+}
+
+/// The lane type of V: V itself for a scalar, the element type of a vector.
+template <class V, class = void>
+struct lane_of {
+  using type = V;
+};
+template <class V>
+struct lane_of<V, std::enable_if_t<!std::is_arithmetic_v<V>>> {
+  using type = std::remove_cv_t<std::remove_reference_t<decltype(std::declval<V>()[0])>>;
+};
+
+/// The constant c in every lane of V (or c itself for a scalar V).
+template <class V, class S>
+FASTAMP_HOST_DEVICE inline V splat(S c) {
+  V r{};
+  return r + static_cast<typename lane_of<V>::type>(c);
+}
+
+/// Lane-wise max / min (written as the plain conditional, which GCC turns into pmaxu / pminu for
+/// vectors where a call of sel would stay a compare and a blend).
+template <class V>
+FASTAMP_HOST_DEVICE inline V lane_max(V a, V b) {
+  return a < b ? b : a;
+}
+
+template <class V>
+FASTAMP_HOST_DEVICE inline V lane_min(V a, V b) {
+  return a < b ? a : b;
+}
+
 // --- 8-bit codes ---------------------------------------------------------------------------------
 
-/// The code of y in [-1, 1]: sign | exponent (4 bits, bias 15) | mantissa (3 bits).
+/// The code of y in [-1, 1] from `h`, the high 16 bits of y's float32 bits (y truncated to
+/// bfloat16): sign | exponent (4 bits, bias 15) | mantissa (3 bits), the mantissa rounded to
+/// nearest even. Below 2^-14 after rounding the exponent field is 0 (the code decodes to 0); past
+/// the range (NaN, inf, |y| >= 2: a block scale makes |y| <= 1) the magnitude saturates at 127.
+/// Working on the high half keeps the CPU loop in 16-bit lanes, twice as many per instruction.
+template <class H>
+FASTAMP_HOST_DEVICE inline H m8_code(H h) {
+  const H a = h & 0x7FFFu;
+  const H t = (a + 7u + ((a >> 4) & 1u)) >> 4;  // float exponent << 3 | 3-bit mantissa, rounded
+  const H lo = lane_max(t, splat<H>(896u)) - 896u;  // exponent field e + 15 (0 below 2^-14)
+  const H mag = lane_min(lo, splat<H>(127u));
+  return mag | ((h >> 8) & 0x80u);
+}
+
+/// The code of y in [0, 1] from the high half of its bits: exponent (5 bits, bias 31) | mantissa
+/// (3 bits), rounded as m8_code; 0 exponent field below 2^-30, saturating at 255.
+template <class H>
+FASTAMP_HOST_DEVICE inline H v8_code(H h) {
+  const H a = h & 0x7FFFu;
+  const H t = (a + 7u + ((a >> 4) & 1u)) >> 4;
+  const H lo = lane_max(t, splat<H>(768u)) - 768u;
+  return lane_min(lo, splat<H>(255u));
+}
+
+/// The float32 bits of an exp_avg code (in a 32-bit lane): the code's exponent e + 15 becomes
+/// float's e + 127 by setting the three bits above it; exponent field 0 decodes to 0.
+template <class U>
+FASTAMP_HOST_DEVICE inline U m8_bits(U c) {
+  const U b = ((c << 24) & 0x80000000u) | ((c << 20) & 0x07F00000u) | 0x38000000u;
+  return sel((c & 0x78u) != 0u, b, splat<U>(0u));
+}
+
+/// The float32 bits of an exp_avg_sq code: exponent e + 31 -> e + 127; exponent field 0 -> 0.
+template <class U>
+FASTAMP_HOST_DEVICE inline U v8_bits(U c) {
+  return sel((c & 0xF8u) != 0u, (c << 20) | 0x30000000u, splat<U>(0u));
+}
+
 FASTAMP_HOST_DEVICE inline uint8_t encode_m8(float y) {
-  uint32_t b = float_bits(y);
-  const uint32_t sign = (b >> 24) & 0x80u;
-  b &= 0x7FFFFFFFu;
-  b += 0x7FFFFu + ((b >> 20) & 1u);  // round the mantissa to 3 bits, to nearest even
-  const int e = static_cast<int>(b >> 23) - 127;
-  const uint32_t code = sign | (static_cast<uint32_t>(e + 15) << 3) | ((b >> 20) & 7u);
-  // zero, and magnitudes below 2^-14 after rounding -> 0; NaN/inf or past 1 -> the code of 1.0
-  return static_cast<uint8_t>(e < -14 ? 0u : (e > 0 ? (sign | 0x78u) : code));
+  return static_cast<uint8_t>(m8_code<uint32_t>(float_bits(y) >> 16));
 }
 
 FASTAMP_HOST_DEVICE inline float decode_m8(uint8_t c) {
-  const uint32_t ex = (c >> 3) & 0xFu;
-  const uint32_t b = ((static_cast<uint32_t>(c) & 0x80u) << 24) | ((ex + 112u) << 23) |
-                     ((static_cast<uint32_t>(c) & 7u) << 20);
-  return ex == 0 ? 0.0f : bits_float(b);  // exponent field e + 15 -> float's e + 127
+  return bits_float(m8_bits<uint32_t>(c));
 }
 
-/// The code of y in [0, 1]: exponent (5 bits, bias 31) | mantissa (3 bits).
 FASTAMP_HOST_DEVICE inline uint8_t encode_v8(float y) {
-  uint32_t b = float_bits(y) & 0x7FFFFFFFu;
-  b += 0x7FFFFu + ((b >> 20) & 1u);
-  const int e = static_cast<int>(b >> 23) - 127;
-  const uint32_t code = (static_cast<uint32_t>(e + 31) << 3) | ((b >> 20) & 7u);
-  return static_cast<uint8_t>(e < -30 ? 0u : (e > 0 ? 0xF8u : code));  // 0xF8: the code of 1.0
+  return static_cast<uint8_t>(v8_code<uint32_t>(float_bits(y) >> 16));
 }
 
 FASTAMP_HOST_DEVICE inline float decode_v8(uint8_t c) {
-  const uint32_t ex = static_cast<uint32_t>(c) >> 3;
-  const uint32_t b = ((ex + 96u) << 23) | ((static_cast<uint32_t>(c) & 7u) << 20);
-  return ex == 0 ? 0.0f : bits_float(b);  // exponent field e + 31 -> float's e + 127
+  return bits_float(v8_bits<uint32_t>(c));
 }
 
 /// 1 / absmax, or 0 for an all-zero block (whose codes are then all 0).
@@ -89,7 +151,8 @@ FASTAMP_HOST_DEVICE inline float block_reciprocal(float absmax) {
 // --- stochastic rounding to bfloat16 ------------------------------------------------------------
 
 /// A 32-bit integer hash with good avalanche (xorshift-multiply, "lowbias32").
-FASTAMP_HOST_DEVICE inline uint32_t mix32(uint32_t x) {
+template <class U>
+FASTAMP_HOST_DEVICE inline U mix32(U x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
@@ -100,7 +163,7 @@ FASTAMP_HOST_DEVICE inline uint32_t mix32(uint32_t x) {
 
 /// The key of one tensor at one step (computed once per tensor, not per element).
 FASTAMP_HOST_DEVICE inline uint32_t sr_key(uint32_t seed, uint32_t step, uint32_t position) {
-  return mix32(mix32(seed ^ mix32(step)) + position * 0x9E3779B9u);
+  return mix32<uint32_t>(mix32<uint32_t>(seed ^ mix32<uint32_t>(step)) + position * 0x9E3779B9u);
 }
 
 /// The part of an element's counter that only its index's high 32 bits set (constant over a chunk
@@ -113,30 +176,37 @@ FASTAMP_HOST_DEVICE inline uint32_t sr_high(int64_t index) {
 /// hash of the (already mixed) key combined with the counter (mix32 is a bijection with full
 /// avalanche, so distinct counters give independent-looking bits; one round keeps the CPU loop
 /// cheap).
-FASTAMP_HOST_DEVICE inline uint32_t sr_bits32(uint32_t key, uint32_t lo, uint32_t high) {
-  return mix32(key ^ lo ^ high);
+template <class U>
+FASTAMP_HOST_DEVICE inline U sr_bits32(uint32_t key, U lo, uint32_t high) {
+  return mix32<U>(lo ^ (key ^ high));
 }
 
 /// 32 random bits for element `index` of the tensor keyed `key`: the low 16 round exp_avg, the
 /// high 16 exp_avg_sq.
 FASTAMP_HOST_DEVICE inline uint32_t sr_bits(uint32_t key, int64_t index) {
-  return sr_bits32(key, static_cast<uint32_t>(static_cast<uint64_t>(index)), sr_high(index));
+  return sr_bits32<uint32_t>(key, static_cast<uint32_t>(static_cast<uint64_t>(index)),
+                             sr_high(index));
 }
 
-/// x rounded to bfloat16 (its bits) up or down with probability proportional to the distance:
-/// r (16 random bits) is added below the kept mantissa, then the low half is dropped. inf and NaN
-/// are truncated (a NaN stays a NaN).
+/// x's float32 bits `b` plus 16 random bits `r` below the bfloat16 mantissa: the high half of the
+/// sum is x rounded to bfloat16 up or down with probability proportional to the distance (the
+/// carry does the rounding; inf stays inf, a finite value may round up to inf). A NaN becomes the
+/// quiet NaN 0x7FC0.
+template <class F, class U>
+FASTAMP_HOST_DEVICE inline U bf16_sr_sum(F x, U b, U r) {
+  return sel(x != x, splat<U>(0x7FC00000u), b) + (r & 0xFFFFu);
+}
+
 FASTAMP_HOST_DEVICE inline uint16_t bf16_stochastic(float x, uint32_t r) {
-  const uint32_t b = float_bits(x);
-  // Selects, not branches: the CPU loop vectorises.
-  const uint32_t kept = (b >> 16) | ((b & 0xFFFFu) != 0 ? 0x40u : 0u);
-  const uint32_t rounded = (b + (r & 0xFFFFu)) >> 16;
-  return static_cast<uint16_t>((b & 0x7F800000u) == 0x7F800000u ? kept : rounded);
+  return static_cast<uint16_t>(bf16_sr_sum<float, uint32_t>(x, float_bits(x), r) >> 16);
 }
 
 /// The larger of two non-negative floats (or zeros), as their bit patterns compare: an integer
 /// max, which vectorises where a float max reduction would not (IEEE NaN rules).
-FASTAMP_HOST_DEVICE inline uint32_t max_bits(uint32_t a, uint32_t b) { return a > b ? a : b; }
+template <class U>
+FASTAMP_HOST_DEVICE inline U max_bits(U a, U b) {
+  return lane_max(a, b);
+}
 
 FASTAMP_HOST_DEVICE inline float bf16_bits_float(uint16_t h) {
   return bits_float(static_cast<uint32_t>(h) << 16);

@@ -178,6 +178,7 @@ static_assert(kChunkElems % kQuantBlock == 0, "a quantization block must not str
 
 const OptimCpuKernels& optim_cpu_kernels() {
 #if defined(__x86_64__) || defined(_M_X64)
+  if (cpu_use_avx512()) return optim_cpu_kernels_avx512();
   if (cpu_use_avx2()) return optim_cpu_kernels_avx2();
 #endif
   return optim_cpu_kernels_default();

@@ -70,6 +70,7 @@ struct OptimCpuKernels {
 const OptimCpuKernels& optim_cpu_kernels_default();
 #if defined(__x86_64__) || defined(_M_X64)
 const OptimCpuKernels& optim_cpu_kernels_avx2();
+const OptimCpuKernels& optim_cpu_kernels_avx512();
 #endif
 const OptimCpuKernels& optim_cpu_kernels();
 

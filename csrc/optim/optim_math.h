@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #ifndef FASTAMP_CPU_NS
 #define FASTAMP_CPU_NS cap_default
@@ -59,8 +60,9 @@ inline namespace FASTAMP_CPU_NS {
 
 /// The loss-scaled gradient made ready for the update rule: unscale and clip (the scaler's own
 /// unscale_clip, common/amp_math.h), then maximize.
-FASTAMP_HOST_DEVICE inline float prep_grad(float g, float inv, float coef, bool maximize) {
-  const float u = unscale_clip(g, inv, coef);
+template <class F = float>
+FASTAMP_HOST_DEVICE inline F prep_grad(F g, float inv, float coef, bool maximize) {
+  const F u = unscale_clip(g, inv, coef);
   return maximize ? -u : u;
 }
 
@@ -96,8 +98,8 @@ FASTAMP_HOST_DEVICE inline AdamCoefs adam_coefs(const AdamHyper& h, double lr, d
 /// torch.lerp's formula (the branch keeps it exact at weight 1). kSide 1 / 2 fixes the branch
 /// taken (w < 0.5 / w >= 0.5) at compile time, for loops whose w is a constant: an element loop
 /// with no branch vectorises.
-template <int kSide = 0>
-FASTAMP_HOST_DEVICE inline float lerp(float a, float b, float w) {
+template <int kSide = 0, class F = float>
+FASTAMP_HOST_DEVICE inline F lerp(F a, F b, float w) {
   if constexpr (kSide == 1) {
     return a + w * (b - a);
   } else if constexpr (kSide == 2) {
@@ -107,12 +109,29 @@ FASTAMP_HOST_DEVICE inline float lerp(float a, float b, float w) {
   }
 }
 
+/// IEEE square root of a float, or lane-wise of a SIMD vector of floats (the CPU kernels' GCC
+/// vector types, common/cpu_simd.h; the loop compiles to one sqrtps).
+template <class F>
+FASTAMP_HOST_DEVICE inline F fsqrt(F x) {
+#if !defined(__CUDACC__)
+  if constexpr (!std::is_floating_point_v<F>) {
+    F r;
+    for (int i = 0; i < static_cast<int>(sizeof(F) / sizeof(float)); ++i) r[i] = __builtin_sqrtf(x[i]);
+    return r;
+  } else
+#endif
+  {
+    return std::sqrt(x);
+  }
+}
+
 /// One Adam/AdamW element update with the weight-decay mode and amsgrad fixed at compile time
 /// (kDecay: 0 none, 1 L2 (Adam), 2 decoupled (AdamW)), so an element loop has no branch on them
 /// and vectorises. `p` is the fp32 (master) parameter, `g` the prepared gradient; vmax is read and
-/// written only with amsgrad.
-template <int kDecay, bool kAmsgrad, int kLerp = 0>
-FASTAMP_HOST_DEVICE inline void adam_update_fixed(float& p, float g, float& m, float& v, float& vmax,
+/// written only with amsgrad. F is float, or a SIMD vector of floats on the CPU (the same
+/// operations lane by lane, so the same bits).
+template <int kDecay, bool kAmsgrad, int kLerp = 0, class F = float>
+FASTAMP_HOST_DEVICE inline void adam_update_fixed(F& p, F g, F& m, F& v, F& vmax,
                                                   const AdamHyper& h, const AdamCoefs& c) {
   if constexpr (kDecay == 2) {
     p = p * c.decay;                         // param.mul_(1 - lr * weight_decay)
@@ -121,12 +140,12 @@ FASTAMP_HOST_DEVICE inline void adam_update_fixed(float& p, float g, float& m, f
   }
   m = lerp<kLerp>(m, g, h.one_minus_beta1);  // exp_avg.lerp_(grad, 1 - beta1)
   v = v * h.beta2 + (h.one_minus_beta2 * g) * g;  // mul_(beta2).addcmul_(g, g, 1 - beta2)
-  float vhat = v;
+  F vhat = v;
   if constexpr (kAmsgrad) {
     vmax = vmax > v ? vmax : v;              // torch.maximum (NaN never reaches here: skipped)
     vhat = vmax;
   }
-  const float denom = std::sqrt(vhat) / c.bc2_sqrt + h.eps;
+  const F denom = fsqrt(vhat) / c.bc2_sqrt + h.eps;
   p = p + (c.neg_step_size * m) / denom;     // param.addcdiv_(exp_avg, denom, -step_size)
 }
 

@@ -66,7 +66,15 @@ def build_info() -> dict[str, Any]:
         "python_version": _info.PYTHON_VERSION,
         "sanitizers": _info.SANITIZERS or None,
         "ops": {name: registered_backends(name) for name in op_names()},
+        "cpu_capability": cpu_capability(),
     }
+
+
+def cpu_capability() -> str:
+    """The instruction set of the CPU kernels this process runs: ``"avx512"`` (the optimizers'
+    kernels; the others then run their AVX2 build), ``"avx2"`` or ``"default"``. Chosen once per
+    process from the CPU; ``FASTAMP_CPU_CAPABILITY=default`` or ``=avx2`` caps it."""
+    return str(torch.ops.fastamp._cpu_capability())
 
 
 def op_names() -> list[str]:

@@ -20,7 +20,9 @@ HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
 
 
 def _rne_reference(y: torch.Tensor, mbits: int, min_exp: int) -> torch.Tensor:
-    """|y| rounded to `mbits` mantissa bits, to nearest even, in float64; 0 below 2^min_exp."""
+    """y truncated to bfloat16 (the codes are computed from the high half of the float32 bits),
+    then rounded to `mbits` mantissa bits, to nearest even, in float64; 0 below 2^min_exp."""
+    y = (y.float().view(torch.int32) & -65536).view(torch.float32)
     a = y.double().abs()
     out = torch.zeros_like(a)
     nz = a > 0
@@ -50,6 +52,15 @@ def test_codecs_round_to_nearest_even_against_float64():
         assert torch.equal(enc(vals[live]), codes[live])
     # The largest magnitudes are exact: the block's absmax itself round-trips.
     assert lowbit.decode_m8(lowbit.encode_m8(torch.tensor([1.0, -1.0]))).tolist() == [1.0, -1.0]
+    # Out of range (a NaN/inf block scale, never |y| > 1 otherwise) saturates, NaN included.
+    odd = torch.tensor([math.inf, -math.inf, math.nan, 3.0, 1e-30, -1e-30, 0.0])
+    assert lowbit.encode_m8(odd).tolist() == [127, 255, 127, 127, 0, 128, 0]
+    assert lowbit.encode_v8(odd.abs()).tolist() == [255, 255, 255, 255, 0, 0, 0]
+    assert lowbit.decode_m8(torch.tensor([128], dtype=torch.uint8)).tolist() == [0.0]
+    # The relative error bound of the docs: half a step of the 3-bit mantissa plus the truncation.
+    live = ref != 0
+    rel = ((got - y.double()).abs()[live] / y.double().abs()[live]).max().item()
+    assert rel <= 2**-4 + 2**-8, rel
 
 
 def _state(numel: int, fmt: str, seed: int = 1, master: bool = False, dtype=torch.float32):

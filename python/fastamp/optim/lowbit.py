@@ -9,7 +9,8 @@
 * ``"int8"``: both moments as 8-bit codes in blocks of 256 elements, each block scaled by its
   absolute maximum (one float32 per block and moment): 2 + 8/256 bytes per parameter. ``exp_avg``
   is sign + 4-bit exponent + 3-bit mantissa of m/absmax, ``exp_avg_sq`` 5-bit exponent + 3-bit
-  mantissa of v/max (smaller magnitudes flush to 0), see csrc/optim/lowbit_math.h.
+  mantissa of v/max, rounded to nearest even from the value truncated to bfloat16 (smaller
+  magnitudes decode to 0), see csrc/optim/lowbit_math.h.
 
 Parameters with fewer than :data:`MIN_LOWBIT_NUMEL` elements (biases, norms) and non-contiguous
 ones keep float32 state, as bitsandbytes keeps small tensors in 32 bits.
@@ -76,9 +77,12 @@ def matches(state: dict[str, Any], fmt: str, dtype: torch.dtype) -> bool:
 
 # --- 8-bit codes (csrc/optim/lowbit_math.h, in torch ops) --------------------------------------------
 
-def _round_mantissa(b: Tensor) -> Tensor:
-    """fp32 bits (int64, sign cleared) with the mantissa rounded to 3 bits, to nearest even."""
-    return b + 0x7FFFF + ((b >> 20) & 1)
+def _rounded_high_half(y: Tensor) -> tuple[Tensor, Tensor]:
+    """The high 16 bits ``h`` of y's float32 bits (y truncated to bfloat16), and ``t``: its
+    exponent << 3 | mantissa rounded to 3 bits, to nearest even (int64)."""
+    h = _bits(y) >> 16
+    a = h & 0x7FFF
+    return h, (a + 7 + ((a >> 4) & 1)) >> 4
 
 
 def _bits(x: Tensor) -> Tensor:
@@ -92,14 +96,9 @@ def _float(b: Tensor) -> Tensor:
 
 
 def encode_m8(y: Tensor) -> Tensor:
-    b = _bits(y)
-    sign = (b >> 24) & 0x80
-    b = _round_mantissa(b & 0x7FFFFFFF)
-    e = (b >> 23) - 127
-    code = sign | ((e + 15) << 3) | ((b >> 20) & 7)
-    code = torch.where(e < -14, torch.zeros_like(code), code)
-    code = torch.where(e > 0, sign | 0x78, code)
-    return code.to(torch.uint8)
+    h, t = _rounded_high_half(y)
+    mag = (t.clamp(min=896) - 896).clamp(max=127)  # exponent field 0 below 2^-14; saturates
+    return (mag | ((h >> 8) & 0x80)).to(torch.uint8)
 
 
 def decode_m8(c: Tensor) -> Tensor:
@@ -111,12 +110,8 @@ def decode_m8(c: Tensor) -> Tensor:
 
 
 def encode_v8(y: Tensor) -> Tensor:
-    b = _round_mantissa(_bits(y) & 0x7FFFFFFF)
-    e = (b >> 23) - 127
-    code = ((e + 31) << 3) | ((b >> 20) & 7)
-    code = torch.where(e < -30, torch.zeros_like(code), code)
-    code = torch.where(e > 0, torch.full_like(code, 0xF8), code)
-    return code.to(torch.uint8)
+    _, t = _rounded_high_half(y)
+    return (t.clamp(min=768) - 768).clamp(max=255).to(torch.uint8)
 
 
 def decode_v8(c: Tensor) -> Tensor:
@@ -229,10 +224,8 @@ def sr_bits(key: int, index: Tensor) -> Tensor:
 
 
 def bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
-    """float32 ``x`` rounded to bfloat16 with the random bits ``r`` (low 16 used), as the kernels."""
-    b = _bits(x)
-    special = (b & 0x7F800000) == 0x7F800000
-    rounded = ((b + (r & 0xFFFF)) >> 16) & 0xFFFF
-    kept = (b >> 16) | torch.where((b & 0xFFFF) != 0, 0x40, 0)
-    h = torch.where(special, kept, rounded)
+    """float32 ``x`` rounded to bfloat16 with the random bits ``r`` (low 16 used), as the kernels:
+    the carry of the sum does the rounding; a NaN becomes the quiet NaN 0x7FC0."""
+    b = torch.where(torch.isnan(x.float()), 0x7FC00000, _bits(x))
+    h = ((b + (r & 0xFFFF)) >> 16) & 0xFFFF
     return _float(h << 16).to(torch.bfloat16).reshape(x.shape)

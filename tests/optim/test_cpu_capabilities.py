@@ -1,0 +1,89 @@
+"""The optimizers' CPU kernels exist three times (baseline x86-64, AVX2+FMA+F16C, AVX-512), picked
+at run time; the SIMD loops of the low-precision state (common/cpu_simd.h) run 4, 8 or 16 lanes.
+Every build must give the same bits: the same element math, lane by lane, with no contraction.
+FASTAMP_CPU_CAPABILITY=default / =avx2 caps the choice, so one machine runs each build it has."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import fastamp
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, fastamp
+    from fastamp.optim import _ops, lowbit
+    out = {"capability": fastamp.build_info()["cpu_capability"]}
+    # Sizes with SIMD tails, partial 256-blocks, and more than one 2^16-element chunk.
+    sizes = (4096 + 7, 65536 * 2 + 256 * 3 + 45)
+    for fmt in ("bfloat16", "int8", "float32"):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            gen = torch.Generator().manual_seed(len(fmt) + dtype.itemsize)
+            ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype) for n in sizes]
+            gs = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
+            gs[0][5] = float("nan") if fmt != "float32" else gs[0][5]  # NaN reaching the state
+            mp = [p.float() for p in ps] if dtype != torch.float32 else []
+            ms = [torch.randn(n, generator=gen) * 1e-3 for n in sizes]
+            vs = [torch.rand(n, generator=gen) * 1e-5 for n in sizes]
+            steps = [torch.tensor(3.0) for _ in sizes]
+            inv, coef = torch.tensor(0.5), torch.tensor(0.75)
+            for step in range(3):
+                if fmt == "float32":
+                    if step == 0:
+                        ms = [m.to(dtype) if not mp else m for m in ms]
+                        vs = [v.to(dtype) if not mp else v for v in vs]
+                    _ops.adam_step_(ps, gs, ms, vs, [], steps, mp, 1e-2, None, 0.9, 0.999, 0.01,
+                                    1e-8, False, step % 2 == 0, False, inv, None, coef)
+                    state = ms + vs
+                else:
+                    if step == 0:
+                        st = [lowbit.convert({"exp_avg": m, "exp_avg_sq": v}, fmt, p.float())
+                              for m, v, p in zip(ms, vs, ps)]
+                    q = fmt == "int8"
+                    _ops.adam_lowbit_step_(
+                        ps, gs, [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
+                        [s["exp_avg_absmax"] for s in st] if q else [],
+                        [s["exp_avg_sq_absmax"] for s in st] if q else [], steps, mp, 5, 1e-2,
+                        None, 0.9 if step < 2 else 0.3, 0.999, 0.01 * step, 1e-8, step != 1,
+                        step == 2, inv, None, coef)
+                    state = [t for s in st for t in s.values()]
+            out[(fmt, str(dtype))] = [t.clone() for t in ps + mp + state]
+    torch.save(out, sys.argv[1])
+    """
+)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _run(cap: str | None, path) -> dict:
+    env = dict(os.environ)
+    env.pop("FASTAMP_CPU_CAPABILITY", None)
+    if cap is not None:
+        env["FASTAMP_CPU_CAPABILITY"] = cap
+    subprocess.run([sys.executable, "-c", SCRIPT, str(path)], check=True, env=env, timeout=600)
+    return torch.load(path)
+
+
+def test_every_cpu_build_of_the_optimizer_kernels_gives_the_same_bits(tmp_path):
+    runs = {cap: _run(cap, tmp_path / f"{cap}.pt") for cap in ("default", "avx2", None)}
+    best = runs[None]["capability"]
+    assert runs["default"]["capability"] == "default"
+    assert runs["avx2"]["capability"] in ("avx2", "default")
+    assert best == fastamp.build_info()["cpu_capability"]
+    if best == "default":
+        pytest.skip("this CPU has neither AVX2 nor AVX-512: only the baseline build can run")
+    for cap in ("avx2", None):
+        for key, ref in runs["default"].items():
+            if key == "capability":
+                continue
+            got = runs[cap][key]
+            assert len(got) == len(ref)
+            for i, (a, b) in enumerate(zip(ref, got)):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert torch.equal(_bits(a), _bits(b)), (cap or best, key, i)
