@@ -57,7 +57,10 @@ class _Micro:
     def __init__(self, acc: GradientAccumulator, group_size: int, last_in_group: bool,
                  step: Callable[[], None]):
         self.acc = acc
-        self.step = step  # the accumulator's optimizer step, run after the group's last backward
+        # The accumulator's optimizer step, run on leaving the group's last micro-batch (handed in,
+        # so that a micro-batch calls nothing private of the accumulator; not public here either:
+        # the optimizer steps only through the `with micro:` protocol).
+        self._step = step
         self.group_size = group_size
         self.last = last_in_group
         self._stack: contextlib.ExitStack | None = None
@@ -99,7 +102,7 @@ class _Micro:
             if not self._backward_done:
                 raise RuntimeError("GradientAccumulator: call micro.backward(loss) inside `with micro:`")
             if self.last:
-                self.step()
+                self._step()
                 self.stepped = True
         return False
 

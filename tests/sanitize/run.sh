@@ -99,16 +99,22 @@ selftest misaligned "runtime error: load of misaligned address"
 # of the low-precision state differ by width between the three). Not run here:
 # tests/parallel/test_faults.py and test_fault_soak.py (they kill processes on purpose, so a
 # sanitizer death there could pass as the injected fault) and tests/test_examples.py (the same
-# ops through the same classes, for minutes more).
+# ops through the same classes, for minutes more). Nor, as when they lived in tests/hardening, the
+# misuse catalogue (tests/*/test_misuse*.py) and the aliasing tests (tests/*/test_*alias*.py).
 OP_TESTS=(tests/scaler/test_ops.py tests/optim/test_optim_ops.py tests/optim/test_lowbit.py
   tests/checkpoint/test_checkpoint_ops.py tests/parallel/test_bucket_ops.py)
+# The fuzzers (the public-API one too) and the >2^31-element tests: in both CPU passes.
 OP_TESTS+=(tests/scaler/test_scaler_fuzz.py tests/optim/test_optim_fuzz.py
   tests/checkpoint/test_checkpoint_fuzz.py tests/parallel/test_bucket_fuzz.py
+  tests/toolkit/test_public_api_fuzz.py
   tests/scaler/test_large_tensors.py tests/parallel/test_bucket_large.py)
 CLASS_TESTS=(tests/scaler/test_grad_scaler.py tests/scaler/test_cpu_capabilities.py
   tests/scaler/test_compile.py tests/optim/test_optimizers.py tests/optim/test_cpu_capabilities.py
-  tests/checkpoint/test_checkpoint.py
-  tests/parallel/test_ddp.py tests/toolkit tests/test_library.py)
+  tests/checkpoint/test_checkpoint.py tests/parallel/test_ddp.py tests/test_library.py)
+# tests/toolkit, less what is selected above or left out on purpose.
+for f in tests/toolkit/test_*.py; do
+  case $f in */test_misuse*.py | */test_public_api_fuzz.py) ;; *) CLASS_TESTS+=("$f") ;; esac
+done
 
 # The CUDA emulator library with the same sanitizers (its objects are cached in build/cuda_emu/asan).
 # Its fibers tell ASan about every stack switch, so the fibers' stacks are not reported.

@@ -1,11 +1,12 @@
-"""More than 2^31 elements: 64-bit indexing in the scaler and bucket ops.
+"""More than 2^31 elements: 64-bit indexing in the scaler ops (the bucket ops':
+tests/parallel/test_bucket_large.py; shared helpers: tests/_large.py).
 
 The default tier only checks views of more than 2^31 elements that the ops must refuse without
-allocating anything (expanded / overlapping written arguments, non-contiguous bucket grads). The
-``slow`` tests run the ops on real bfloat16 tensors of 2^31 + 4099 elements (4 GiB each) and check
-them against float64 references computed chunk by chunk: the data of every chunk is regenerated
-from its seed, so no copy and no float64 version of the whole tensor is ever held. They skip, with
-the numbers, when the machine has too little memory available.
+allocating anything (expanded / overlapping written arguments). The ``slow`` tests run the ops
+on real bfloat16 tensors of 2^31 + 4099 elements (4 GiB each) and check them against float64
+references computed chunk by chunk: the data of every chunk is regenerated from its seed, so no
+copy and no float64 version of the whole tensor is ever held. They skip, with the numbers, when
+the machine has too little memory available.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from fastamp.scaler import ops
 from tests._fuzz import bits, expect_error
-from tests._large import CHUNK, DT, EPS32, GiB, N, chunk_values, chunks, fill, need  # noqa: F401
+from tests._large import DT, EPS32, GiB, N, chunk_values, chunks, fill, need
 
 # --- default tier: refused without allocating ---------------------------------------------------
 

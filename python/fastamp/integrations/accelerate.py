@@ -68,8 +68,8 @@ def install_grad_scaler(accelerator: _Accelerator, scaler: torch.amp.GradScaler 
             f"{accelerator.distributed_type}: FSDP, DeepSpeed, Megatron-LM and XLA manage their own "
             "scaler"
         )
-    # private-ok: accelerate keeps the optimizers prepare() returned only in Accelerator._optimizers
-    # (no public accessor); read, never written.
+    # private-ok: accelerate (1.15, and its main branch) keeps the optimizers prepare() returned only
+    # in Accelerator._optimizers, with no public accessor; read, never written.
     if accelerator._optimizers:
         raise RuntimeError(
             "install_grad_scaler: call it before accelerator.prepare(): "
@@ -119,17 +119,27 @@ def clip_grad_norm_(accelerator: _Accelerator, parameters: Iterable[torch.Tensor
 class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
     """AcceleratedOptimizer whose ``step_was_skipped`` also sees the skips of fused fastamp
     optimizers: those always enter ``optimizer.step()`` (the kernel skips on inf/NaN, no host sync),
-    which accelerate's own check takes for "not skipped"."""
+    which accelerate's own check takes for "not skipped". The flag is this class's own; accelerate's
+    (read through ``super().step_was_skipped``) is left to accelerate."""
+
+    # A class default: instances get this class by __class__ assignment, so no __init__ runs.
+    _fused_step_skipped = False
 
     def step(self, closure=None):
         super().step(closure)
-        if (
-            self.gradient_state.sync_gradients
-            and isinstance(self.scaler, fastamp.GradScaler)
-            and self.scaler.is_enabled()
-            and isinstance(_unwrap(self), AmpFusedOptimizer)
-        ):
-            self._is_overflow = bool(self.scaler.last_step_skipped())
+        if self.gradient_state.sync_gradients:  # a real step: the flag describes it
+            self._fused_step_skipped = (
+                isinstance(self.scaler, fastamp.GradScaler)
+                and self.scaler.is_enabled()
+                and isinstance(_unwrap(self), AmpFusedOptimizer)
+                and bool(self.scaler.last_step_skipped())
+            )
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped: by accelerate's check (the optimizer's step
+        was not entered) or by a fused fastamp optimizer's kernel (found inf/NaN)."""
+        return self._fused_step_skipped or super().step_was_skipped
 
 
 class Accelerator(_Accelerator):
