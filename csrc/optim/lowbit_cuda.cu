@@ -95,8 +95,10 @@ struct AdamLowbitOp {
                               const AdamCoefs& c, float inv, float coef) const {
     constexpr int kWarps = kMtaThreads / 32;
     constexpr int kWarpsPerBlock = kQuantBlock / 32;
-    __shared__ float warp_m[kWarps];
-    __shared__ float warp_v[kWarps];
+    // The maxima as the bit patterns of |m| and v (max_bits: the CPU kernels' integer maximum, so
+    // a NaN that reached the state, a NaN gradient stepped without a scaler, wins on both).
+    __shared__ uint32_t warp_m[kWarps];
+    __shared__ uint32_t warp_v[kWarps];
     uint8_t* const mq = blk.template ptr<uint8_t>(2);
     uint8_t* const vq = blk.template ptr<uint8_t>(3);
     float* const am = blk.template side_ptr<float>(kAbsmaxM);
@@ -122,14 +124,12 @@ struct AdamLowbitOp {
         if constexpr (kMaster) mp[e] = pi;
         p[e] = static_cast<T>(pi);
       }
-      float wm = live ? std::fabs(mi) : 0.0f;
-      float wv = live ? vi : 0.0f;
+      uint32_t wm = live ? (float_bits(mi) & 0x7FFFFFFFu) : 0u;
+      uint32_t wv = live ? (float_bits(vi) & 0x7FFFFFFFu) : 0u;
 #pragma unroll
       for (int off = 16; off > 0; off /= 2) {
-        const float om = __shfl_xor_sync(0xffffffffu, wm, off);
-        const float ov = __shfl_xor_sync(0xffffffffu, wv, off);
-        wm = om > wm ? om : wm;
-        wv = ov > wv ? ov : wv;
+        wm = max_bits(__shfl_xor_sync(0xffffffffu, wm, off), wm);
+        wv = max_bits(__shfl_xor_sync(0xffffffffu, wv, off), wv);
       }
       if (lane == 0) {
         warp_m[warp] = wm;
@@ -137,13 +137,15 @@ struct AdamLowbitOp {
       }
       __syncthreads();
       const int first = (warp / kWarpsPerBlock) * kWarpsPerBlock;
-      float mmax = 0.0f;
-      float vmax = 0.0f;
+      uint32_t mbits = 0u;
+      uint32_t vbits = 0u;
 #pragma unroll
       for (int w = 0; w < kWarpsPerBlock; ++w) {
-        mmax = warp_m[first + w] > mmax ? warp_m[first + w] : mmax;
-        vmax = warp_v[first + w] > vmax ? warp_v[first + w] : vmax;
+        mbits = max_bits(warp_m[first + w], mbits);
+        vbits = max_bits(warp_v[first + w], vbits);
       }
+      const float mmax = bits_float(mbits);
+      const float vmax = bits_float(vbits);
       if (live) {
         mq[e] = encode_m8(mi * block_reciprocal(mmax));
         vq[e] = encode_v8(vi * block_reciprocal(vmax));

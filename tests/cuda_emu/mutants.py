@@ -29,9 +29,10 @@ class Mutant:
     file: str  # relative to csrc/
     old: str
     new: str
-    tests: str  # pytest -k expression over tests/cuda_emu/test_emulated_ops.py
+    tests: str  # pytest -k expression over tests/cuda_emu/<test_file>
     expect: str  # regex the failing run's output must contain
     what: str
+    test_file: str = "test_emulated_ops.py"
 
 
 MUTANTS = {
@@ -87,6 +88,40 @@ MUTANTS = {
         r"wrote outside tensor|differ from the CPU kernel",
         "bucket pack writes one element past its slot",
     ),
+    # The 8-bit state's block maximum reduced over half of each warp: the two halves of a warp
+    # disagree on their quantization block's scale.
+    "lowbit_half_warp_absmax": Mutant(
+        "optim/lowbit_cuda.cu",
+        "      for (int off = 16; off > 0; off /= 2) {\n"
+        "        wm = max_bits(__shfl_xor_sync(0xffffffffu, wm, off), wm);",
+        "      for (int off = 8; off > 0; off /= 2) {\n"
+        "        wm = max_bits(__shfl_xor_sync(0xffffffffu, wm, off), wm);",
+        "test_adam_lowbit_step and fp32 and int8",
+        r"differ from the CPU kernel|differs between launch orders",
+        "8-bit block maximum reduced over 16 of the 32 lanes",
+        "test_emulated_lowbit.py",
+    ),
+    # Every quantization block of a CUDA block takes the first block's warps' maximum.
+    "lowbit_wrong_block_warps": Mutant(
+        "optim/lowbit_cuda.cu",
+        "      const int first = (warp / kWarpsPerBlock) * kWarpsPerBlock;",
+        "      const int first = 0;",
+        "test_adam_lowbit_step and fp32 and int8",
+        r"differ from the CPU kernel|differs between launch orders",
+        "8-bit block scale taken from another quantization block's warps",
+        "test_emulated_lowbit.py",
+    ),
+    # The stochastic rounding's counter restarts at every chunk (the element index within the
+    # chunk instead of the tensor): later chunks repeat the first chunk's random bits.
+    "lowbit_chunk_local_counter": Mutant(
+        "optim/lowbit_cuda.cu",
+        "sr_bits(key, blk.start + e)",
+        "sr_bits(key, e)",
+        "test_adam_lowbit_step and bf16 and bfloat16",
+        r"differ from the CPU kernel|differs between launch orders",
+        "bfloat16 rounding bits drawn from the chunk-local index",
+        "test_emulated_lowbit.py",
+    ),
 }
 
 
@@ -111,7 +146,7 @@ def run(name: str, sanitize: bool = False) -> tuple[bool, str]:
     lib = build.build(out, sanitize=sanitize, overrides=apply(name), name=f"_cuda_emu_{name}.so")
     env = dict(os.environ, FASTAMP_EMU_LIB=str(lib))
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-           str(HERE / "test_emulated_ops.py"), "-k", m.tests]
+           str(HERE / m.test_file), "-k", m.tests]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     output = r.stdout + r.stderr
     ran = re.search(r"(\d+) (passed|failed)", output)

@@ -67,3 +67,13 @@ def test_adam_lowbit_step_found_inf_writes_nothing(fmt):
     for i, (a, b) in enumerate(zip(out["emu"], fresh)):
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), (
             f"adam_lowbit_step_ with found_inf=1 wrote into argument tensor {i}")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+def test_adam_lowbit_step_non_finite_gradient_without_found_inf(fmt):
+    """No scaler: a NaN and an inf gradient are stepped into the state. The NaN reaches a block's
+    maximum (int8: the integer maximum of the bits on both backends) and bfloat16's NaN rule."""
+    build = _build(SPECS["fp32-blocks"], fmt, False, found=0.0,
+                   inject={5: [(70, math.nan)], 4: [(300, math.inf), (301, -math.inf)]})
+    out = run_case("adam_lowbit_step_", build, orders=("ascending", "random"))
+    assert any(torch.isnan(t.float()).any() for t in out["emu"] if t.is_floating_point())
