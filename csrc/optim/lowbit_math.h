@@ -68,6 +68,17 @@ struct lane_of<V, std::enable_if_t<!std::is_arithmetic_v<V>>> {
   using type = std::remove_cv_t<std::remove_reference_t<decltype(std::declval<V>()[0])>>;
 };
 
+/// The signed integer type of U's lanes (for an arithmetic shift): make_signed for a scalar, the
+/// comparison result type (signed lanes of the same width) for a vector.
+template <class U, class = void>
+struct signed_of {
+  using type = std::make_signed_t<U>;
+};
+template <class U>
+struct signed_of<U, std::enable_if_t<!std::is_arithmetic_v<U>>> {
+  using type = decltype(std::declval<U>() < std::declval<U>());
+};
+
 /// The constant c in every lane of V (or c itself for a scalar V).
 template <class V, class S>
 FASTAMP_HOST_DEVICE inline V splat(S c) {
@@ -114,17 +125,21 @@ FASTAMP_HOST_DEVICE inline H v8_code(H h) {
 }
 
 /// The float32 bits of an exp_avg code (in a 32-bit lane): the code's exponent e + 15 becomes
-/// float's e + 127 by setting the three bits above it; exponent field 0 decodes to 0.
+/// float's e + 127 by setting the three bits above it; exponent field 0 decodes to 0. (The code
+/// moved to the top and shifted back arithmetically lands exponent and mantissa in place with
+/// the sign still on top: one shift pair and one mask-and-set.)
 template <class U>
 FASTAMP_HOST_DEVICE inline U m8_bits(U c) {
-  const U b = ((c << 24) & 0x80000000u) | ((c << 20) & 0x07F00000u) | 0x38000000u;
+  using S = typename signed_of<U>::type;
+  const U r = (U)((S)(c << 24) >> 4);
+  const U b = (r & 0x87F00000u) | 0x38000000u;
   return sel((c & 0x78u) != 0u, b, splat<U>(0u));
 }
 
 /// The float32 bits of an exp_avg_sq code: exponent e + 31 -> e + 127; exponent field 0 -> 0.
 template <class U>
 FASTAMP_HOST_DEVICE inline U v8_bits(U c) {
-  return sel((c & 0xF8u) != 0u, (c << 20) | 0x30000000u, splat<U>(0u));
+  return sel(c >= 8u, (c << 20) | 0x30000000u, splat<U>(0u));  // c >= 8: exponent field != 0
 }
 
 FASTAMP_HOST_DEVICE inline uint8_t encode_m8(float y) {

@@ -90,12 +90,14 @@ def _float32_call(p, g, m, v, steps, mp=None, inv=None, coef=None):
                     HYPER["eps"], False, True, False, inv, None, coef)
 
 
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("numel", [4096, 70_000, 65_536 + 256 * 3 + 17])
-def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(numel, dtype):
+def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(numel, dtype, scaled):
     master = dtype != torch.float32
     p, g, st, mp = _state(numel, "int8", seed=numel, master=master, dtype=dtype)
-    inv, coef = torch.tensor(0.5), torch.tensor(0.8)
+    # Unscaled (no GradScaler, no clip): the float32-param kernel skips the multiplies by 1.
+    inv, coef = (torch.tensor(0.5), torch.tensor(0.8)) if scaled else (None, None)
     # The float32 kernel on the dequantized moments does the same float32 arithmetic.
     m32, v32 = lowbit.dequantize(st["exp_avg"], st["exp_avg_sq"], st["exp_avg_absmax"],
                                  st["exp_avg_sq_absmax"])
@@ -113,14 +115,16 @@ def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(numel, dtype):
     assert float(steps) == 5.0
 
 
-def test_bf16_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit():
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
+def test_bf16_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(scaled):
     numel = 70_000
     p, g, st, _ = _state(numel, "bfloat16", seed=3)
     m32, v32 = st["exp_avg"].float(), st["exp_avg_sq"].float()
     p32 = p.clone()
     steps, steps32 = torch.tensor(9.0), torch.tensor(9.0)
-    _float32_call(p32, g, m32, v32, steps32)
-    _lowbit_call(p, g, st, steps, seed=11)
+    inv, coef = (torch.tensor(0.25), torch.tensor(0.9)) if scaled else (None, None)
+    _float32_call(p32, g, m32, v32, steps32, inv=inv, coef=coef)
+    _lowbit_call(p, g, st, steps, seed=11, inv=inv, coef=coef)
     assert_bitwise_equal(p, p32, "params")
     r = lowbit.sr_bits(lowbit.sr_key(11, 10, 0), torch.arange(numel))
     assert_bitwise_equal(st["exp_avg"], lowbit.bf16_stochastic(m32, r), "exp_avg")
