@@ -170,6 +170,26 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     assert not torch.equal(other.double(), y)
 
 
+def test_rounding_bits_look_uniform_and_independent():
+    """The counter hash's two 16-bit halves (exp_avg's and exp_avg_sq's rounding bits): uniform
+    over 256 bins, uncorrelated with each other, from one step to the next, and between
+    neighbouring elements, within a chunk and past the 2^16 and 2^32 chunk/index boundaries."""
+    n = 1 << 16
+    for start in (0, 3 << 16, (1 << 32) + (5 << 16)):
+        idx = torch.arange(start, start + n)
+        r1 = lowbit.sr_bits(lowbit.sr_key(0, 7, 2), idx)
+        r2 = lowbit.sr_bits(lowbit.sr_key(0, 8, 2), idx)
+        halves = [(r1 & 0xFFFF).double(), (r1 >> 16).double(), (r2 & 0xFFFF).double()]
+        for h in halves:
+            counts = torch.bincount((h.long() >> 8), minlength=256).double()
+            chi2 = (((counts - n / 256) ** 2) / (n / 256)).sum().item()
+            assert chi2 < 255 + 6 * math.sqrt(2 * 255), chi2  # 6 sigma of chi-square(255)
+        pairs = [(halves[0], halves[1]), (halves[0], halves[2]), (halves[0][1:], halves[0][:-1])]
+        for a, b in pairs:
+            corr = torch.corrcoef(torch.stack([a, b]))[0, 1].abs().item()
+            assert corr < 6 / math.sqrt(n), corr
+
+
 @pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
 def test_overflow_step_writes_nothing(fmt):
     p, g, st, _ = _state(5000, fmt, seed=2)

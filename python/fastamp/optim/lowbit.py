@@ -200,9 +200,11 @@ def convert(state: dict[str, Any], fmt: str, like: Tensor) -> dict[str, Tensor]:
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(x: Tensor) -> Tensor:
+def _mix32(x: Tensor, tail: bool = False) -> Tensor:
+    """lowbias32 (lowbit_math.h ``mix32``), or without its first xorshift (``mix32_tail``)."""
     x = x & _M32
-    x = x ^ (x >> 16)
+    if not tail:
+        x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M32
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & _M32
@@ -220,7 +222,7 @@ def sr_bits(key: int, index: Tensor) -> Tensor:
     """32 random bits per element index (int64 tensor) of the tensor keyed ``key``."""
     i = index.to(torch.int64)
     lo, hi = i & _M32, (i >> 32) & _M32
-    return _mix32(torch.full_like(i, key) ^ lo ^ ((hi * 0x85EBCA6B) & _M32))
+    return _mix32(torch.full_like(i, key) ^ lo ^ ((hi * 0x85EBCA6B) & _M32), tail=True)
 
 
 def bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
