@@ -144,8 +144,8 @@ struct AdamLowbitOp {
         mbits = max_bits(warp_m[first + w], mbits);
         vbits = max_bits(warp_v[first + w], vbits);
       }
-      const float mmax = bits_float(mbits);
-      const float vmax = bits_float(vbits);
+      const float mmax = bits_float(canonical_max(mbits));
+      const float vmax = bits_float(canonical_max(vbits));
       if (live) {
         mq[e] = encode_m8(mi * block_reciprocal(mmax));
         vq[e] = encode_v8(vi * block_reciprocal(vmax));
@@ -158,6 +158,72 @@ struct AdamLowbitOp {
     }
   }
 };
+
+// SGD with a bfloat16 momentum buffer: sgd_update per element, the buffer rounded stochastically
+// (the low half of sr_bits, as the CPU kernel). Lists: params, grads, buffers, [master].
+template <bool kMaster>
+struct SgdLowbitOp {
+  static constexpr int kDepth = 3 + (kMaster ? 1 : 0);
+  static constexpr int kMasterList = 3;
+
+  SgdHyper h;
+  StepScalars s;
+  const float* steps;  // old update count of each param (0: the buffer gets the gradient)
+  double lr;
+  uint32_t seed;
+
+  template <typename T>
+  __device__ void apply(const MtaBlock<kDepth>& blk) const {
+    if constexpr (!std::is_same_v<T, double>) {
+      if (step_skipped(s.found_inf)) return;
+      const float old = steps[blk.index];
+      const bool first = old == 0.0f;
+      // Every thread computes the same key (a few integer operations; no barrier needed).
+      const uint32_t key =
+          sr_key(seed, static_cast<uint32_t>(old + 1.0f), static_cast<uint32_t>(blk.index));
+      const float neg_lr =
+          static_cast<float>(-(s.lr != nullptr ? static_cast<double>(*s.lr) : lr));
+      const float inv = s.inv_scale != nullptr ? *s.inv_scale : 1.0f;
+      const float coef = s.clip_coef != nullptr ? *s.clip_coef : 1.0f;
+      T* const p = blk.template ptr<T>(0);
+      const T* const g = blk.template ptr<T>(1);
+      uint16_t* const buf = blk.template ptr<uint16_t>(2);
+      float* mp = nullptr;
+      if constexpr (kMaster) mp = blk.template ptr<float>(kMasterList);
+      for (int e = static_cast<int>(threadIdx.x); e < blk.len; e += kMtaThreads) {
+        float pi = kMaster ? mp[e] : static_cast<float>(p[e]);
+        float bi = bf16_bits_float(buf[e]);
+        sgd_update(pi, prep_grad(static_cast<float>(g[e]), inv, coef, h.maximize), bi, neg_lr, h,
+                   first);
+        buf[e] = bf16_stochastic(bi, sr_bits(key, blk.start + e));
+        if constexpr (kMaster) mp[e] = pi;
+        p[e] = static_cast<T>(pi);
+      }
+    }
+  }
+};
+
+void sgd_lowbit_step_cuda(at::TensorList params, at::TensorList grads,
+                          at::TensorList momentum_buffers, at::TensorList state_steps,
+                          at::TensorList master_params, int64_t seed, double lr,
+                          const c10::optional<at::Tensor>& lr_tensor, double weight_decay,
+                          double momentum, double dampening, bool nesterov, bool maximize,
+                          const c10::optional<at::Tensor>& inv_scale,
+                          const c10::optional<at::Tensor>& found_inf,
+                          const c10::optional<at::Tensor>& clip_coef) {
+  constexpr const char* op = "fastamp::sgd_lowbit_step_";
+  StepPlan plan = check_sgd_lowbit_step(params, grads, momentum_buffers, state_steps, master_params,
+                                        momentum, lr_tensor, inv_scale, found_inf, clip_coef);
+  if (plan.empty()) return;
+  const StepScalars& dev = plan.scalars;
+  const SgdHyper h = sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
+  run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
+    with_bools(plan.has_master, false, [&](auto master, auto) {
+      using Op = SgdLowbitOp<decltype(master)::value>;
+      run_update<Op::kDepth>(plan, Op{h, dev, old_steps, lr, static_cast<uint32_t>(seed)});
+    });
+  });
+}
 
 void adam_lowbit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                            at::TensorList exp_avg_sqs, at::TensorList exp_avg_absmax,
@@ -196,4 +262,7 @@ void adam_lowbit_step_cuda(at::TensorList params, at::TensorList grads, at::Tens
 }  // namespace optim
 }  // namespace fastamp
 
-FASTAMP_CUDA_KERNELS(m) { m.impl("adam_lowbit_step_", &fastamp::optim::adam_lowbit_step_cuda); }
+FASTAMP_CUDA_KERNELS(m) {
+  m.impl("adam_lowbit_step_", &fastamp::optim::adam_lowbit_step_cuda);
+  m.impl("sgd_lowbit_step_", &fastamp::optim::sgd_lowbit_step_cuda);
+}

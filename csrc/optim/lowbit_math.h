@@ -219,10 +219,18 @@ FASTAMP_HOST_DEVICE inline uint32_t sr_bits(uint32_t key, int64_t index) {
 /// x's float32 bits `b` plus 16 random bits `r` below the bfloat16 mantissa: the high half of the
 /// sum is x rounded to bfloat16 up or down with probability proportional to the distance (the
 /// carry does the rounding; inf stays inf, a finite value may round up to inf). A NaN becomes the
-/// quiet NaN 0x7FC0.
+/// quiet NaN 0x7FC0: which NaN float arithmetic returns depends on operand order (x86 keeps the
+/// first operand's, and compilers may swap the operands of an addition) and on the hardware (a
+/// GPU returns its canonical NaN), so only a canonical one is the same on every backend.
 template <class F, class U>
 FASTAMP_HOST_DEVICE inline U bf16_sr_sum(F x, U b, U r) {
   return sel(x != x, splat<U>(0x7FC00000u), b) + (r & 0xFFFFu);
+}
+
+/// A block maximum (bits of |m| or v) with a NaN made the canonical 0x7FC00000, for the reason
+/// above: the stored scale is then the same on every backend.
+FASTAMP_HOST_DEVICE inline uint32_t canonical_max(uint32_t bits) {
+  return bits > 0x7F800000u ? 0x7FC00000u : bits;
 }
 
 FASTAMP_HOST_DEVICE inline uint16_t bf16_stochastic(float x, uint32_t r) {

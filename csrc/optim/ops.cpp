@@ -59,6 +59,20 @@ void adam_lowbit_step_no_kernel(at::TensorList params, at::TensorList grads,
               " in this build");
 }
 
+void sgd_lowbit_step_no_kernel(at::TensorList params, at::TensorList grads,
+                               at::TensorList momentum_buffers, at::TensorList state_steps,
+                               at::TensorList master_params, int64_t, double,
+                               const c10::optional<at::Tensor>& lr_tensor, double, double momentum,
+                               double, bool, bool, const c10::optional<at::Tensor>& inv_scale,
+                               const c10::optional<at::Tensor>& found_inf,
+                               const c10::optional<at::Tensor>& clip_coef) {
+  const StepPlan plan = check_sgd_lowbit_step(params, grads, momentum_buffers, state_steps,
+                                              master_params, momentum, lr_tensor, inv_scale,
+                                              found_inf, clip_coef);
+  TORCH_CHECK(plan.empty(), "fastamp::sgd_lowbit_step_: no kernel for params on ", plan.device,
+              " in this build");
+}
+
 std::vector<int64_t> shared_memory_pair(at::TensorList tensors) {
   return find_shared_memory(tensors);
 }
@@ -108,6 +122,17 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
       "bool decoupled_weight_decay, bool maximize, Tensor? inv_scale, Tensor? found_inf, "
       "Tensor? clip_coef) -> ()");
 
+  // SGD step with momentum (momentum != 0) whose buffers are bfloat16, fused as sgd_step_ (one
+  // pass; with found_inf != 0 nothing is written and state_steps hold). The new buffer is
+  // rounded to bfloat16 stochastically, keyed by (seed, new update count, list position, element
+  // index) as adam_lowbit_step_'s exp_avg. state_steps counts each param's updates (0: the buffer
+  // gets the gradient itself, as PyTorch's first momentum step).
+  m.def(
+      "sgd_lowbit_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+      "Tensor(c!)[] state_steps, Tensor(d!)[] master_params, int seed, float lr, "
+      "Tensor? lr_tensor, float weight_decay, float momentum, float dampening, bool nesterov, "
+      "bool maximize, Tensor? inv_scale, Tensor? found_inf, Tensor? clip_coef) -> ()");
+
   // The first pair [i, j] (i <= j) of `tensors` that share an element of memory ([i, i]: the
   // tensor's own elements overlap, as after expand()), or [] when none does. Reads only sizes,
   // strides and addresses (no data, no sync); the same on every device. The optimizers run it
@@ -120,4 +145,5 @@ TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
   m.impl("adam_step_", &fastamp::optim::adam_step_no_kernel);
   m.impl("sgd_step_", &fastamp::optim::sgd_step_no_kernel);
   m.impl("adam_lowbit_step_", &fastamp::optim::adam_lowbit_step_no_kernel);
+  m.impl("sgd_lowbit_step_", &fastamp::optim::sgd_lowbit_step_no_kernel);
 }

@@ -149,6 +149,66 @@ StepPlan check_sgd_step(at::TensorList params, at::TensorList grads,
   return plan;
 }
 
+namespace {
+
+using NamedLists = std::vector<std::pair<const char*, at::TensorList>>;
+
+// What the low-precision steps check alike: per param its grad, contiguity (blocks and rounding
+// counters are in memory order), each state tensor of `state` (dtype code_t, the param's shape),
+// its step counter and master copy; then that nothing written aliases, and the flat lists.
+void check_lowbit_lists(const char* op, StepPlan& plan, at::TensorList params, at::TensorList grads,
+                        const NamedLists& state, c10::ScalarType code_t,
+                        at::TensorList state_steps, at::TensorList master_params,
+                        NamedLists written) {
+  const c10::Device dev = plan.device;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
+    TORCH_CHECK(g.sizes() == p.sizes() && g.scalar_type() == p.scalar_type(), op, ": grads[", i,
+                "] has shape ", g.sizes(), " and dtype ", g.scalar_type(), " but params[", i,
+                "] has shape ", p.sizes(), " and dtype ", p.scalar_type());
+    TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), op, ": params[", i, "] and grads[", i,
+                "] must be contiguous (the state's blocks and rounding counters are in memory "
+                "order)");
+    for (const auto& [name, list] : state) {
+      const at::Tensor& s = list[i];
+      TORCH_CHECK(s.defined() && s.device() == dev && s.scalar_type() == code_t &&
+                      s.sizes() == p.sizes() && s.is_contiguous(),
+                  op, ": ", name, "[", i, "] must be a contiguous ", c10::toString(code_t),
+                  " tensor of the shape ", p.sizes(), " of params[", i, "] on ", dev,
+                  " (every state tensor of one call in the same format)");
+    }
+    const at::Tensor& st = state_steps[i];
+    TORCH_CHECK(st.defined() && st.device() == dev && st.numel() == 1 &&
+                    st.scalar_type() == at::kFloat,
+                op, ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
+    if (plan.has_master) {
+      const at::Tensor& mp = master_params[i];
+      TORCH_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == at::kFloat &&
+                      mp.sizes() == p.sizes() && mp.is_contiguous(),
+                  op, ": master_params[", i, "] must be a contiguous float32 tensor of the shape of "
+                  "params[", i, "] on ", dev);
+    }
+  }
+  written.emplace_back("params", params);
+  written.emplace_back("state_steps", state_steps);
+  for (const auto& named : state) written.push_back(named);
+  if (plan.has_master) written.emplace_back("master_params", master_params);
+  check_disjoint(op, written);
+  const std::initializer_list<c10::ScalarType> dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
+  plan.params = FlatTensorList::prepare(params, op, "params", dev, true, dtypes);
+  plan.grads = FlatTensorList::prepare(grads, op, "grads", dev, false, dtypes);
+  for (const auto& [name, list] : state) {
+    plan.state.push_back(FlatTensorList::prepare(list, op, name, dev, true, {code_t}));
+  }
+  if (plan.has_master) {
+    plan.master = FlatTensorList::prepare(master_params, op, "master_params", dev, true, {at::kFloat});
+  }
+}
+
+}  // namespace
+
 LowbitPlan check_adam_lowbit_step(at::TensorList params, at::TensorList grads,
                                   at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
                                   at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
@@ -173,34 +233,12 @@ LowbitPlan check_adam_lowbit_step(at::TensorList params, at::TensorList grads,
               ": exp_avgs[0] has dtype ", code_t,
               "; expected bfloat16 (16-bit state) or uint8 (8-bit codes)");
   plan.int8 = code_t == at::kByte;
+  NamedLists written;
   if (plan.int8) {
     check_len(op, "exp_avg_absmax", exp_avg_absmax.size(), n);
     check_len(op, "exp_avg_sq_absmax", exp_avg_sq_absmax.size(), n);
-  } else {
-    TORCH_CHECK(exp_avg_absmax.empty() && exp_avg_sq_absmax.empty(), op,
-                ": exp_avg_absmax and exp_avg_sq_absmax must be empty with bfloat16 state (they "
-                "hold the block scales of 8-bit codes)");
-  }
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    const at::Tensor& g = grads[i];
-    TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
-    TORCH_CHECK(g.sizes() == p.sizes() && g.scalar_type() == p.scalar_type(), op, ": grads[", i,
-                "] has shape ", g.sizes(), " and dtype ", g.scalar_type(), " but params[", i,
-                "] has shape ", p.sizes(), " and dtype ", p.scalar_type());
-    TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), op, ": params[", i, "] and grads[", i,
-                "] must be contiguous (the blocks of 256 elements are in memory order)");
-    for (const auto& [name, list] : {std::pair<const char*, at::TensorList>{"exp_avgs", exp_avgs},
-                                     {"exp_avg_sqs", exp_avg_sqs}}) {
-      const at::Tensor& s = list[i];
-      TORCH_CHECK(s.defined() && s.device() == dev && s.scalar_type() == code_t &&
-                      s.sizes() == p.sizes() && s.is_contiguous(),
-                  op, ": ", name, "[", i, "] must be a contiguous ", c10::toString(code_t),
-                  " tensor of the shape ", p.sizes(), " of params[", i, "] on ", dev,
-                  " (every state tensor of one call in the same format)");
-    }
-    if (plan.int8) {
-      const int64_t blocks = (p.numel() + kBlock - 1) / kBlock;
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t blocks = (params[i].numel() + kBlock - 1) / kBlock;
       for (const auto& [name, list] :
            {std::pair<const char*, at::TensorList>{"exp_avg_absmax", exp_avg_absmax},
             {"exp_avg_sq_absmax", exp_avg_sq_absmax}}) {
@@ -211,43 +249,42 @@ LowbitPlan check_adam_lowbit_step(at::TensorList params, at::TensorList grads,
                     " elements (one per 256-element block of params[", i, "]) on ", dev);
       }
     }
-    const at::Tensor& st = state_steps[i];
-    TORCH_CHECK(st.defined() && st.device() == dev && st.numel() == 1 &&
-                    st.scalar_type() == at::kFloat,
-                op, ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
-    if (has_master) {
-      const at::Tensor& mp = master_params[i];
-      TORCH_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == at::kFloat &&
-                      mp.sizes() == p.sizes() && mp.is_contiguous(),
-                  op, ": master_params[", i, "] must be a contiguous float32 tensor of the shape of "
-                  "params[", i, "] on ", dev);
-    }
+    written = {{"exp_avg_absmax", exp_avg_absmax}, {"exp_avg_sq_absmax", exp_avg_sq_absmax}};
+  } else {
+    TORCH_CHECK(exp_avg_absmax.empty() && exp_avg_sq_absmax.empty(), op,
+                ": exp_avg_absmax and exp_avg_sq_absmax must be empty with bfloat16 state (they "
+                "hold the block scales of 8-bit codes)");
   }
-  std::vector<std::pair<const char*, at::TensorList>> written = {
-      {"params", params}, {"state_steps", state_steps}, {"exp_avgs", exp_avgs},
-      {"exp_avg_sqs", exp_avg_sqs}};
-  if (plan.int8) {
-    written.emplace_back("exp_avg_absmax", exp_avg_absmax);
-    written.emplace_back("exp_avg_sq_absmax", exp_avg_sq_absmax);
-  }
-  if (has_master) written.emplace_back("master_params", master_params);
-  check_disjoint(op, written);
-  const std::initializer_list<c10::ScalarType> dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
-  plan.params = FlatTensorList::prepare(params, op, "params", dev, true, dtypes);
-  plan.grads = FlatTensorList::prepare(grads, op, "grads", dev, false, dtypes);
-  plan.state.push_back(FlatTensorList::prepare(exp_avgs, op, "exp_avgs", dev, true, {code_t}));
-  plan.state.push_back(
-      FlatTensorList::prepare(exp_avg_sqs, op, "exp_avg_sqs", dev, true, {code_t}));
+  check_lowbit_lists(op, plan, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
+                     code_t, state_steps, master_params, written);
   if (plan.int8) {
     plan.absmax.push_back(
         FlatTensorList::prepare(exp_avg_absmax, op, "exp_avg_absmax", dev, true, {at::kFloat}));
     plan.absmax.push_back(FlatTensorList::prepare(exp_avg_sq_absmax, op, "exp_avg_sq_absmax", dev,
                                                   true, {at::kFloat}));
   }
-  if (has_master) {
-    plan.master = FlatTensorList::prepare(master_params, op, "master_params", dev, true, {at::kFloat});
-  }
   plan.scalars = check_scalars(op, dev, lr_tensor, inv_scale, found_inf, clip_coef);
+  return plan;
+}
+
+StepPlan check_sgd_lowbit_step(at::TensorList params, at::TensorList grads,
+                               at::TensorList momentum_buffers, at::TensorList state_steps,
+                               at::TensorList master_params, double momentum,
+                               const c10::optional<at::Tensor>& lr_tensor,
+                               const c10::optional<at::Tensor>& inv_scale,
+                               const c10::optional<at::Tensor>& found_inf,
+                               const c10::optional<at::Tensor>& clip_coef) {
+  constexpr const char* op = "fastamp::sgd_lowbit_step_";
+  TORCH_CHECK(momentum != 0.0, op, ": momentum is 0; without momentum SGD keeps no state (use "
+              "fastamp::sgd_step_)");
+  StepPlan plan;
+  plan.has_master = check_lengths(op, params, grads, {{"momentum_buffers", momentum_buffers}},
+                                  state_steps, master_params);
+  if (params.empty()) return plan;
+  plan.device = params[0].device();
+  check_lowbit_lists(op, plan, params, grads, {{"momentum_buffers", momentum_buffers}},
+                     at::kBFloat16, state_steps, master_params, {});
+  plan.scalars = check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
   return plan;
 }
 

@@ -72,5 +72,14 @@ LowbitPlan check_adam_lowbit_step(at::TensorList params, at::TensorList grads,
                                   const c10::optional<at::Tensor>& found_inf,
                                   const c10::optional<at::Tensor>& clip_coef);
 
+/// Everything fastamp::sgd_lowbit_step_ checks (bfloat16 momentum buffers), for both backends.
+StepPlan check_sgd_lowbit_step(at::TensorList params, at::TensorList grads,
+                               at::TensorList momentum_buffers, at::TensorList state_steps,
+                               at::TensorList master_params, double momentum,
+                               const c10::optional<at::Tensor>& lr_tensor,
+                               const c10::optional<at::Tensor>& inv_scale,
+                               const c10::optional<at::Tensor>& found_inf,
+                               const c10::optional<at::Tensor>& clip_coef);
+
 }  // namespace optim
 }  // namespace fastamp

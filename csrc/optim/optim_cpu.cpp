@@ -172,6 +172,51 @@ void adam_lowbit_step_cpu(at::TensorList params, at::TensorList grads, at::Tenso
   advance_steps(state_steps);
 }
 
+void sgd_lowbit_step_cpu(at::TensorList params, at::TensorList grads,
+                         at::TensorList momentum_buffers, at::TensorList state_steps,
+                         at::TensorList master_params, int64_t seed, double lr,
+                         const c10::optional<at::Tensor>& lr_tensor, double weight_decay,
+                         double momentum, double dampening, bool nesterov, bool maximize,
+                         const c10::optional<at::Tensor>& inv_scale,
+                         const c10::optional<at::Tensor>& found_inf,
+                         const c10::optional<at::Tensor>& clip_coef) {
+  StepPlan plan = check_sgd_lowbit_step(params, grads, momentum_buffers, state_steps, master_params,
+                                        momentum, lr_tensor, inv_scale, found_inf, clip_coef);
+  if (plan.empty()) return;
+  const StepScalars& dev = plan.scalars;
+  const CpuScalars s = read_scalars(dev);
+  if (s.skip) return;  // an overflowed step writes nothing, not even the update counts
+  const float neg_lr = static_cast<float>(-(dev.lr != nullptr ? static_cast<double>(*dev.lr) : lr));
+  const SgdHyper h = sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
+  const auto& items = plan.params.items();
+  std::vector<float> olds(items.size());
+  std::vector<uint32_t> keys(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    olds[i] = *state_steps[items[i].index].data_ptr<float>();
+    keys[i] = sr_key(static_cast<uint32_t>(seed), static_cast<uint32_t>(olds[i] + 1.0f),
+                     static_cast<uint32_t>(items[i].index));
+  }
+  const FlatTensorList* master = plan.has_master ? &plan.master : nullptr;
+  const OptimCpuKernels& k = optim_cpu_kernels();
+  cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) {
+    const size_t it = static_cast<size_t>(ch.item);
+    SgdChunk a{items[it].dtype,
+               at_elem(items[it], ch.start),
+               at_elem(plan.grads.items()[it], ch.start),
+               at_elem(plan.state[0].items()[it], ch.start),
+               static_cast<float*>(at_elem_or_null(master, it, ch.start)),
+               ch.len,
+               s.inv_scale,
+               s.clip_coef,
+               neg_lr,
+               olds[it] == 0.0f,
+               ch.start,
+               keys[it]};
+    k.sgd_bf16(a, h);
+  });
+  advance_steps(state_steps);
+}
+
 static_assert(kChunkElems % kQuantBlock == 0, "a quantization block must not straddle two chunks");
 
 }  // namespace
@@ -191,4 +236,5 @@ TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
   m.impl("adam_step_", &fastamp::optim::adam_step_cpu);
   m.impl("sgd_step_", &fastamp::optim::sgd_step_cpu);
   m.impl("adam_lowbit_step_", &fastamp::optim::adam_lowbit_step_cpu);
+  m.impl("sgd_lowbit_step_", &fastamp::optim::sgd_lowbit_step_cpu);
 }

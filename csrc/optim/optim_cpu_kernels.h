@@ -39,6 +39,8 @@ struct SgdChunk {
   float clip_coef;
   float neg_lr;
   bool first;
+  int64_t start = 0;  ///< sgd_bf16: index of the chunk's first element (the rounding's counter)
+  uint32_t key = 0;   ///< sgd_bf16: sr_key of the tensor at this update
 };
 
 /// One chunk of one param of fastamp::adam_lowbit_step_: bfloat16 moments (`exp_avg`,
@@ -65,6 +67,9 @@ struct OptimCpuKernels {
   void (*sgd)(const SgdChunk&, const SgdHyper&);
   void (*adam_bf16)(const AdamLowbitChunk&, const AdamHyper&, const AdamCoefs&);
   void (*adam_q8)(const AdamLowbitChunk&, const AdamHyper&, const AdamCoefs&);
+  /// SGD with a bfloat16 momentum buffer (`momentum_buffer` points at its uint16 bits), written
+  /// with stochastic rounding (the low 16 of sr_bits).
+  void (*sgd_bf16)(const SgdChunk&, const SgdHyper&);
 };
 
 const OptimCpuKernels& optim_cpu_kernels_default();

@@ -77,3 +77,30 @@ def test_adam_lowbit_step_non_finite_gradient_without_found_inf(fmt):
                    inject={5: [(70, math.nan)], 4: [(300, math.inf), (301, -math.inf)]})
     out = run_case("adam_lowbit_step_", build, orders=("ascending", "random"))
     assert any(torch.isnan(t.float()).any() for t in out["emu"] if t.is_floating_point())
+
+
+def _build_sgd(spec, master, found=0.0, first=False):
+    def build(mem: Mem):
+        params = [mem.place(mem.randn(n, dt, 0.1), off) for n, dt, off in spec]
+        gs = [mem.place(mem.randn(n, dt, 64.0), off) for n, dt, off in spec]
+        bufs = [mem.place(mem.randn(n, F32, 1e-2).to(BF16), off) for n, _, off in spec]
+        masters = [mem.place(p.float(), off) for p, (_, _, off) in zip(params, spec)] if master else []
+        counts = [torch.tensor(0.0 if first else float(2 + i)) for i in range(len(spec))]
+        return (params, gs, bufs, counts, masters, 777, 0.05, None, 0.01, 0.9, 0.1, True, False,
+                torch.tensor(1 / 64), torch.tensor(found), torch.tensor(0.7))
+    return build
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["later", "first-update"])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_sgd_lowbit_step(name, first):
+    run_case("sgd_lowbit_step_", _build_sgd(SPECS[name], name != "fp32-blocks", first=first))
+
+
+def test_sgd_lowbit_step_found_inf_writes_nothing():
+    build = _build_sgd(SPECS["fp32-blocks"], False, found=1.0)
+    out = run_case("sgd_lowbit_step_", build, orders=("ascending", "random"))
+    fresh = tensors_of(list(build(Mem(0))))
+    for i, (a, b) in enumerate(zip(out["emu"], fresh)):
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), (
+            f"sgd_lowbit_step_ with found_inf=1 wrote into argument tensor {i}")

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent(
     out = {"capability": fastamp.build_info()["cpu_capability"]}
     # Sizes with SIMD tails, partial 256-blocks, and more than one 2^16-element chunk.
     sizes = (4096 + 7, 65536 * 2 + 256 * 3 + 45)
-    for fmt in ("bfloat16", "int8", "float32"):
+    for fmt in ("bfloat16", "int8", "float32"):  # Adam/AdamW
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             gen = torch.Generator().manual_seed(len(fmt) + dtype.itemsize)
             ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype) for n in sizes]
@@ -52,6 +52,19 @@ SCRIPT = textwrap.dedent(
                         step == 2, inv, None, coef)
                     state = [t for s in st for t in s.values()]
             out[(fmt, str(dtype))] = [t.clone() for t in ps + mp + state]
+    for dtype in (torch.float32, torch.bfloat16):  # SGD with a bfloat16 momentum buffer
+        gen = torch.Generator().manual_seed(99)
+        ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype) for n in sizes]
+        gs = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
+        gs[0][5] = float("nan")
+        mp = [p.float() for p in ps] if dtype != torch.float32 else []
+        bufs = [(torch.randn(n, generator=gen) * 1e-2).to(torch.bfloat16) for n in sizes]
+        counts = [torch.tensor(0.0), torch.tensor(3.0)]
+        inv, coef = torch.tensor(0.5), torch.tensor(0.75)
+        for step in range(2):
+            _ops.sgd_lowbit_step_(ps, gs, bufs, counts, mp, 9, 0.05, None, 0.01, 0.9, 0.1, step == 1,
+                                  step == 0, inv, None, coef)
+        out[("sgd-bf16", str(dtype))] = [t.clone() for t in ps + mp + bufs]
     torch.save(out, sys.argv[1])
     """
 )

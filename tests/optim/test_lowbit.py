@@ -123,6 +123,7 @@ def test_bf16_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(scal
     p32 = p.clone()
     steps, steps32 = torch.tensor(9.0), torch.tensor(9.0)
     inv, coef = (torch.tensor(0.25), torch.tensor(0.9)) if scaled else (None, None)
+    g[123], g[456], g[789] = math.nan, -math.nan, math.inf  # stepped in: no found_inf here
     _float32_call(p32, g, m32, v32, steps32, inv=inv, coef=coef)
     _lowbit_call(p, g, st, steps, seed=11, inv=inv, coef=coef)
     assert_bitwise_equal(p, p32, "params")
@@ -168,6 +169,12 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     assert torch.equal(again.double(), y)
     other = lowbit.bf16_stochastic(x, lowbit.sr_bits(lowbit.sr_key(4, 1, 0), torch.arange(x.numel())))
     assert not torch.equal(other.double(), y)
+    # Non-finite: a NaN becomes the canonical 0x7FC0, inf stays, the largest floats may round up
+    # to inf.
+    odd = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, 3.4e38])
+    got = lowbit.bf16_stochastic(odd, torch.full((5,), 0xFFFF))
+    assert got.view(torch.int16)[:2].tolist() == [0x7FC0, 0x7FC0]
+    assert got.float()[2:].tolist() == [math.inf, -math.inf, math.inf]
 
 
 def test_rounding_bits_look_uniform_and_independent():

@@ -102,6 +102,7 @@ selftest misaligned "runtime error: load of misaligned address"
 # ops through the same classes, for minutes more). Nor, as when they lived in tests/hardening, the
 # misuse catalogue (tests/*/test_misuse*.py) and the aliasing tests (tests/*/test_*alias*.py).
 OP_TESTS=(tests/scaler/test_ops.py tests/optim/test_optim_ops.py tests/optim/test_lowbit.py
+  tests/optim/test_lowbit_sgd.py
   tests/checkpoint/test_checkpoint_ops.py tests/parallel/test_bucket_ops.py)
 # The fuzzers (the public-API one too) and the >2^31-element tests: in both CPU passes.
 OP_TESTS+=(tests/scaler/test_scaler_fuzz.py tests/optim/test_optim_fuzz.py
@@ -124,7 +125,7 @@ export FASTAMP_EMU_LIB=$emu_lib
 # The emulator's self-tests, and one case family per op (every op and launcher path, not every
 # dtype x size combination: the full set runs uninstrumented in step 1).
 EMU_TESTS=(tests/cuda_emu/test_emulator.py tests/cuda_emu/test_emulated_ops.py tests/cuda_emu/test_emulated_lowbit.py
-  -k "(lowbit and (fp16 or found_inf)) or test_emulator or (grad_stats and 2.0) or non_finite or (clip_unscale and 10.0) or split or many or update_scale or (bucket and dtype0) or (digest and dtype0) or (adam_step and fp16) or (sgd_step and bf16) or found_inf")
+  -k "(lowbit and (fp16 or found_inf)) or (sgd_lowbit and bf16) or test_emulator or (grad_stats and 2.0) or non_finite or (clip_unscale and 10.0) or split or many or update_scale or (bucket and dtype0) or (digest and dtype0) or (adam_step and fp16) or (sgd_step and bf16) or found_inf")
 
 rc=0
 passes=()
@@ -149,7 +150,7 @@ else
   run_pass emulated-cuda -- "${EMU_TESTS[@]}"
   run_pass ops-baseline-isa FASTAMP_CPU_CAPABILITY=default -- "${OP_TESTS[@]}"
   run_pass optim-avx2-isa FASTAMP_CPU_CAPABILITY=avx2 -- tests/optim/test_optim_ops.py \
-    tests/optim/test_lowbit.py
+    tests/optim/test_lowbit.py tests/optim/test_lowbit_sgd.py
 fi
 
 # --- 3. verdict -----------------------------------------------------------------------------------

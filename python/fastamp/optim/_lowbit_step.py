@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from fastamp.optim import _ops, lowbit
@@ -119,3 +120,97 @@ class LowbitAdamMixin:
                 state.pop("exp_avg_absmax", None)
                 state.pop("exp_avg_sq_absmax", None)
                 state.update(converted)
+
+
+class LowbitSgdMixin:
+    """The ``state_dtype=torch.bfloat16`` half of the fused SGD: bfloat16 momentum buffers written
+    with stochastic rounding (fastamp::sgd_lowbit_step_), as Adam's bfloat16 ``exp_avg``. 8-bit
+    buffers are not offered: a momentum buffer is one moment, not two, and its stochastic bfloat16
+    already halves it; the block scales would buy 2 more bytes per parameter for a second pass."""
+
+    param_groups: list[dict[str, Any]]
+    state: dict[Tensor, dict[str, Any]]
+    defaults: dict[str, Any]
+
+    def _lowbit_format(self, group: dict[str, Any], p: Tensor) -> str:
+        fmt = group.get("state_dtype", "float32")
+        if group["momentum"] == 0 or not lowbit.uses_lowbit(p, fmt):
+            return "float32"
+        return fmt
+
+    def _sgd_lowbit_init(self, state_dtype: Any, state_seed: Any) -> None:
+        fmt = lowbit.state_format(state_dtype, "fastamp.optim.SGD")
+        if fmt == "int8":
+            raise ValueError(
+                "fastamp.optim.SGD: state_dtype='int8' is for Adam/AdamW's two moments; SGD's "
+                "one momentum buffer can be torch.bfloat16 (stochastic rounding) or torch.float32"
+            )
+        if isinstance(state_seed, bool) or not isinstance(state_seed, int) or not 0 <= state_seed < 2**32:
+            raise ValueError(f"fastamp.optim.SGD: state_seed must be an int in [0, 2**32), got {state_seed!r}")
+        if fmt == "float32":
+            return  # PyTorch's param groups and state_dict, unchanged
+        for group in self.param_groups:
+            group.setdefault("state_dtype", fmt)
+            group.setdefault("state_seed", state_seed)
+        self.defaults["state_dtype"] = fmt
+        self.defaults["state_seed"] = state_seed
+
+    @staticmethod
+    def _check_lowbit_state(name: str, g: int, i: int, p: Tensor, state: dict[str, Any]) -> None:
+        """A momentum buffer of any float dtype (the step converts it), of ``p``'s shape on its
+        device."""
+        v = state.get("momentum_buffer")
+        if v is not None and not (isinstance(v, Tensor) and v.is_floating_point()
+                                  and v.shape == p.shape and v.device == p.device):
+            got = (f"a {v.dtype} tensor of shape {tuple(v.shape)} on {v.device}"
+                   if isinstance(v, Tensor) else type(v).__name__)
+            raise TypeError(
+                f"{name}: state['momentum_buffer'] of param {i} in param group {g} is {got}; "
+                f"expected a float tensor of the parameter's shape {tuple(p.shape)} on {p.device}"
+            )
+
+    def _sgd_lowbit_step(self, group, params, counts, inv_scale, found_inf, clip_coef) -> None:
+        kparams, grads, bufs, masters = [], [], [], []
+        news: list[dict[str, Any]] = []
+        for p, count in zip(params, counts):
+            state = self.state.get(p) or {}
+            new: dict[str, Any] = {}
+            if state.get("step") is not count:
+                # The update count keys the rounding: saved with the state (not PyTorch's SGD
+                # state, which has none, but this format is fastamp's), so a resumed run draws
+                # the same bits.
+                new["step"] = count
+            master = self._master(p, state, new)
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = new["momentum_buffer"] = p.new_zeros(p.shape, dtype=torch.bfloat16)
+            elif buf.dtype != torch.bfloat16:  # a float32 buffer (a state_dict of that format)
+                buf = new["momentum_buffer"] = buf.to(torch.bfloat16).contiguous()
+            kparams.append(p)
+            grads.append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
+            bufs.append(buf)
+            if master is not None:
+                masters.append(master)
+            news.append(new)
+        lr, lr_t = self._lr(group, params[0].device)
+        _ops.sgd_lowbit_step_(
+            kparams, grads, bufs, counts, masters, int(group.get("state_seed", 0)), lr, lr_t,
+            float(group["weight_decay"]), float(group["momentum"]), float(group["dampening"]),
+            bool(group["nesterov"]), bool(group["maximize"]), inv_scale, found_inf, clip_coef,
+        )  # fmt: skip
+        self._commit(params, news, [])
+
+    def _sgd_lowbit_load(self, formats: list[tuple[Any, Any]]) -> None:
+        """After load_state_dict: the constructed state_dtype / state_seed win over the saved
+        ones, and each buffer takes its param's format (bfloat16 here; PyTorch's load already cast
+        a bfloat16 one to a float32 param's dtype, exactly)."""
+        for group, (fmt, seed) in zip(self.param_groups, formats):
+            for key, value in (("state_dtype", fmt), ("state_seed", seed)):
+                if value is None:
+                    group.pop(key, None)
+                else:
+                    group[key] = value
+            for p in group["params"]:
+                buf = (self.state.get(p) or {}).get("momentum_buffer")
+                if isinstance(buf, Tensor) and self._lowbit_format(group, p) != "float32":
+                    self.state[p]["momentum_buffer"] = buf.to(torch.bfloat16).contiguous()

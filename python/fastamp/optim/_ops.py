@@ -14,7 +14,7 @@ from torch import Tensor
 
 from fastamp._library import check_fake_devices  # (importing it loads the operator library)
 
-__all__ = ["adam_lowbit_step_", "adam_step_", "sgd_step_", "shared_memory_pair"]
+__all__ = ["adam_lowbit_step_", "adam_step_", "sgd_lowbit_step_", "sgd_step_", "shared_memory_pair"]
 
 _ops = torch.ops.fastamp
 
@@ -68,6 +68,21 @@ def sgd_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
                    bool(nesterov), bool(maximize), inv_scale, found_inf, clip_coef)
 
 
+def sgd_lowbit_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
+                     momentum_buffers: Sequence[Tensor], state_steps: Sequence[Tensor],
+                     master_params: Sequence[Tensor], seed: int, lr: float,
+                     lr_tensor: Tensor | None, weight_decay: float, momentum: float,
+                     dampening: float, nesterov: bool, maximize: bool, inv_scale: Tensor | None,
+                     found_inf: Tensor | None, clip_coef: Tensor | None) -> None:
+    """:func:`sgd_step_` (momentum != 0) with bfloat16 momentum buffers, written with stochastic
+    rounding keyed by ``seed`` (fastamp.optim.lowbit). One pass; with ``found_inf`` non-zero
+    nothing is written."""
+    _ops.sgd_lowbit_step_(params, grads, momentum_buffers, state_steps, master_params, int(seed),
+                          float(lr), lr_tensor, float(weight_decay), float(momentum),
+                          float(dampening), bool(nesterov), bool(maximize), inv_scale, found_inf,
+                          clip_coef)
+
+
 def shared_memory_pair(tensors: Sequence[Tensor]) -> list[int]:
     """``[]`` when the tensors' elements are disjoint in memory, else ``[a, b]``: tensors ``a`` and
     ``b`` overlap (``a == b``: tensor ``a`` overlaps itself, as ``expand()`` views do)."""
@@ -115,6 +130,20 @@ def _adam_lowbit_step_fake(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax,
              ("exp_avg_sqs", exp_avg_sqs), ("exp_avg_absmax", exp_avg_absmax),
              ("exp_avg_sq_absmax", exp_avg_sq_absmax), ("state_steps", state_steps),
              ("master_params", master_params)],
+            {"lr_tensor": lr_tensor, "inv_scale": inv_scale, "found_inf": found_inf,
+             "clip_coef": clip_coef}, anchor="the device of params[0]")  # fmt: skip
+    return None
+
+
+@torch.library.register_fake("fastamp::sgd_lowbit_step_")
+def _sgd_lowbit_step_fake(params, grads, momentum_buffers, state_steps, master_params, seed, lr,
+                          lr_tensor, weight_decay, momentum, dampening, nesterov, maximize,
+                          inv_scale, found_inf, clip_coef):
+    if params:
+        check_fake_devices(
+            "sgd_lowbit_step_", params[0].device,
+            [("params", params), ("grads", grads), ("momentum_buffers", momentum_buffers),
+             ("state_steps", state_steps), ("master_params", master_params)],
             {"lr_tensor": lr_tensor, "inv_scale": inv_scale, "found_inf": found_inf,
              "clip_coef": clip_coef}, anchor="the device of params[0]")  # fmt: skip
     return None

@@ -228,6 +228,7 @@ def sr_bits(key: int, index: Tensor) -> Tensor:
 def bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
     """float32 ``x`` rounded to bfloat16 with the random bits ``r`` (low 16 used), as the kernels:
     the carry of the sum does the rounding; a NaN becomes the quiet NaN 0x7FC0."""
-    b = torch.where(torch.isnan(x.float()), 0x7FC00000, _bits(x))
+    x = x.float()
+    b = torch.where(torch.isnan(x), 0x7FC00000, _bits(x))
     h = ((b + (r & 0xFFFF)) >> 16) & 0xFFFF
-    return _float(h << 16).to(torch.bfloat16).reshape(x.shape)
+    return torch.where(h >= 2**15, h - 2**16, h).to(torch.int16).view(torch.bfloat16).reshape(x.shape)

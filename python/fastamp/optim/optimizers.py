@@ -27,7 +27,7 @@ from torch import Tensor
 from fastamp.handoff import AmpFusedOptimizer, take
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._layout import grad_like, kernel_view, on_device
-from fastamp.optim._lowbit_step import LowbitAdamMixin
+from fastamp.optim._lowbit_step import LowbitAdamMixin, LowbitSgdMixin
 from fastamp.optim._state_dict import StateDictChecks
 from fastamp.optim._step_checks import StepChecks
 
@@ -254,7 +254,7 @@ class AdamW(_AdamBase, torch.optim.AdamW):
         self._lowbit_init(state_dtype, state_seed)
 
 
-class SGD(_FusedStepMixin, torch.optim.SGD):
+class SGD(LowbitSgdMixin, _FusedStepMixin, torch.optim.SGD):
     """Fused :class:`torch.optim.SGD` (see the module docstring); ``master_weights`` is extra.
 
     The number of updates each param has had lives on the device (``state["step"]`` is not part of
@@ -270,28 +270,47 @@ class SGD(_FusedStepMixin, torch.optim.SGD):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
-                 fused=None, master_weights=False) -> None:  # fmt: skip
+                 fused=None, master_weights=False, state_dtype=torch.float32,
+                 state_seed=0) -> None:  # fmt: skip
         torch.optim.SGD.__init__(
             self, params, lr=lr, momentum=momentum, dampening=dampening,
             weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, foreach=foreach,
             differentiable=differentiable, fused=fused,
         )  # fmt: skip
         self._fastamp_init(master_weights)
+        self._sgd_lowbit_init(state_dtype, state_seed)
         self._updates: dict[Tensor, Tensor] = {}
 
     def _updates_of(self, p: Tensor, state: dict[str, Any], new_counts: dict[Tensor, Tensor]) -> Tensor:
         n = self._updates.get(p)
         if n is None:
+            saved = state.get("step")  # kept in the state with state_dtype=torch.bfloat16
+            if isinstance(saved, Tensor) and saved.numel() == 1:
+                n = new_counts[p] = saved.detach().to(device=p.device, dtype=torch.float32).reshape(())
+                return n
             # A buffer loaded from a checkpoint has had its first value already.
             first = 0.0 if state.get("momentum_buffer") is None else 1.0
             n = new_counts[p] = torch.full((), first, dtype=torch.float32, device=p.device)
         return n
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        formats = [(g.get("state_dtype"), g.get("state_seed")) for g in self.param_groups]
         super().load_state_dict(state_dict)
+        self._sgd_lowbit_load(formats)
         self._updates = {}
 
     def _group_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
+        low = [p for p in params if self._lowbit_format(group, p) != "float32"]
+        rest = [p for p in params if self._lowbit_format(group, p) == "float32"] if low else params
+        if rest:
+            self._full_step(group, rest, inv_scale, found_inf, clip_coef)
+        if low:
+            new_counts: dict[Tensor, Tensor] = {}
+            counts = [self._updates_of(p, self.state.get(p) or {}, new_counts) for p in low]
+            self._sgd_lowbit_step(group, low, counts, inv_scale, found_inf, clip_coef)
+            self._updates.update(new_counts)
+
+    def _full_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
         momentum = group["momentum"]
         kparams, grads, bufs, counts, masters = [], [], [], [], []
         news: list[dict[str, Any]] = []
@@ -309,9 +328,12 @@ class SGD(_FusedStepMixin, torch.optim.SGD):
             counts.append(self._updates_of(p, state, new_counts))
             if momentum != 0:
                 buf = state.get("momentum_buffer")
+                like = master if master is not None else kp
                 if buf is None:
-                    like = master if master is not None else kp
                     buf = new["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                elif buf.dtype == torch.bfloat16 and like.dtype != torch.bfloat16:
+                    # A bfloat16 buffer of state_dtype=torch.bfloat16 (the group's format changed).
+                    buf = new["momentum_buffer"] = buf.to(like.dtype)
                 bufs.append(buf)
             kparams.append(kp)
             grads.append(grad_like(p, kp))
