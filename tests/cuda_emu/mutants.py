@@ -115,11 +115,28 @@ MUTANTS = {
     # chunk instead of the tensor): later chunks repeat the first chunk's random bits.
     "lowbit_chunk_local_counter": Mutant(
         "optim/lowbit_cuda.cu",
-        "sr_bits(key, blk.start + e)",
-        "sr_bits(key, e)",
+        "const uint32_t r = sr_bits(key, blk.start + e);",
+        "const uint32_t r = sr_bits(key, e);",
         "test_adam_lowbit_step and bf16 and bfloat16",
         r"differ from the CPU kernel|differs between launch orders",
         "bfloat16 rounding bits drawn from the chunk-local index",
+        "test_emulated_lowbit.py",
+    ),
+    # The SGD kernel keys its bfloat16 rounding by the update count after this step (old + 1), as
+    # the CPU kernel does; keyed by the old count, every rounding bit changes.
+    "sgd_lowbit_stale_rounding_key": Mutant(
+        "optim/lowbit_cuda.cu",
+        "const bool first = old == 0.0f;\n"
+        "      // Every thread computes the same key (a few integer operations; no barrier needed).\n"
+        "      const uint32_t key =\n"
+        "          sr_key(seed, static_cast<uint32_t>(old + 1.0f),",
+        "const bool first = old == 0.0f;\n"
+        "      // Every thread computes the same key (a few integer operations; no barrier needed).\n"
+        "      const uint32_t key =\n"
+        "          sr_key(seed, static_cast<uint32_t>(old),",
+        "test_sgd_lowbit_step and fp32 and later",
+        r"differ from the CPU kernel|differs between launch orders",
+        "SGD bfloat16 rounding keyed by the update count before the step",
         "test_emulated_lowbit.py",
     ),
 }

@@ -72,3 +72,22 @@ def test_every_global_kernel_runs_under_the_emulator():
     launched = set(emu.launched_kernels())
     missing = sorted(kernels - launched)
     assert not missing, f"__global__ kernels never launched under the emulator: {missing}"
+
+
+def test_every_planted_fault_still_applies():
+    # make emu-faults builds each mutant; a snippet that no longer occurs exactly once (the source
+    # moved on, or a second kernel now holds the same line) would fail there after a long build.
+    # This catches it in the ordinary test run, and checks each mutant's test file exists and its
+    # -k expression names something in it.
+    import mutants
+
+    assert len(mutants.MUTANTS) >= 8
+    for name, m in mutants.MUTANTS.items():
+        changed = mutants.apply(name)  # raises unless the snippet occurs exactly once
+        assert changed[m.file] != (ROOT / "csrc" / m.file).read_text(), name
+        test_file = Path(__file__).parent / m.test_file
+        assert test_file.exists(), (name, m.test_file)
+        words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", m.tests)) - {"and", "or", "not"}
+        text = test_file.read_text()
+        missing = sorted(w for w in words if w not in text and not w.startswith("fp"))
+        assert not missing, f"mutant {name}: -k words {missing} not in {m.test_file}"
