@@ -77,6 +77,9 @@ def main() -> None:
     names = ["torch fused fp32", "fastamp fp32", "fastamp bf16", "fastamp int8", "torchao 8-bit"]
     opts, params, skipped, compile_s = {}, {}, {}, None
     for name in names:
+        if name == "torchao 8-bit" and args.torchao_reps <= 0:
+            skipped[name] = "not run (--torchao-reps 0)"
+            continue
         params[name] = make_params(args.params)  # the same values for every optimizer
         try:
             opts[name] = build(name, params[name])
