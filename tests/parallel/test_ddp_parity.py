@@ -67,3 +67,8 @@ def test_comm_hooks_match_torch(world, tmp_path):
 @WORLDS
 def test_join_uneven_inputs_matches_torch(world, tmp_path):
     _spawn(W.uneven_inputs_join, world, tmp_path)
+
+
+@WORLDS
+def test_grads_bit_for_bit_with_torch_bucket_layouts(world, tmp_path):
+    _spawn(W.grads_bitwise, world, tmp_path)

@@ -5,6 +5,7 @@ saves/restores that layout for :func:`fastamp.save_training_state`."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -81,38 +82,59 @@ class BucketLayout:
     _rebuilt: bool
     _pending: bool
     find_unused_parameters: bool
+    static_graph: bool
+    _default_bucket_cap: bool
+    _custom_bucket_caps: bool
     device_mesh: Any
 
     def _global_src(self) -> int:
         return dist.get_global_rank(self.process_group, 0) if self.process_group is not dist.group.WORLD else 0
 
-    def _cap(self, i: int) -> int:
-        return self._bucket_caps[min(i, len(self._bucket_caps) - 1)]
+    def _limits(self, rebuild: bool) -> list[int]:
+        """torch's bucket size limits in bytes (its DDP's BucketCapacityConfig and the C++
+        reducer's rebuild default): bucket_cap_mb_list as given; else for the first iteration one
+        bucket per dtype and device (the rebuild sizes them) unless unused parameters are searched
+        for without a static graph; else a 1 MiB first bucket with the default cap, then the cap."""
+        if self._custom_bucket_caps:
+            return list(self._bucket_caps)
+        if not rebuild and (self.static_graph or not self.find_unused_parameters):
+            return [sys.maxsize]
+        cap = self._bucket_caps[0]
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES if self._default_bucket_cap else cap
+        return [first, cap] if first < cap else [cap]
 
-    def _build_buckets(self, order: list[nn.Parameter], sizes: list[int] | None = None) -> None:
-        """Contiguous buckets of at most the cap in bytes (bucket_cap_mb, or bucket_cap_mb_list[i]
-        for bucket i), one dtype and device each, in `order` (or exactly `sizes` parameters per
-        bucket, when restoring a saved layout)."""
+    def _assign(self, order: list[int] | None) -> None:
+        """Builds the buckets with torch's own assignment (``_compute_bucket_assignment_by_size``:
+        per dtype and device, a bucket closes once it reaches its limit): over the parameters in
+        their order, buckets reversed, for the first iteration (``order`` None); over ``order``,
+        buckets in that order, for the rebuild.
+
+        The layout is not only speed: gloo and NCCL sum an element's contributions in an order
+        that depends on its position in the bucket, so with 3 or more ranks another layout gives
+        grads that differ from torch's in the last bits (and batch norm over a few samples can
+        amplify them); with torch's layout they are torch's bit for bit."""
+        n = len(self._params)
+        if n == 0:
+            self._build_buckets([], [])
+            return
+        limits = self._limits(rebuild=order is not None)
+        if order is None:
+            indices, _ = dist._compute_bucket_assignment_by_size(self._params, limits, [False] * n)
+            indices = list(reversed(indices))
+        else:
+            indices, _ = dist._compute_bucket_assignment_by_size(
+                [self._params[i] for i in order], limits, [False] * n, list(order))
+        self._build_buckets([self._params[i] for b in indices for i in b], [len(b) for b in indices])
+
+    def _build_buckets(self, order: list[nn.Parameter], sizes: list[int]) -> None:
+        """Contiguous buckets of exactly ``sizes`` parameters each, in ``order``; grads that are
+        bucket views move into the new buffers."""
         old = self._buckets
         self._buckets, self._bucket_of = [], {}
-        if sizes is not None:
-            start = 0
-            for n in sizes:
-                self._add_bucket(order[start:start + n])
-                start += n
-        else:
-            current: list[nn.Parameter] = []
-            size = 0
-            for p in order:
-                nbytes = p.numel() * p.element_size()
-                if current and (size + nbytes > self._cap(len(self._buckets)) or p.dtype != current[0].dtype
-                                or p.device != current[0].device):
-                    self._add_bucket(current)
-                    current, size = [], 0
-                current.append(p)
-                size += nbytes
-            if current:
-                self._add_bucket(current)
+        start = 0
+        for n in sizes:
+            self._add_bucket(order[start:start + n])
+            start += n
         if self.gradient_as_bucket_view:
             with torch.no_grad():
                 for b in self._buckets:
@@ -145,8 +167,7 @@ class BucketLayout:
             dist.broadcast_object_list(box, src=self._global_src(), group=self.process_group)
             order = box[0]
         self._ready_order = []
-        if order != [self._index[id(p)] for b in self._buckets for p in b.params]:
-            self._build_buckets([self._params[i] for i in order])
+        self._assign(order)
 
     def bucket_layout(self) -> dict[str, Any]:
         """The bucket layout as plain data: which parameter (by index in ``module.parameters()``

@@ -129,6 +129,8 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
         self._bucket_caps = (
             [int(c * 2**20) for c in bucket_cap_mb_list] if bucket_cap_mb_list else [self.bucket_bytes_cap]
         )
+        self._custom_bucket_caps = bool(bucket_cap_mb_list)
+        self._default_bucket_cap = bucket_cap_mb is None
         self.use_side_stream_for_tensor_copies = True
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
@@ -150,7 +152,7 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
 
         self._bucket_of: dict[int, tuple[Bucket, int]] = {}
         self._buckets: list[Bucket] = []
-        self._build_buckets(list(reversed(self._params)))
+        self._assign(None)
         self._ready_order: list[nn.Parameter] = []
         # Like torch: no rebuild when the graph may differ between iterations or ranks.
         self._rebuilt = self.find_unused_parameters
