@@ -110,6 +110,14 @@ inline u16 high_halves(u32 a, u32 b) {
 /// 16-bit lanes holding values below 256, narrowed to bytes.
 inline u8 narrow(u16 x) { return __builtin_convertvector(x, u8); }
 
+/// A hint to fetch the cache line `bytes` past p for a coming read (kWrite 0) or write (1). A
+/// prefetch never faults, and the address is formed as an integer, so asking past the end of an
+/// array is no out-of-bounds pointer arithmetic.
+template <int kWrite = 0, class P>
+inline void prefetch(const P* p, int64_t bytes) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes), kWrite);
+}
+
 /// The lane-wise maximum.
 inline u32 max(u32 a, u32 b) {
 #if FASTAMP_SIMD_X86 && defined(__AVX512F__)
