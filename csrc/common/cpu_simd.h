@@ -118,6 +118,17 @@ inline void prefetch(const P* p, int64_t bytes) {
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes), kWrite);
 }
 
+/// How many elements ahead of their use the streaming kernels prefetch. Measured at 50M params on
+/// this project's 2-core CPU VM, whose hardware prefetch does not keep several streams ahead:
+/// 512, 1024 and 2048 gave the same step times.
+constexpr int64_t kPrefetchAhead = 1024;
+
+/// prefetch() of the line holding p[kPrefetchAhead].
+template <int kWrite = 0, class P>
+inline void prefetch_ahead(const P* p) {
+  prefetch<kWrite>(p, kPrefetchAhead * static_cast<int64_t>(sizeof(P)));
+}
+
 /// The lane-wise maximum.
 inline u32 max(u32 a, u32 b) {
 #if FASTAMP_SIMD_X86 && defined(__AVX512F__)
