@@ -176,14 +176,14 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
             g = make_grads([(5000,)], torch.float32, device, seed=10)[0]
             m = make_grads([(5000,)], torch.float32, device, seed=11)[0] * 1e-2
             v = make_grads([(5000,)], torch.float32, device, seed=12)[0].abs() * 1e-3
-            st = lowbit.convert({"exp_avg": m, "exp_avg_sq": v}, fmt, p)
-            m0, v0 = lowbit.moments_float32(st)
-            exp = adam_ref(p, g, m0, v0, None, 1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                           weight_decay=0.01, amsgrad=False, decoupled=True, maximize=False)
-            int8 = fmt == "int8"
+            form = lowbit.resolve(fmt, "fastamp doctor")
+            st = form.encode({"exp_avg": m, "exp_avg_sq": v}, p)
+            floats = form.decode(st, lowbit.ADAM_MOMENTS)
+            exp = adam_ref(p, g, floats["exp_avg"], floats["exp_avg_sq"], None, 1, lr=1e-2, beta1=0.9,
+                           beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False, decoupled=True,
+                           maximize=False)
             optim_ops.adam_lowbit_step_(
-                [p], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [st["exp_avg_absmax"]] if int8 else [],
-                [st["exp_avg_sq_absmax"]] if int8 else [], [torch.zeros((), device=device)], [], 0,
+                [p], [g], *form.adam_lists([st]), [torch.zeros((), device=device)], [], 0,
                 1e-2, None, 0.9, 0.999, 0.01, 1e-8, True, False, None, None, None)
             close(p, exp[0], 1e-5)
 

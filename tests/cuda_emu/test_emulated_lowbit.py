@@ -39,12 +39,12 @@ def _build(spec, fmt, master, found=0.0, inject=None):
         for n, _, off in spec:
             m = mem.randn(n, F32, 1e-2)
             v = mem.randn(n, F32, 1e-3).abs()
-            st = lowbit.convert({"exp_avg": m, "exp_avg_sq": v}, fmt, torch.empty(n))
-            ms.append(mem.place(st["exp_avg"], off))
-            vs.append(mem.place(st["exp_avg_sq"], off))
-            if fmt == "int8":
-                ams.append(mem.place(st["exp_avg_absmax"]))
-                avs.append(mem.place(st["exp_avg_sq_absmax"]))
+            st = lowbit.resolve(fmt, "test").encode({"exp_avg": m, "exp_avg_sq": v}, torch.empty(n))
+            m8, v8, am, av = lowbit.resolve(fmt, "test").adam_lists([st])
+            ms.append(mem.place(m8[0], off))
+            vs.append(mem.place(v8[0], off))
+            ams += [mem.place(t) for t in am]
+            avs += [mem.place(t) for t in av]
         masters = [mem.place(p.float(), off) for p, (_, _, off) in zip(params, spec)] if master else []
         steps = [torch.tensor(float(3 + i)) for i in range(len(spec))]
         return (params, gs, ms, vs, ams, avs, steps, masters, 12345, 0.05, None, 0.9, 0.999, 0.01,

@@ -41,13 +41,10 @@ SCRIPT = textwrap.dedent(
                     state = ms + vs
                 else:
                     if step == 0:
-                        st = [lowbit.convert({"exp_avg": m, "exp_avg_sq": v}, fmt, p.float())
+                        st = [lowbit.resolve(fmt, "test").encode({"exp_avg": m, "exp_avg_sq": v}, p.float())
                               for m, v, p in zip(ms, vs, ps)]
-                    q = fmt == "int8"
                     _ops.adam_lowbit_step_(
-                        ps, gs, [s["exp_avg"] for s in st], [s["exp_avg_sq"] for s in st],
-                        [s["exp_avg_absmax"] for s in st] if q else [],
-                        [s["exp_avg_sq_absmax"] for s in st] if q else [], steps, mp, 5, 1e-2,
+                        ps, gs, *lowbit.resolve(fmt, "test").adam_lists(st), steps, mp, 5, 1e-2,
                         None, 0.9 if step < 2 else 0.3, 0.999, 0.01 * step, 1e-8, step != 1,
                         step == 2, inv, None, coef)
                     state = [t for s in st for t in s.values()]

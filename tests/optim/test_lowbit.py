@@ -14,7 +14,7 @@ from torch import nn
 
 import fastamp
 from fastamp.optim import _ops, lowbit
-from fastamp.testing import adam_ref, assert_bitwise_equal
+from fastamp.testing import adam_ref, assert_bitwise_equal, lowbit_ref
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
 
@@ -69,9 +69,20 @@ def _state(numel: int, fmt: str, seed: int = 1, master: bool = False, dtype=torc
     g = (torch.randn(numel, generator=gen) * 1e-2).to(dtype)
     m = torch.randn(numel, generator=gen) * 1e-3
     v = torch.rand(numel, generator=gen) * 1e-5 + 1e-9
-    st = lowbit.convert({"exp_avg": m, "exp_avg_sq": v}, fmt, p.float())
+    # The kernel's four lists, named after the op's arguments (codes for int8).
+    form = lowbit.resolve(fmt, "test")
+    lists = form.adam_lists([form.encode({"exp_avg": m, "exp_avg_sq": v}, p.float())])
+    st = {k: t[0] for k, t in zip(("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"), lists)
+          if t}
     mp = p.float().clone() if master else None
     return p, g, st, mp
+
+
+def _floats(st):
+    """The float32 moments of a _state dict."""
+    if st["exp_avg"].dtype == torch.uint8:
+        return lowbit.dequantize(st["exp_avg"], st["exp_avg_sq"], st["exp_avg_absmax"], st["exp_avg_sq_absmax"])
+    return st["exp_avg"].float(), st["exp_avg_sq"].float()
 
 
 def _lowbit_call(p, g, st, steps, mp=None, seed=7, inv=None, found=None, coef=None):
@@ -127,9 +138,9 @@ def test_bf16_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(scal
     _float32_call(p32, g, m32, v32, steps32, inv=inv, coef=coef)
     _lowbit_call(p, g, st, steps, seed=11, inv=inv, coef=coef)
     assert_bitwise_equal(p, p32, "params")
-    r = lowbit.sr_bits(lowbit.sr_key(11, 10, 0), torch.arange(numel))
-    assert_bitwise_equal(st["exp_avg"], lowbit.bf16_stochastic(m32, r), "exp_avg")
-    assert_bitwise_equal(st["exp_avg_sq"], lowbit.bf16_stochastic(v32, r >> 16), "exp_avg_sq")
+    r = lowbit_ref.sr_bits(lowbit_ref.sr_key(11, 10, 0), torch.arange(numel))
+    assert_bitwise_equal(st["exp_avg"], lowbit_ref.bf16_stochastic(m32, r), "exp_avg")
+    assert_bitwise_equal(st["exp_avg_sq"], lowbit_ref.bf16_stochastic(v32, r >> 16), "exp_avg_sq")
 
 
 def test_lowbit_steps_track_float64_adam():
@@ -138,7 +149,7 @@ def test_lowbit_steps_track_float64_adam():
     per requantization; bfloat16: 2^-8), the params within a fraction of one lr-sized step."""
     for fmt, m_tol, p_tol in (("int8", 0.1, 1.0), ("bfloat16", 0.01, 0.1)):
         p, g0, st, _ = _state(8192, fmt, seed=5)
-        m, v = lowbit.moments_float32(st)
+        m, v = _floats(st)
         rp, rm, rv = p.double(), m.double(), v.double()
         steps = torch.tensor(0.0)
         gen = torch.Generator().manual_seed(9)
@@ -149,7 +160,7 @@ def test_lowbit_steps_track_float64_adam():
                                      maximize=False, **{k2: v2 for k2, v2 in HYPER.items()})
         lr_steps = (p.double() - rp).abs().max().item() / HYPER["lr"]
         assert lr_steps < p_tol, (fmt, lr_steps)
-        m_now, _ = lowbit.moments_float32(st)
+        m_now, _ = _floats(st)
         rel = ((m_now.double() - rm).abs().max() / rm.abs().max()).item()
         assert rel < m_tol, (fmt, rel)
 
@@ -157,22 +168,22 @@ def test_lowbit_steps_track_float64_adam():
 def test_stochastic_rounding_is_unbiased_and_reproducible():
     x = torch.full((400_000,), 1.0 + 2**-9 + 2**-11)  # between two bfloat16 values, not halfway
     lo, hi = 1.0, 1.0 + 2**-7
-    r = lowbit.sr_bits(lowbit.sr_key(3, 1, 0), torch.arange(x.numel()))
-    y = lowbit.bf16_stochastic(x, r).double()
+    r = lowbit_ref.sr_bits(lowbit_ref.sr_key(3, 1, 0), torch.arange(x.numel()))
+    y = lowbit_ref.bf16_stochastic(x, r).double()
     assert set(y.unique().tolist()) == {lo, hi}
     p_hi = (x[0].item() - lo) / (hi - lo)
     mean = y.mean().item()
     stderr = (hi - lo) * math.sqrt(p_hi * (1 - p_hi) / x.numel())
     assert abs(mean - x[0].item()) < 4 * stderr  # round to nearest would be off by 2^-9+2^-11
     assert abs(x.to(torch.bfloat16).double()[0].item() - x[0].item()) > 50 * stderr
-    again = lowbit.bf16_stochastic(x, lowbit.sr_bits(lowbit.sr_key(3, 1, 0), torch.arange(x.numel())))
+    again = lowbit_ref.bf16_stochastic(x, lowbit_ref.sr_bits(lowbit_ref.sr_key(3, 1, 0), torch.arange(x.numel())))
     assert torch.equal(again.double(), y)
-    other = lowbit.bf16_stochastic(x, lowbit.sr_bits(lowbit.sr_key(4, 1, 0), torch.arange(x.numel())))
+    other = lowbit_ref.bf16_stochastic(x, lowbit_ref.sr_bits(lowbit_ref.sr_key(4, 1, 0), torch.arange(x.numel())))
     assert not torch.equal(other.double(), y)
     # Non-finite: a NaN becomes the canonical 0x7FC0, inf stays, the largest floats may round up
     # to inf.
     odd = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, 3.4e38])
-    got = lowbit.bf16_stochastic(odd, torch.full((5,), 0xFFFF))
+    got = lowbit_ref.bf16_stochastic(odd, torch.full((5,), 0xFFFF))
     assert got.view(torch.int16)[:2].tolist() == [0x7FC0, 0x7FC0]
     assert got.float()[2:].tolist() == [math.inf, -math.inf, math.inf]
 
@@ -184,8 +195,8 @@ def test_rounding_bits_look_uniform_and_independent():
     n = 1 << 16
     for start in (0, 3 << 16, (1 << 32) + (5 << 16)):
         idx = torch.arange(start, start + n)
-        r1 = lowbit.sr_bits(lowbit.sr_key(0, 7, 2), idx)
-        r2 = lowbit.sr_bits(lowbit.sr_key(0, 8, 2), idx)
+        r1 = lowbit_ref.sr_bits(lowbit_ref.sr_key(0, 7, 2), idx)
+        r2 = lowbit_ref.sr_bits(lowbit_ref.sr_key(0, 8, 2), idx)
         halves = [(r1 & 0xFFFF).double(), (r1 >> 16).double(), (r2 & 0xFFFF).double()]
         for h in halves:
             counts = torch.bincount((h.long() >> 8), minlength=256).double()
@@ -266,15 +277,17 @@ def test_switching_precision_through_state_dict_converts():
     o8.load_state_dict(sd32)
     w = a[1].weight
     mq, vq, am, av = lowbit.quantize(sd32["state"][1]["exp_avg"], sd32["state"][1]["exp_avg_sq"])
-    assert_bitwise_equal((o8.state[w]["exp_avg"], o8.state[w]["exp_avg_sq"],
+    assert_bitwise_equal((o8.state[w]["exp_avg_codes"], o8.state[w]["exp_avg_sq_codes"],
                           o8.state[w]["exp_avg_absmax"], o8.state[w]["exp_avg_sq_absmax"]),
                          (mq, vq, am, av))
+    assert set(o8.state[w]) == {"exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax",
+                                "exp_avg_sq_absmax", "step"}
     assert o8.state[a[4].weight]["exp_avg"].dtype == torch.float32  # 64 elements: stays float32
     assert o8.param_groups[0]["state_dtype"] == "int8"
     _train(a, o8, 2, start=3)  # steps on the converted state
     back = fastamp.optim.AdamW(a.parameters(), lr=1e-3)
     back.load_state_dict(o8.state_dict())
-    m, v = lowbit.dequantize(o8.state[w]["exp_avg"], o8.state[w]["exp_avg_sq"],
+    m, v = lowbit.dequantize(o8.state[w]["exp_avg_codes"], o8.state[w]["exp_avg_sq_codes"],
                              o8.state[w]["exp_avg_absmax"], o8.state[w]["exp_avg_sq_absmax"])
     assert_bitwise_equal((back.state[w]["exp_avg"], back.state[w]["exp_avg_sq"]), (m, v))
     assert set(back.state[w]) == {"exp_avg", "exp_avg_sq", "step"}
@@ -308,13 +321,14 @@ def test_small_and_non_contiguous_params_keep_float32_state():
     opt.step()
     assert opt.state[small]["exp_avg"].dtype == torch.float32
     assert opt.state[wide]["exp_avg"].dtype == torch.float32
+    assert lowbit.format_of(opt.state[small], lowbit.ADAM_MOMENTS) is lowbit.FLOAT32
 
 
 def test_bad_arguments_are_refused_before_anything_changes():
     p = nn.Parameter(torch.randn(8192))
     with pytest.raises(ValueError, match=r"state_dtype must be torch\.float32, torch\.bfloat16 or 'int8'.*float16"):
         fastamp.optim.AdamW([p], state_dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"amsgrad=True needs float32 state.*state_dtype='int8'"):
+    with pytest.raises(ValueError, match=r"amsgrad=True needs float32 state.*state_dtype is 'int8'"):
         fastamp.optim.AdamW([p], amsgrad=True, state_dtype="int8")
     with pytest.raises(ValueError, match=r"state_seed must be an int in \[0, 2\*\*32\)"):
         fastamp.optim.AdamW([p], state_dtype="int8", state_seed=-1)

@@ -52,8 +52,7 @@ def kernel_view(p: Tensor) -> Tensor:
     return torch.empty_like(p).copy_(p)
 
 
-def state_strides(p: Tensor) -> tuple[int, ...]:
-    """The strides the per-element state of ``p`` must have (see :func:`kernel_view`)."""
-    if is_dense(p):
-        return p.stride()
-    return torch.empty_like(p, device="meta").stride()
+def kernel_like(p: Tensor) -> Tensor:
+    """A tensor laid out as :func:`kernel_view` lays ``p`` out (``p`` itself when dense; no copy
+    of the data): what the per-element state of ``p`` is laid out like."""
+    return p if is_dense(p) else torch.empty_like(p)

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import is_real
-from fastamp.optim._layout import where_in_groups
+from fastamp.optim import lowbit
+from fastamp.optim._layout import kernel_like, where_in_groups
 
 
 class StateDictChecks:
@@ -22,6 +23,7 @@ class StateDictChecks:
     _master_weights: bool
     _ELEMENTWISE: tuple[str, ...] = ()
     _GROUP_KEYS: tuple[str, ...] = ()
+    _FAMILY = "Adam/AdamW"  # what a state_dict of this optimizer is called in errors
 
     def _required_state(self, state: Mapping[str, Any], group: Mapping[str, Any]) -> tuple[str, ...]:
         """Keys that must be present in a non-empty state (the rest is created when missing)."""
@@ -33,8 +35,11 @@ class StateDictChecks:
         PyTorch checks only the number and sizes of the param groups; a dict of another model or
         optimizer type loads, and the step after it fails (or the load itself fails halfway, in
         ``__setstate__``, with the state already replaced). Here such a dict raises first, naming
-        the entry. With ``master_weights=True`` the fp32 state of fp16/bf16 params stays fp32
-        (PyTorch casts all floating state to the param's dtype).
+        the entry. The moments are then taken as saved (PyTorch casts every tensor to the param's
+        dtype, 8-bit codes included) and converted to the format this optimizer's param groups
+        were made with (``state_dtype``; they keep theirs over the saved ones), laid out as the
+        params are: a float32 state_dict loads into an 8-bit/bfloat16 optimizer and back. With
+        ``master_weights=True`` the fp32 state of fp16/bf16 params stays fp32.
         """
         name = type(self).__name__
         if not isinstance(state_dict, Mapping):
@@ -42,20 +47,67 @@ class StateDictChecks:
                 f"fastamp.optim.{name}.load_state_dict: state_dict must be the dict returned by "
                 f"optimizer.state_dict(), got {type(state_dict).__name__}"
             )
-        loaded: list[Mapping[str, Any]] = []
+        prepared: list[tuple[Tensor, dict[str, Any]]] = []
+        options = [{k: g[k] for k in ("state_dtype", "state_seed") if k in g} for g in self.param_groups]
 
         def check(optimizer: Any, sd: Mapping[str, Any]) -> None:
-            # Registered last, so it sees the dict as the user's pre-hooks left it.
+            # Registered last, so it sees the dict as the user's pre-hooks left it; everything the
+            # load puts in place is made here, before PyTorch replaces anything.
             self.check_state_dict(sd)
-            loaded.append(sd)
+            prepared[:] = self._prepare_load(sd)
 
         handle = self.register_load_state_dict_pre_hook(check)
         try:
             super().load_state_dict(state_dict)  # type: ignore[misc]
         finally:
             handle.remove()
-        if self._master_weights and loaded:
-            self._restore_fp32_state(loaded[-1])
+        for group, opts in zip(self.param_groups, options):
+            group.pop("state_dtype", None)
+            group.pop("state_seed", None)
+            group.update(opts)
+        for p, final in prepared:
+            state = self.state[p]
+            for key in lowbit.moment_keys(self._moments_of_family()):
+                state.pop(key, None)
+            state.update(final)
+        self._after_load()
+
+    def _after_load(self) -> None:
+        return None
+
+    def _prepare_load(self, sd: Mapping[str, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
+        """Per param with saved state: its moments in its group's format (and fp32 state kept
+        fp32 with master weights), as the load will put them in place."""
+        out = []
+        saved_ids = chain.from_iterable(sg["params"] for sg in sd["param_groups"])
+        places = ((g, p) for g, group in enumerate(self.param_groups) for p in group["params"])
+        for pid, (g, p) in zip(saved_ids, places):
+            src = sd["state"].get(pid)
+            if not isinstance(src, Mapping) or not src:
+                continue
+            group = {**self.param_groups[g], **{k: v for k, v in sd["param_groups"][g].items()
+                                                if k not in ("params", "state_dtype", "state_seed")}}
+            final: dict[str, Any] = {}
+            master = None
+            if self._master_weights and p.dtype != torch.float32:
+                for key in self._ELEMENTWISE + ("master_param",):
+                    v = src.get(key)
+                    if isinstance(v, Tensor) and v.is_floating_point():
+                        final[key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
+                master = final.get("master_param")
+            moments = self._moments(group)
+            if moments and (lowbit.format_of(src, moments) is not None or lowbit._legacy(src, moments)):
+                fmt = self._format(group, p)
+                like = kernel_like(p)
+                if self._master_weights and p.dtype != torch.float32:
+                    like = master if master is not None else torch.empty_like(like, dtype=torch.float32)
+                moved = {k: v.detach().to(p.device) if isinstance(v, Tensor) else v for k, v in src.items()}
+                converted = lowbit.convert(moved, fmt, like, moments)
+                if converted is None:
+                    converted = {k: moved[k].clone() for k in fmt.keys(moments)}
+                final.update(converted)
+            out.append((p, final))
+        return out
 
     def check_state_dict(self, sd: Mapping[str, Any]) -> None:
         """fastamp extra: raises what :meth:`load_state_dict` would raise for ``sd`` (naming the
@@ -86,7 +138,7 @@ class StateDictChecks:
             len(sg["params"]) != len(g["params"]) for sg, g in zip(saved_groups, self.param_groups)
         ):
             return  # PyTorch raises its own ValueError for these, before changing anything
-        family = "SGD" if name == "SGD" else "Adam/AdamW"
+        family = self._FAMILY
         for g, sg in enumerate(saved_groups):
             missing = [k for k in self._GROUP_KEYS if k not in sg]
             if missing:
@@ -108,7 +160,9 @@ class StateDictChecks:
             entry = f"{where}: state_dict['state'][{pid!r}]"
             if not isinstance(st, Mapping):
                 raise TypeError(f"{entry} is a {type(st).__name__}; expected a dict of state tensors")
-            for key in self._ELEMENTWISE + ("master_param",):
+            moments = self._moments({**self.param_groups[g], **saved_groups[g]})
+            lowbit.check_any(st, p, moments, entry, any_device=True)
+            for key in tuple(k for k in self._ELEMENTWISE if k not in moments) + ("master_param",):
                 v = st.get(key)
                 if v is None:
                     continue
@@ -156,16 +210,3 @@ class StateDictChecks:
                     f"{where}: state_dict['param_groups'][{g}][{key!r}] is {v!r}; expected "
                     f"{expected}, as the constructor accepts"
                 )
-
-    def _restore_fp32_state(self, sd: Mapping[str, Any]) -> None:
-        saved_ids = chain.from_iterable(sg["params"] for sg in sd["param_groups"])
-        params = chain.from_iterable(g["params"] for g in self.param_groups)
-        for pid, p in zip(saved_ids, params):
-            src = sd["state"].get(pid)
-            if not src or p.dtype == torch.float32 or p not in self.state:
-                continue
-            state = self.state[p]
-            for key in self._ELEMENTWISE + ("master_param",):
-                v = src.get(key)
-                if isinstance(v, Tensor) and v.is_floating_point():
-                    state[key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)

@@ -11,8 +11,11 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import is_real
-from fastamp.optim import _ops
-from fastamp.optim._layout import FLOAT_TYPES, state_strides, where_in_groups
+from fastamp.optim import _ops, lowbit
+from fastamp.optim._layout import FLOAT_TYPES, where_in_groups
+
+# Devices PyTorch's optimizers take capturable=True on.
+_CAPTURABLE = ("cuda", "xpu", "hpu", "privateuseone", "xla")
 
 
 class StepChecks:
@@ -22,6 +25,9 @@ class StepChecks:
     state: dict[Tensor, dict[str, Any]]
     _master_weights: bool
     _ELEMENTWISE: tuple[str, ...] = ()
+    # What PyTorch's optimizer says of a sparse grad, and what to do instead.
+    _SPARSE = ("Adam does not support sparse gradients, please consider SparseAdam instead",
+               "put these parameters in a torch.optim.SparseAdam")
 
     def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._ELEMENTWISE
@@ -37,12 +43,7 @@ class StepChecks:
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                if name == "SGD":
-                    msg = "SGD does not support sparse gradients"
-                    fix = "use torch.optim.SGD for these parameters (it takes sparse grads)"
-                else:  # PyTorch's Adam and AdamW raise this text
-                    msg = "Adam does not support sparse gradients, please consider SparseAdam instead"
-                    fix = "put these parameters in a torch.optim.SparseAdam"
+                msg, fix = self._SPARSE
                 raise RuntimeError(
                     f"{msg} (fastamp.optim.{name}: {where_in_groups(g, i)} has a sparse grad, e.g. from "
                     f"nn.Embedding(sparse=True); expected dense grads: build the module with "
@@ -92,24 +93,30 @@ class StepChecks:
                 f"float32 params with float16/bfloat16 ones ({where_in_groups(g, fp32)} is float32, "
                 f"{where_in_groups(g, halves[0])} is not); put them in separate param groups"
             )
-        keys = self._elementwise_keys(group)
+        if group.get("capturable"):
+            # PyTorch's single-tensor and foreach steps assert this (an AssertionError there too).
+            bad = next(((p, i) for p, i in zip(params, places) if p.device.type not in _CAPTURABLE), None)
+            if bad is not None:
+                raise AssertionError(
+                    f"If capturable=True, params and state_steps must be on supported devices: "
+                    f"{list(_CAPTURABLE)} (fastamp.optim.{name}: {where_in_groups(g, bad[1])} is on "
+                    f"{bad[0].device}; expected capturable=False for parameters on the CPU)"
+                )
+        fmt = lowbit.resolve(group.get("state_dtype", lowbit.FLOAT32), f"fastamp.optim.{name}: "
+                             f"param_groups[{g}]['state_dtype']", self._moments_of_family())
+        self._check_group_options(f"fastamp.optim.{name}: param group {g}", group, fmt)
+        moments = self._moments(group)
+        others = tuple(k for k in self._elementwise_keys(group) if k not in moments)
         for p, i in zip(params, places):
             state = self.state.get(p)  # .get: reading must not create an entry
             if not state:
                 continue
             master = self._master_weights and p.dtype != torch.float32
             want = torch.float32 if master else p.dtype
-            m = state.get("exp_avg")
-            if self._lowbit_format(group, p) != "float32" or (
-                isinstance(m, Tensor) and m.dtype != want and m.dtype in (torch.uint8, torch.bfloat16)
-            ):
-                # Low-precision state (or state of another precision, which the step converts).
-                self._check_lowbit_state(f"fastamp.optim.{name}", g, i, p, state)
-                keys_left: tuple[str, ...] = ("master_param",) if master else ()
-            else:
-                keys_left = keys + (("master_param",) if master else ())
-            shape, device, stride = p.shape, p.device, state_strides(p)
-            for key in keys_left:
+            where = f"fastamp.optim.{name}: the state of {where_in_groups(g, i)}"
+            # Moments in any format (the step converts and re-strides them), complete.
+            lowbit.check_any(state, p, moments, where)
+            for key in others + (("master_param",) if master else ()):
                 v = state.get(key)
                 if v is None:
                     if key in self._required_state(state, group):
@@ -120,11 +127,12 @@ class StepChecks:
                             "state_dict, or clear optimizer.state[param] to start it afresh"
                         )
                     continue
-                # Fast path first: this runs for every parameter at every step.
-                if not (isinstance(v, Tensor) and v.shape == shape and v.device == device
-                        and v.dtype == want and v.stride() == stride):
-                    self._state_error(f"fastamp.optim.{name}: state[{key!r}] of {where_in_groups(g, i)}", v, p, want,
-                                      stride)
+                # Fast path first: this runs for every parameter at every step. Strides are
+                # not checked: the step re-strides (PyTorch steps state of any layout).
+                if not (isinstance(v, Tensor) and v.shape == p.shape and v.device == p.device
+                        and v.dtype == want):
+                    self._state_error(f"fastamp.optim.{name}: state[{key!r}] of {where_in_groups(g, i)}",
+                                      v, p, want)
             step = state.get("step")
             if step is not None and not (
                 isinstance(step, Tensor) and step.numel() == 1 or is_real(step)
@@ -134,44 +142,17 @@ class StepChecks:
                     "a number or a one-element tensor"
                 )
 
-    def _lowbit_format(self, group: dict[str, Any], p: Tensor) -> str:
-        """The format of ``p``'s moments in ``group`` ("float32": the param's own dtype)."""
-        return "float32"
+    def _moments_of_family(self) -> tuple[str, ...]:
+        return ()
+
+    def _moments(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ()
+
+    def _check_group_options(self, where: str, options: dict[str, Any], fmt: lowbit.StateFormat) -> None:
+        return None
 
     @staticmethod
-    def _check_lowbit_state(name: str, g: int, i: int, p: Tensor, state: dict[str, Any]) -> None:
-        """Moments in any of the formats the step converts between: float tensors, or uint8
-        codes with their float32 block scales, all of ``p``'s shape on its device."""
-        where = f"{name}: the state of {where_in_groups(g, i)}"
-        for key in ("exp_avg", "exp_avg_sq"):
-            v = state.get(key)
-            if v is None:
-                if "exp_avg" in state or "exp_avg_sq" in state:
-                    raise KeyError(f"{where} has no {key!r} (it has {sorted(state)})")
-                continue
-            if not (isinstance(v, Tensor) and v.shape == p.shape and v.device == p.device
-                    and (v.is_floating_point() or v.dtype == torch.uint8)):
-                raise TypeError(
-                    f"{where}: state[{key!r}] is {type(v).__name__ if not isinstance(v, Tensor) else f'a {v.dtype} tensor of shape {tuple(v.shape)} on {v.device}'}; "
-                    f"expected a float tensor or uint8 codes of the parameter's shape {tuple(p.shape)} "
-                    f"on {p.device}"
-                )
-        if isinstance(state.get("exp_avg"), Tensor) and state["exp_avg"].dtype == torch.uint8:
-            blocks = (p.numel() + 255) // 256
-            for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
-                v = state.get(key)
-                if not (isinstance(v, Tensor) and v.dtype == torch.float32 and v.dim() == 1
-                        and v.numel() == blocks and v.device == p.device):
-                    raise TypeError(
-                        f"{where}: state[{key!r}] must be a float32 tensor of {blocks} block "
-                        f"scales on {p.device} beside 8-bit codes; got "
-                        f"{v.dtype if isinstance(v, Tensor) else type(v).__name__}"
-                        f"{tuple(v.shape) if isinstance(v, Tensor) else ''}"
-                    )
-
-    @staticmethod
-    def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype,
-                     stride: tuple[int, ...]) -> None:
+    def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype) -> None:
         if not isinstance(v, Tensor):
             raise TypeError(f"{what} is a {type(v).__name__}; expected a tensor like the parameter")
         if v.shape != p.shape:
@@ -181,14 +162,9 @@ class StepChecks:
                 "state made for these parameters: load the state_dict saved with this model, or "
                 "start from a fresh optimizer"
             )
-        if v.device != p.device or v.dtype != want:
-            raise TypeError(
-                f"{what} is a {v.dtype} tensor on {v.device}; expected {want} on {p.device} (the "
-                "parameter's device, and float32 with master_weights=True)"
-            )
-        raise ValueError(
-            f"{what} has strides {v.stride()}; expected {stride}, the parameter's memory layout "
-            "(convert the model to the memory format it had when the state was saved)"
+        raise TypeError(
+            f"{what} is a {v.dtype} tensor on {v.device}; expected {want} on {p.device} (the "
+            "parameter's device, and float32 with master_weights=True)"
         )
 
     def _check_shared_memory(self, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]) -> None:
@@ -224,13 +200,13 @@ class StepChecks:
                 "memory: give each its own storage (nn.Parameter(t.clone())) or list it once"
             )
 
-    def _kernel_error(self, e: Exception, g: int, places: list[int]) -> Exception:
+    def _kernel_error(self, e: Exception, g: int, places: list[int], first: bool = True) -> Exception:
         """The kernel's error, with its list positions named as the param group's entries."""
         where = ", ".join(f"[{k}] = {where_in_groups(g, i)}" for k, i in enumerate(places[:8]))
         more = ", ..." if len(places) > 8 else ""
         try:
             return type(e)(f"{e} (fastamp.optim.{type(self).__name__}: list positions {where}{more}; "
-                           "no param group was stepped)" if g == 0 else
+                           "no param group was stepped)" if first else
                            f"{e} (fastamp.optim.{type(self).__name__}: list positions {where}{more})")
         except Exception:  # an exception type that takes other arguments
             return e

@@ -1,78 +1,388 @@
-"""Low-precision optimizer state for :class:`fastamp.optim.Adam` / :class:`~fastamp.optim.AdamW`
-(``state_dtype=``): the formats, the conversions between them, and how much memory they take.
+"""Optimizer state formats (``state_dtype=`` of :class:`fastamp.optim.Adam`, ``AdamW`` and ``SGD``).
 
-* ``torch.float32`` (default): PyTorch's state, 8 bytes per parameter for the two moments.
-* ``torch.bfloat16``: both moments in bfloat16, written with stochastic rounding (16 random bits
-  added below the kept mantissa, so the stored value is unbiased): 4 bytes per parameter. The bits
-  are a hash of (``state_seed``, step, the param's position in its group's list, element index):
-  a run is reproducible, on CPU and CUDA alike.
-* ``"int8"``: both moments as 8-bit codes in blocks of 256 elements, each block scaled by its
-  absolute maximum (one float32 per block and moment): 2 + 8/256 bytes per parameter. ``exp_avg``
-  is sign + 4-bit exponent + 3-bit mantissa of m/absmax, ``exp_avg_sq`` 5-bit exponent + 3-bit
-  mantissa of v/max, rounded to nearest even from the value truncated to bfloat16 (smaller
-  magnitudes decode to 0), see csrc/optim/lowbit_math.h.
+One :class:`StateFormat` object per format alone knows its state keys, how it creates, checks,
+converts and counts a param's moments; the optimizers ask it and hold no format knowledge.
+
+* :data:`FLOAT32` (``torch.float32``, the default): PyTorch's state, unchanged: the moments in
+  the param's dtype (float32 with ``master_weights=True``), under PyTorch's keys.
+* :data:`BFLOAT16` (``torch.bfloat16``): the moments in bfloat16 under PyTorch's keys, written
+  with stochastic rounding (16 random bits added below the kept mantissa, so the stored value is
+  unbiased): 2 bytes per moment and element. The bits are a hash of (``state_seed``, step, the
+  param's position in its launch list, element index): a run is reproducible, on CPU and CUDA.
+  A PyTorch optimizer that loads such a state_dict casts the moments to float exactly.
+* :data:`INT8` (``"int8"``, Adam/AdamW only): each moment as 8-bit codes in blocks of 256
+  elements, each block scaled by its absolute maximum (one float32 per block): 1 + 4/256 bytes
+  per moment and element. ``exp_avg`` is sign + 4-bit exponent + 3-bit mantissa of m/absmax,
+  ``exp_avg_sq`` 5-bit exponent + 3-bit mantissa of v/max, rounded to nearest even from the
+  value truncated to bfloat16 (smaller magnitudes decode to 0), see csrc/optim/lowbit_math.h.
+  The codes live under their own keys (``exp_avg_codes`` + ``exp_avg_absmax``, ...), never under
+  PyTorch's ``exp_avg``/``exp_avg_sq``: a tool that reads PyTorch's keys cannot take codes for
+  moments. A PyTorch optimizer that loads it fails at its first step with ``KeyError:
+  'exp_avg'``; :func:`float32_state_dict` gives the float moments it can load.
 
 Parameters with fewer than :data:`MIN_LOWBIT_NUMEL` elements (biases, norms) and non-contiguous
 ones keep float32 state, as bitsandbytes keeps small tensors in 32 bits.
 
-The codecs here are the kernels' own arithmetic written with torch ops (bit for bit the same); the
-optimizers use them to convert state when a state_dict of another format is loaded, and the tests
-use them as the reference.
+The codecs here are the kernels' own arithmetic written with torch ops (bit for bit the same):
+the formats convert with them when a state_dict of another format is loaded.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["MIN_LOWBIT_NUMEL", "QUANT_BLOCK", "STATE_FORMATS", "dequantize", "quantize",
-           "state_format"]
+__all__ = ["BFLOAT16", "FLOAT32", "INT8", "MIN_LOWBIT_NUMEL", "QUANT_BLOCK", "StateFormat",
+           "dequantize", "float32_state_dict", "format_of", "quantize", "resolve"]
 
 QUANT_BLOCK = 256
 MIN_LOWBIT_NUMEL = 4096
-STATE_FORMATS = ("float32", "bfloat16", "int8")
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+SGD_MOMENTS = ("momentum_buffer",)
 
 
-def state_format(value: Any, where: str) -> str:
-    """The canonical name of a ``state_dtype`` argument, or a ValueError naming it."""
-    if value is None or value is torch.float32 or value == "float32":
-        return "float32"
-    if value is torch.bfloat16 or value == "bfloat16":
-        return "bfloat16"
-    if value in ("int8", "8bit", torch.int8, torch.uint8):
-        return "int8"
-    raise ValueError(
-        f"{where}: state_dtype must be torch.float32, torch.bfloat16 or 'int8' (8-bit block-"
-        f"quantized moments), got {value!r}"
-    )
+class StateFormat:
+    """How one param's moments are stored. Instances: :data:`FLOAT32`, :data:`BFLOAT16`,
+    :data:`INT8`; ``moments`` below are the state keys PyTorch gives them (``("exp_avg",
+    "exp_avg_sq")`` for Adam, ``("momentum_buffer",)`` for SGD)."""
+
+    name: str = ""
+    lowbit: bool = False  # whether the fastamp::*_lowbit_step_ kernels step it
+
+    def __repr__(self) -> str:
+        return f"fastamp.optim.lowbit.{self.name.upper()}"
+
+    def __reduce__(self) -> str:  # one object per format, also through copy and pickle
+        return self.name.upper()
+
+    def applies_to(self, p: Tensor) -> bool:
+        """Whether param ``p`` keeps its moments in this format (else in :data:`FLOAT32`)."""
+        return not self.lowbit or (p.numel() >= MIN_LOWBIT_NUMEL and p.is_contiguous())
+
+    def keys(self, moments: Sequence[str]) -> tuple[str, ...]:
+        """The state keys the moments take in this format."""
+        return tuple(moments)
+
+    def supports(self, moments: Sequence[str]) -> bool:
+        return True
+
+    def new(self, like: Tensor, moments: Sequence[str]) -> dict[str, Tensor]:
+        """Zero moments for a param laid out as ``like`` (the param as the kernel walks it, or
+        its float32 master)."""
+        raise NotImplementedError
+
+    def encode(self, floats: Mapping[str, Tensor], like: Tensor) -> dict[str, Tensor]:
+        """State in this format of the float moments ``floats`` (a conversion, rounded to
+        nearest), laid out as ``like``."""
+        raise NotImplementedError
+
+    def decode(self, state: Mapping[str, Any], moments: Sequence[str]) -> dict[str, Tensor]:
+        """The float32 moments this format's ``state`` stands for (what the kernel computes with)."""
+        return {k: state[k].float() for k in moments}
+
+    def holds(self, state: Mapping[str, Any], like: Tensor, moments: Sequence[str]) -> bool:
+        """Whether ``state`` holds the moments in this format, as the kernel takes them for a
+        param laid out as ``like`` (dtype and strides); otherwise the step converts them."""
+        dtype = self.moment_dtype(like)
+        return all(isinstance(state.get(k), Tensor) and state[k].dtype == dtype
+                   and state[k].stride() == like.stride() for k in moments)
+
+    def moment_dtype(self, like: Tensor) -> torch.dtype:
+        raise NotImplementedError
+
+    def check(self, state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: str,
+              any_device: bool = False) -> None:
+        """Raises (naming ``where``) unless ``state`` holds all of the moments in this format for
+        param ``p``: each key present, dtype, shape, device (any, with ``any_device``: a loaded
+        state moves to the param's), block scales. Strides are not checked: a state laid out
+        otherwise is re-strided (PyTorch steps it as it is)."""
+        for k in moments:
+            v = _present(state, k, where)
+            if not v.is_floating_point():
+                raise TypeError(
+                    f"{where}[{k!r}] is a {v.dtype} tensor; expected float moments (an integer "
+                    "tensor is not a moment: 8-bit codes live under their own '*_codes' keys)"
+                )
+            _check_like(v, p, f"{where}[{k!r}]", any_device)
+
+    def bytes_per_element(self, moments: Sequence[str]) -> float:
+        """Bytes the moments of one parameter element take (float32: 4 per moment)."""
+        raise NotImplementedError
+
+    def adam_lists(self, states: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], ...]:
+        """The four moment lists of ``fastamp::adam_lowbit_step_`` (exp_avgs, exp_avg_sqs,
+        exp_avg_absmax, exp_avg_sq_absmax; the scales empty but for 8-bit) for these states."""
+        return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [], []
 
 
-def uses_lowbit(p: Tensor, fmt: str) -> bool:
-    """Whether param ``p`` keeps its moments in ``fmt`` (else in float32/its own dtype)."""
-    return fmt != "float32" and p.numel() >= MIN_LOWBIT_NUMEL and p.is_contiguous()
+class _Float32(StateFormat):
+    name = "float32"
+
+    def moment_dtype(self, like: Tensor) -> torch.dtype:
+        return like.dtype  # the param's dtype, or float32 for a master
+
+    def new(self, like: Tensor, moments: Sequence[str]) -> dict[str, Tensor]:
+        return {k: torch.zeros_like(like, memory_format=torch.preserve_format) for k in moments}
+
+    def encode(self, floats: Mapping[str, Tensor], like: Tensor) -> dict[str, Tensor]:
+        return {k: torch.empty_like(like).copy_(v.reshape(like.shape)) for k, v in floats.items()}
+
+    def bytes_per_element(self, moments: Sequence[str]) -> float:
+        return 4.0 * len(moments)
 
 
-def moments_dtype(fmt: str, p: Tensor, master: bool) -> torch.dtype:
-    """The dtype of a param's moments in ``fmt`` (float32 format: the param's, float32 with a
-    master copy)."""
-    if fmt == "int8":
-        return torch.uint8
-    if fmt == "bfloat16":
+class _BFloat16(StateFormat):
+    name = "bfloat16"
+    lowbit = True
+
+    def moment_dtype(self, like: Tensor) -> torch.dtype:
         return torch.bfloat16
-    return torch.float32 if master else p.dtype
+
+    def new(self, like: Tensor, moments: Sequence[str]) -> dict[str, Tensor]:
+        return {k: torch.zeros(like.shape, dtype=torch.bfloat16, device=like.device) for k in moments}
+
+    def encode(self, floats: Mapping[str, Tensor], like: Tensor) -> dict[str, Tensor]:
+        return {k: v.reshape(like.shape).to(torch.bfloat16, memory_format=torch.contiguous_format)
+                for k, v in floats.items()}
+
+    def holds(self, state: Mapping[str, Any], like: Tensor, moments: Sequence[str]) -> bool:
+        return all(isinstance(state.get(k), Tensor) and state[k].dtype == torch.bfloat16
+                   and state[k].is_contiguous() for k in moments)
+
+    def bytes_per_element(self, moments: Sequence[str]) -> float:
+        return 2.0 * len(moments)
 
 
-def matches(state: dict[str, Any], fmt: str, dtype: torch.dtype) -> bool:
-    """Whether a param's existing moments are already in ``fmt`` with moments of ``dtype``."""
-    m, v = state.get("exp_avg"), state.get("exp_avg_sq")
-    if not (isinstance(m, Tensor) and isinstance(v, Tensor) and m.dtype == dtype == v.dtype):
-        return False
-    if fmt == "int8":
-        return all(isinstance(state.get(k), Tensor) and state[k].dtype == torch.float32
-                   for k in ("exp_avg_absmax", "exp_avg_sq_absmax"))
-    return True
+class _Int8(StateFormat):
+    name = "int8"
+    lowbit = True
+
+    def keys(self, moments: Sequence[str]) -> tuple[str, ...]:
+        return tuple(k for m in moments for k in (f"{m}_codes", f"{m}_absmax"))
+
+    def supports(self, moments: Sequence[str]) -> bool:
+        return tuple(moments) == ADAM_MOMENTS  # a signed and an unsigned codec
+
+    def moment_dtype(self, like: Tensor) -> torch.dtype:
+        return torch.uint8
+
+    def new(self, like: Tensor, moments: Sequence[str]) -> dict[str, Tensor]:
+        out = {}
+        for k in moments:
+            out[f"{k}_codes"] = torch.zeros(like.shape, dtype=torch.uint8, device=like.device)
+            out[f"{k}_absmax"] = torch.zeros(nblocks(like), dtype=torch.float32, device=like.device)
+        return out
+
+    def encode(self, floats: Mapping[str, Tensor], like: Tensor) -> dict[str, Tensor]:
+        out = {}
+        for k, v in floats.items():
+            codes, scales = _quantize_one(v.reshape(like.shape), signed=k == "exp_avg")
+            out[f"{k}_codes"], out[f"{k}_absmax"] = codes, scales
+        return out
+
+    def decode(self, state: Mapping[str, Any], moments: Sequence[str]) -> dict[str, Tensor]:
+        return {k: _dequantize_one(state[f"{k}_codes"], state[f"{k}_absmax"], signed=k == "exp_avg")
+                for k in moments}
+
+    def holds(self, state: Mapping[str, Any], like: Tensor, moments: Sequence[str]) -> bool:
+        return all(isinstance(state.get(f"{k}_codes"), Tensor) and state[f"{k}_codes"].dtype == torch.uint8
+                   and state[f"{k}_codes"].is_contiguous() and isinstance(state.get(f"{k}_absmax"), Tensor)
+                   and state[f"{k}_absmax"].dtype == torch.float32 and state[f"{k}_absmax"].is_contiguous()
+                   for k in moments)
+
+    def check(self, state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: str,
+              any_device: bool = False) -> None:
+        blocks = nblocks(p)
+        for k in moments:
+            codes = _present(state, f"{k}_codes", where)
+            if codes.dtype != torch.uint8:
+                raise TypeError(
+                    f"{where}[{k + '_codes'!r}] is a {codes.dtype} tensor; expected the uint8 codes "
+                    "fastamp's 8-bit state saves (codes cast to another dtype, e.g. by a PyTorch "
+                    "optimizer's load_state_dict, no longer decode)"
+                )
+            _check_like(codes, p, f"{where}[{k + '_codes'!r}]", any_device)
+            scales = _present(state, f"{k}_absmax", where)
+            if not (scales.dtype == torch.float32 and scales.dim() == 1 and scales.numel() == blocks
+                    and (any_device or scales.device == p.device)):
+                raise ValueError(
+                    f"{where}[{k + '_absmax'!r}] is a {scales.dtype} tensor of shape "
+                    f"{tuple(scales.shape)} on {scales.device}; expected {blocks} float32 block "
+                    f"scales (one per {QUANT_BLOCK} elements of the parameter's {p.numel()}) on "
+                    f"{p.device}"
+                )
+
+    def bytes_per_element(self, moments: Sequence[str]) -> float:
+        return (1.0 + 4.0 / QUANT_BLOCK) * len(moments)
+
+    def adam_lists(self, states: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], ...]:
+        return tuple([s[k] for s in states] for k in ("exp_avg_codes", "exp_avg_sq_codes",
+                                                      "exp_avg_absmax", "exp_avg_sq_absmax"))
+
+
+FLOAT32: StateFormat = _Float32()
+BFLOAT16: StateFormat = _BFloat16()
+INT8: StateFormat = _Int8()
+_BY_NAME = {f.name: f for f in (FLOAT32, BFLOAT16, INT8)}
+
+
+def resolve(value: Any, where: str, moments: Sequence[str] = ADAM_MOMENTS) -> StateFormat:
+    """The format a ``state_dtype`` argument names, or a ValueError naming ``where``."""
+    if isinstance(value, StateFormat):
+        fmt = value
+    elif value is torch.float32 or value is torch.bfloat16:
+        fmt = FLOAT32 if value is torch.float32 else BFLOAT16
+    elif isinstance(value, str) and value in _BY_NAME:
+        fmt = _BY_NAME[value]
+    else:
+        hint = " (the 8-bit format is named 'int8')" if value in ("8bit", torch.int8, torch.uint8) else ""
+        raise ValueError(
+            f"{where}: state_dtype must be torch.float32, torch.bfloat16 or 'int8' (8-bit block-"
+            f"quantized moments), got {value!r}{hint}"
+        )
+    if not fmt.supports(moments):
+        raise ValueError(
+            f"{where}: state_dtype='int8' is for Adam/AdamW's two moments; SGD's one momentum "
+            "buffer can be torch.bfloat16 (stochastic rounding) or torch.float32"
+        )
+    return fmt
+
+
+def check_seed(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+        raise ValueError(f"{where}: state_seed must be an int in [0, 2**32), got {value!r}")
+    return value
+
+
+# Keys of 0.1.0's 8-bit state (codes under PyTorch's keys), still read.
+_LEGACY_INT8 = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+def moment_keys(moments: Sequence[str]) -> tuple[str, ...]:
+    """Every state key any format keeps the moments under."""
+    keys = dict.fromkeys(k for f in _BY_NAME.values() if f.supports(moments) for k in f.keys(moments))
+    if tuple(moments) == ADAM_MOMENTS:
+        keys.update(dict.fromkeys(_LEGACY_INT8))
+    return tuple(keys)
+
+
+def format_of(state: Mapping[str, Any], moments: Sequence[str]) -> StateFormat | None:
+    """The format whose keys ``state`` holds its moments under (None: no moments yet).
+    bfloat16 moments read as :data:`BFLOAT16` (a bfloat16 param's float32-format state is the
+    same tensors)."""
+    if any(k in state for k in INT8.keys(moments)) and INT8.supports(moments):
+        return INT8
+    if all(state.get(k) is None for k in moments):
+        return None
+    first = state.get(moments[0])
+    if isinstance(first, Tensor) and first.dtype == torch.bfloat16:
+        return BFLOAT16
+    return FLOAT32
+
+
+def _legacy(state: Mapping[str, Any], moments: Sequence[str]) -> bool:
+    return (tuple(moments) == ADAM_MOMENTS and isinstance(state.get("exp_avg"), Tensor)
+            and state["exp_avg"].dtype == torch.uint8 and "exp_avg_absmax" in state)
+
+
+def check_any(state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: str,
+              any_device: bool = False) -> None:
+    """Raises unless ``state`` holds complete moments of ``p`` in one of the formats (which the
+    step or load converts to the optimizer's), checked as :meth:`StateFormat.check`."""
+    if _legacy(state, moments):
+        INT8.check(_legacy_as_int8(state), p, moments, where, any_device)
+        return
+    fmt = format_of(state, moments)
+    if fmt is None:
+        return
+    stray = [k for k in moment_keys(moments) if k in state and k not in fmt.keys(moments)]
+    if stray:
+        raise KeyError(
+            f"{where} holds {fmt.name} moments under {list(fmt.keys(moments))} and also "
+            f"{stray}; expected the keys of one format (a state_dict edited by hand, or "
+            "converted by a tool that does not know fastamp's formats?)"
+        )
+    fmt.check(state, p, moments, where, any_device)
+
+
+def decode_any(state: Mapping[str, Any], moments: Sequence[str]) -> dict[str, Tensor]:
+    """The float32 moments of a state in any format (checked with :func:`check_any`)."""
+    if _legacy(state, moments):
+        return INT8.decode(_legacy_as_int8(state), moments)
+    fmt = format_of(state, moments)
+    assert fmt is not None
+    return fmt.decode(state, moments)
+
+
+def _legacy_as_int8(state: Mapping[str, Any]) -> dict[str, Any]:
+    return {"exp_avg_codes": state["exp_avg"], "exp_avg_sq_codes": state.get("exp_avg_sq"),
+            "exp_avg_absmax": state.get("exp_avg_absmax"),
+            "exp_avg_sq_absmax": state.get("exp_avg_sq_absmax")}
+
+
+def convert(state: Mapping[str, Any], fmt: StateFormat, like: Tensor,
+            moments: Sequence[str]) -> dict[str, Tensor] | None:
+    """The moments of ``state`` as ``fmt`` holds them for a param laid out as ``like``, or None
+    when ``state`` holds them so already."""
+    if fmt.holds(state, like, moments) and not _legacy(state, moments):
+        return None
+    floats = decode_any(state, moments)
+    return fmt.encode({k: v.to(like.device) for k, v in floats.items()}, like)
+
+
+def float32_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a fastamp optimizer's ``state_dict()`` whose moments are float32 tensors under
+    PyTorch's keys, and whose param groups have no fastamp format options: what a
+    ``torch.optim`` optimizer (or a tool that reads PyTorch's keys) loads as its own."""
+    out = {k: v for k, v in state_dict.items() if k not in ("state", "param_groups")}
+    groups = []
+    for sg in state_dict["param_groups"]:
+        g = {k: copy.deepcopy(v) for k, v in sg.items() if k not in ("state_dtype", "state_seed")}
+        groups.append(g)
+    out["param_groups"] = groups
+    state: dict[Any, Any] = {}
+    for pid, st in state_dict["state"].items():
+        st = dict(st)
+        for moments in (ADAM_MOMENTS, SGD_MOMENTS):
+            if format_of(st, moments) is None and not _legacy(st, moments):
+                continue
+            floats = decode_any(st, moments)
+            for k in moment_keys(moments):
+                st.pop(k, None)
+            st.update(floats)
+        if "momentum_buffer" in st:
+            st.pop("step", None)  # fastamp's SGD update count: not in PyTorch's SGD state
+        state[pid] = st
+    out["state"] = state
+    return out
+
+
+def _present(state: Mapping[str, Any], key: str, where: str) -> Tensor:
+    v = state.get(key)
+    if v is None:
+        raise KeyError(f"{where} has no {key!r} (it has {sorted(map(str, state))})")
+    if not isinstance(v, Tensor):
+        raise TypeError(
+            f"{where}[{key!r}] is a {type(v).__name__}; expected a tensor (was the checkpoint "
+            "converted, e.g. through JSON? save it with torch.save)"
+        )
+    return v
+
+
+def _check_like(v: Tensor, p: Tensor, what: str, any_device: bool) -> None:
+    if v.shape != p.shape:
+        raise ValueError(
+            f"{what} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}: "
+            "the state belongs to another model (or to parameters in another order). Expected "
+            "the state saved with this model"
+        )
+    if v.device != p.device and not any_device:
+        raise TypeError(f"{what} is on {v.device}; expected the parameter's device {p.device}")
 
 
 # --- 8-bit codes (csrc/optim/lowbit_math.h, in torch ops) --------------------------------------------
@@ -122,113 +432,38 @@ def decode_v8(c: Tensor) -> Tensor:
     return torch.where(ex == 0, torch.zeros_like(f), f)
 
 
-def _blocks(x: Tensor) -> tuple[Tensor, int]:
-    """x (flattened, float32) padded with zeros to whole blocks, as [blocks, 256]; and numel."""
+def nblocks(p: Tensor) -> int:
+    return (p.numel() + QUANT_BLOCK - 1) // QUANT_BLOCK
+
+
+def _quantize_one(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
+    """(codes shaped like ``x``, contiguous; float32 block maxima) of one moment."""
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
     pad = (-n) % QUANT_BLOCK
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, QUANT_BLOCK), n
+    blocks = flat.view(-1, QUANT_BLOCK)
+    scale = (blocks.abs() if signed else blocks).amax(dim=1)
+    recip = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    codes = (encode_m8 if signed else encode_v8)(blocks * recip[:, None])
+    return codes.reshape(-1)[:n].reshape(x.shape).contiguous(), scale.contiguous()
 
 
-def _reciprocal(absmax: Tensor) -> Tensor:
-    return torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+def _dequantize_one(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
+    idx = torch.arange(codes.numel(), device=codes.device) // QUANT_BLOCK
+    vals = (decode_m8 if signed else decode_v8)(codes.reshape(-1)) * scales.float().to(codes.device)[idx]
+    return vals.reshape(codes.shape)
 
 
 def quantize(m: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(exp_avg codes, exp_avg_sq codes, exp_avg_absmax, exp_avg_sq_absmax) of float moments, as
     the kernel writes them (codes shaped like the moments)."""
-    mb, n = _blocks(m)
-    vb, _ = _blocks(v)
-    am = mb.abs().amax(dim=1)
-    av = vb.amax(dim=1)
-    mq = encode_m8(mb * _reciprocal(am)[:, None]).reshape(-1)[:n].reshape(m.shape)
-    vq = encode_v8(vb * _reciprocal(av)[:, None]).reshape(-1)[:n].reshape(v.shape)
-    return mq, vq, am.contiguous(), av.contiguous()
+    mq, am = _quantize_one(m, signed=True)
+    vq, av = _quantize_one(v, signed=False)
+    return mq, vq, am, av
 
 
 def dequantize(mq: Tensor, vq: Tensor, am: Tensor, av: Tensor) -> tuple[Tensor, Tensor]:
     """The float32 moments the codes stand for (what the kernel computes with)."""
-    idx = torch.arange(mq.numel(), device=mq.device) // QUANT_BLOCK
-    m = decode_m8(mq.reshape(-1)) * am.float()[idx]
-    v = decode_v8(vq.reshape(-1)) * av.float()[idx]
-    return m.reshape(mq.shape), v.reshape(vq.shape)
-
-
-def nblocks(p: Tensor) -> int:
-    return (p.numel() + QUANT_BLOCK - 1) // QUANT_BLOCK
-
-
-def new_state(p: Tensor, fmt: str) -> dict[str, Tensor]:
-    """Zero moments of param ``p`` in ``fmt`` ("bfloat16" or "int8")."""
-    if fmt == "bfloat16":
-        return {"exp_avg": torch.zeros_like(p, dtype=torch.bfloat16),
-                "exp_avg_sq": torch.zeros_like(p, dtype=torch.bfloat16)}
-    z = torch.zeros(nblocks(p), dtype=torch.float32, device=p.device)
-    return {"exp_avg": torch.zeros_like(p, dtype=torch.uint8),
-            "exp_avg_sq": torch.zeros_like(p, dtype=torch.uint8),
-            "exp_avg_absmax": z, "exp_avg_sq_absmax": z.clone()}
-
-
-def moments_float32(state: dict[str, Any]) -> tuple[Tensor, Tensor]:
-    """The float32 moments of a param's state in any format."""
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    if m.dtype == torch.uint8:
-        return dequantize(m, v, state["exp_avg_absmax"], state["exp_avg_sq_absmax"])
-    return m.float(), v.float()
-
-
-def convert(state: dict[str, Any], fmt: str, like: Tensor) -> dict[str, Tensor]:
-    """The moments of ``state`` (any format) as ``fmt`` for a param like ``like`` ("float32" gives
-    tensors of ``like``'s dtype: the param's, or float32 for a master). bfloat16 targets are
-    rounded to nearest (a conversion, not a step)."""
-    m, v = moments_float32(state)
-    m = m.to(like.device).reshape(like.shape)
-    v = v.to(like.device).reshape(like.shape)
-    if fmt == "float32":
-        return {"exp_avg": m.to(like.dtype).clone(memory_format=torch.contiguous_format),
-                "exp_avg_sq": v.to(like.dtype).clone(memory_format=torch.contiguous_format)}
-    if fmt == "bfloat16":
-        return {"exp_avg": m.to(torch.bfloat16), "exp_avg_sq": v.to(torch.bfloat16)}
-    mq, vq, am, av = quantize(m, v)
-    return {"exp_avg": mq, "exp_avg_sq": vq, "exp_avg_absmax": am, "exp_avg_sq_absmax": av}
-
-
-# --- stochastic rounding (the kernels' hash, in torch ops) -------------------------------------------
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix32(x: Tensor, tail: bool = False) -> Tensor:
-    """lowbias32 (lowbit_math.h ``mix32``), or without its first xorshift (``mix32_tail``)."""
-    x = x & _M32
-    if not tail:
-        x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
-
-
-def sr_key(seed: int, step: int, position: int) -> int:
-    """The kernels' per-tensor key (lowbit_math.h ``sr_key``) for the given step and list position."""
-    t = lambda v: torch.tensor([v & _M32], dtype=torch.int64)  # noqa: E731
-    inner = _mix32(t(seed) ^ _mix32(t(step)))
-    return int(_mix32((inner + t(position) * 0x9E3779B9) & _M32))
-
-
-def sr_bits(key: int, index: Tensor) -> Tensor:
-    """32 random bits per element index (int64 tensor) of the tensor keyed ``key``."""
-    i = index.to(torch.int64)
-    lo, hi = i & _M32, (i >> 32) & _M32
-    return _mix32(torch.full_like(i, key) ^ lo ^ ((hi * 0x85EBCA6B) & _M32), tail=True)
-
-
-def bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
-    """float32 ``x`` rounded to bfloat16 with the random bits ``r`` (low 16 used), as the kernels:
-    the carry of the sum does the rounding; a NaN becomes the quiet NaN 0x7FC0."""
-    x = x.float()
-    b = torch.where(torch.isnan(x), 0x7FC00000, _bits(x))
-    h = ((b + (r & 0xFFFF)) >> 16) & 0xFFFF
-    return torch.where(h >= 2**15, h - 2**16, h).to(torch.int16).view(torch.bfloat16).reshape(x.shape)
+    return _dequantize_one(mq, am, signed=True), _dequantize_one(vq, av, signed=False)

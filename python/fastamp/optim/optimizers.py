@@ -1,9 +1,9 @@
-"""Fused SGD / Adam / AdamW: one multi-tensor kernel per param group that unscales, clips and
-skips on overflow inside the update, driven by device tensors only.
+"""Fused SGD / Adam / AdamW: one multi-tensor kernel per param group and state format that
+unscales, clips and skips on overflow inside the update, driven by device tensors only.
 
 Each class subclasses its ``torch.optim`` namesake, so the constructor (and its ValueErrors), the
 param groups, ``state_dict()`` layout, ``add_param_group`` and ``torch.optim.lr_scheduler`` work as
-with PyTorch; only ``step()`` differs:
+with PyTorch; ``step()`` differs:
 
 * one fused kernel per param group reads each grad once, multiplies it in registers by
   ``inv_scale * clip_coef`` (device tensors handed over by :class:`fastamp.GradScaler`), and updates
@@ -11,7 +11,12 @@ with PyTorch; only ``step()`` differs:
 * on a step whose grads held inf/NaN (``found_inf`` on the device) the kernel writes nothing and the
   step counters do not advance (so Adam's bias correction stays right) -- no host sync decides it;
 * ``master_weights=True`` keeps an fp32 copy of fp16/bf16 params (``state["master_param"]``) with
-  fp32 optimizer state; the kernel updates the master and writes the half param in the same pass.
+  fp32 optimizer state; the kernel updates the master and writes the half param in the same pass;
+* ``state_dtype`` (per param group too) picks the moments' format, :mod:`fastamp.optim.lowbit`.
+
+All or nothing: a param group's options are checked when the group is made (constructor and
+``add_param_group``), and every check of a step runs, and every launch's inputs are made, before
+the first kernel writes anything.
 
 ``optimizer.stepped`` is a device bool tensor: whether the last ``step()`` updated the params.
 """
@@ -19,6 +24,7 @@ with PyTorch; only ``step()`` differs:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,15 +33,30 @@ from torch import Tensor
 from fastamp.handoff import AmpFusedOptimizer, take
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._layout import grad_like, kernel_view, on_device
-from fastamp.optim._lowbit_step import LowbitAdamMixin, LowbitSgdMixin
 from fastamp.optim._state_dict import StateDictChecks
 from fastamp.optim._step_checks import StepChecks
+from fastamp.optim.lowbit import FLOAT32, StateFormat
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
 
+@dataclass
+class _Launch:
+    """One kernel launch of a step, made before any launch runs: ``run`` writes params and the
+    state tensors in ``news``; after it the state in ``news`` is committed."""
+
+    run: Callable[[], None]
+    g: int
+    params: list[Tensor]
+    places: list[int]
+    news: list[dict[str, Any]]
+    moments: tuple[str, ...]
+    staged: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+    counts: dict[Tensor, Tensor] = field(default_factory=dict)
+
+
 class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
-    """What the three optimizers share: the amp-scaling protocol and the group loop.
+    """What the three optimizers share: their options, the amp-scaling protocol and the step.
 
     As :class:`fastamp.handoff.AmpFusedOptimizer`s they take from :class:`fastamp.GradScaler` an
     :class:`fastamp.handoff.AmpStep` (inv_scale, found_inf and a clip coefficient), and from
@@ -43,36 +64,108 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
 
     param_groups: list[dict[str, Any]]
     state: dict[Tensor, dict[str, Any]]
+    defaults: dict[str, Any]
 
-    def _fastamp_init(self, master_weights: bool) -> None:
+    # fastamp's options (beside PyTorch's, which live in ``defaults`` and the param groups).
+    _master_weights: bool
+    _default_format: StateFormat
+    _default_seed: int
+    stepped: Tensor | None
+
+    def _fastamp_setup(self, master_weights: bool, state_dtype: Any, state_seed: Any) -> None:
+        """Before PyTorch's constructor, which makes the param groups with add_param_group."""
+        where = f"fastamp.optim.{type(self).__name__}"
         self._master_weights = bool(master_weights)
-        self.stepped: Tensor | None = None
-        for group in self.param_groups:
-            if group.get("differentiable"):
-                raise ValueError(
-                    f"fastamp.optim.{type(self).__name__} does not support differentiable=True; "
-                    f"use torch.optim.{type(self).__name__}"
-                )
+        self._default_format = lowbit.resolve(state_dtype, where, self._moments_of_family())
+        self._default_seed = lowbit.check_seed(state_seed, where)
+        self.stepped = None
 
-    # Per-element state the kernel reads and writes (set by each optimizer), and the group
-    # hyperparameters a loaded state_dict must carry (those PyTorch does not default in
-    # __setstate__; without them the step fails with a KeyError after the load has replaced
-    # the state).
+    def _fastamp_defaults(self) -> None:
+        """After PyTorch's constructor: a low-precision default is in ``defaults`` as well."""
+        if self._default_format.lowbit:
+            self.defaults["state_dtype"] = self._default_format.name
+            self.defaults["state_seed"] = self._default_seed
+
+    def __getstate__(self) -> dict[str, Any]:
+        # PyTorch keeps defaults, state and param_groups; fastamp's options go along.
+        state = super().__getstate__()  # type: ignore[misc]
+        state.update(_master_weights=self._master_weights, _default_format=self._default_format,
+                     _default_seed=self._default_seed, stepped=self.stepped)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[misc]
+        self.__dict__.setdefault("_master_weights", False)
+        self.__dict__.setdefault("_default_format", FLOAT32)
+        self.__dict__.setdefault("_default_seed", 0)
+        self.__dict__.setdefault("stepped", None)
+
+    # The moments a group keeps (state keys, in PyTorch's names), and the other per-element
+    # state (set by each optimizer).
+    _MOMENTS: tuple[str, ...] = ()
     _ELEMENTWISE: tuple[str, ...] = ()
     _GROUP_KEYS: tuple[str, ...] = ()
 
-    def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return self._ELEMENTWISE
+    def _moments_of_family(self) -> tuple[str, ...]:
+        return self._MOMENTS
 
-    def _master(self, p: Tensor, state: dict[str, Any], new: dict[str, Any]) -> Tensor | None:
-        """The fp32 master of ``p`` (with ``master_weights=True``); a new one goes into ``new``,
-        which the caller commits to the state only once the kernel has run."""
+    def _moments(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self._MOMENTS
+
+    def _format(self, group: dict[str, Any], p: Tensor) -> StateFormat:
+        """The format of ``p``'s moments in ``group``."""
+        fmt = lowbit.resolve(group.get("state_dtype", FLOAT32), f"fastamp.optim.{type(self).__name__}",
+                             self._moments_of_family())
+        return fmt if fmt.applies_to(p) and self._moments(group) else FLOAT32
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """PyTorch's ``add_param_group``, with fastamp's options (``state_dtype``, ``state_seed``)
+        checked and normalised, and every option checked against them, before the group is added."""
+        if isinstance(param_group, dict):
+            where = f"fastamp.optim.{type(self).__name__}: param group {len(self.param_groups)}"
+            given = "state_dtype" in param_group or "state_seed" in param_group
+            fmt = lowbit.resolve(param_group.get("state_dtype", self._default_format), where,
+                                 self._moments_of_family())
+            seed = lowbit.check_seed(param_group.get("state_seed", self._default_seed), where)
+            options = {**self.defaults, **param_group}
+            if options.get("differentiable"):
+                raise ValueError(
+                    f"{where}: fastamp.optim.{type(self).__name__} does not support "
+                    f"differentiable=True; use torch.optim.{type(self).__name__}"
+                )
+            self._check_group_options(where, options, fmt)
+        super().add_param_group(param_group)  # type: ignore[misc]
+        if isinstance(param_group, dict) and (fmt.lowbit or given):
+            param_group["state_dtype"] = fmt.name
+            param_group["state_seed"] = seed
+
+    def _check_group_options(self, where: str, options: dict[str, Any], fmt: StateFormat) -> None:
+        """Raises for group options that cannot go with ``fmt`` (run when a group is made, and
+        again before a step: param groups are dicts a user may edit)."""
+
+    def _master(self, p: Tensor, kp: Tensor, state: dict[str, Any], new: dict[str, Any]) -> Tensor | None:
+        """The fp32 master of ``p`` (with ``master_weights=True``), laid out as ``kp`` (the param
+        as the kernel walks it); a new or re-strided one goes into ``new``, which the caller
+        commits to the state only once the kernel has run."""
         if not self._master_weights or p.dtype == torch.float32:
             return None
         master = state.get("master_param")
-        if master is None:
-            master = new["master_param"] = p.detach().float().clone(memory_format=torch.preserve_format)
+        if master is None or master.stride() != kp.stride():
+            src = p if master is None else master
+            master = new["master_param"] = torch.empty_like(kp, dtype=torch.float32).copy_(src)
         return master
+
+    def _moments_for(self, fmt: StateFormat, moments: tuple[str, ...], like: Tensor,
+                     state: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+        """The state as the kernel takes it for ``fmt``: new zero moments, or the present ones
+        converted / re-strided when they are not already in ``fmt`` (into ``new``)."""
+        if lowbit.format_of(state, moments) is None and not lowbit._legacy(state, moments):
+            new.update(fmt.new(like, moments))
+        else:
+            converted = lowbit.convert(state, fmt, like, moments)
+            if converted is not None:
+                new.update(converted)
+        return {**state, **new}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> Any:
@@ -93,28 +186,38 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
 
     def _fastamp_step(self, inv_scale: Tensor | None, found_inf: Tensor | None,
                       clip_coef: Tensor | None) -> None:
-        # Every group is checked before the first one is stepped, and a group's new state is
-        # committed only after its kernel ran: an error leaves params, grads and state as they were
-        # (a retry then steps every group once).
+        # Every group is checked, and every launch's inputs made (new and converted state
+        # included), before the first kernel runs; a launch's state is committed right after it.
         checked = [(g, group, *self._check_params(g, group)) for g, group in enumerate(self.param_groups)]
         self._check_shared_memory(checked)
+        launches: list[_Launch] = []
         stepped = None
         for g, group, params, places in checked:
             if not params:
                 continue
             dev = params[0].device
             scalars = (on_device(inv_scale, dev), on_device(found_inf, dev), on_device(clip_coef, dev))
-            try:
-                self._group_step(group, params, *scalars)
-            except (RuntimeError, TypeError, ValueError) as e:
-                raise self._kernel_error(e, g, places) from e
+            by_format: dict[StateFormat, tuple[list[Tensor], list[int]]] = {}
+            for p, i in zip(params, places):
+                ps, ix = by_format.setdefault(self._format(group, p), ([], []))
+                ps.append(p)
+                ix.append(i)
+            for fmt, (ps, ix) in sorted(by_format.items(), key=lambda kv: kv[0].lowbit):
+                launches.append(self._launch(fmt, g, group, ps, ix, *scalars))
             if stepped is None:
-                stepped = (
-                    torch.ones((), dtype=torch.bool, device=dev)
-                    if found_inf is None
-                    else found_inf == 0
-                )
+                stepped = torch.ones((), dtype=torch.bool, device=dev) if found_inf is None else found_inf == 0
+        for k, launch in enumerate(launches):
+            try:
+                launch.run()
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise self._kernel_error(e, launch.g, launch.places, first=k == 0) from e
+            self._commit(launch)
         self.stepped = stepped
+
+    def _launch(self, fmt: StateFormat, g: int, group: dict[str, Any], params: list[Tensor],
+                places: list[int], inv_scale: Tensor | None, found_inf: Tensor | None,
+                clip_coef: Tensor | None) -> _Launch:
+        raise NotImplementedError
 
     @staticmethod
     def _lr(group: dict[str, Any], device: torch.device) -> tuple[float, Tensor | None]:
@@ -135,46 +238,53 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
             step = new[key] = step.to(device=p.device, dtype=torch.float32).reshape(())
         return step
 
-    def _commit(self, params: list[Tensor], news: list[dict[str, Any]],
-                staged: list[tuple[Tensor, Tensor]]) -> None:
-        """After the kernel: copy staged params back and add the state the step created."""
-        for p, kp in staged:
+    def _commit(self, launch: _Launch) -> None:
+        """After the kernel: copy staged params back, and put the state the launch made in place
+        (moments converted to another format drop that format's keys)."""
+        for p, kp in launch.staged:
             p.copy_(kp)
-        for p, new in zip(params, news):
-            if new:
-                self.state[p].update(new)
+        for p, new in zip(launch.params, launch.news):
+            if not new:
+                continue
+            state = self.state[p]
+            if any(k in new for k in launch.moments) or any(k.endswith("_codes") for k in new):
+                for k in lowbit.moment_keys(launch.moments):
+                    if k not in new:
+                        state.pop(k, None)
+            state.update(new)
 
 
-class _AdamBase(LowbitAdamMixin, _FusedStepMixin):
+class _AdamBase(_FusedStepMixin):
+    _MOMENTS = lowbit.ADAM_MOMENTS
     _ELEMENTWISE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+    _decoupled: bool
 
     def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._ELEMENTWISE if group.get("amsgrad") else self._ELEMENTWISE[:2]
 
     def _required_state(self, state, group) -> tuple[str, ...]:
-        if "exp_avg" not in state:
+        if lowbit.format_of(state, self._MOMENTS) is None:
             return ()
-        return ("exp_avg_sq", "max_exp_avg_sq") if group.get("amsgrad") else ("exp_avg_sq",)
+        return ("max_exp_avg_sq",) if group.get("amsgrad") else ()
 
     def _needs_step(self, state) -> bool:
         return len(state) > 0  # PyTorch's Adam.__setstate__ reads it (KeyError after the load)
 
-    def _group_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
-        low = [p for p in params if self._lowbit_format(group, p) != "float32"]
-        if low:
-            self._check_lowbit_group(group)
-            rest = [p for p in params if self._lowbit_format(group, p) == "float32"]
-        else:
-            rest = params
-        if rest:
-            self._full_step(group, rest, inv_scale, found_inf, clip_coef)
-        if low:
-            self._lowbit_step(group, low, inv_scale, found_inf, clip_coef)
+    def _check_group_options(self, where: str, options: dict[str, Any], fmt: StateFormat) -> None:
+        if fmt.lowbit and options.get("amsgrad"):
+            raise ValueError(
+                f"{where}: amsgrad=True needs float32 state (it keeps the running maximum of "
+                f"exp_avg_sq exactly), but the group's state_dtype is {fmt.name!r}: use "
+                "state_dtype=torch.float32 with amsgrad"
+            )
 
-    def _full_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
-        amsgrad = group["amsgrad"]
-        kparams, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters = [], [], [], [], [], [], []
+    def _launch(self, fmt, g, group, params, places, inv_scale, found_inf, clip_coef) -> _Launch:
+        moments = self._MOMENTS
+        amsgrad = bool(group["amsgrad"]) and not fmt.lowbit
+        kparams, grads, steps, masters = [], [], [], []
+        currents: list[dict[str, Any]] = []
+        max_sqs: list[Tensor] = []
         news: list[dict[str, Any]] = []
         staged: list[tuple[Tensor, Tensor]] = []
         for p in params:
@@ -183,42 +293,45 @@ class _AdamBase(LowbitAdamMixin, _FusedStepMixin):
             kp = kernel_view(p)
             if kp is not p:
                 staged.append((p, kp))
-            master = self._master(p, state, new)
+            master = self._master(p, kp, state, new)
             like = master if master is not None else kp
-            if isinstance(state.get("exp_avg"), Tensor) and state["exp_avg"].dtype != like.dtype:
-                # Moments of another precision (the group's state_dtype changed): back to float.
-                new.update(lowbit.convert(state, "float32", like))
-            if "exp_avg" not in state and "exp_avg" not in new:
-                new["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-                new["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-                if amsgrad:
-                    new["max_exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+            currents.append(self._moments_for(fmt, moments, like, state, new))
+            if amsgrad:
+                mx = state.get("max_exp_avg_sq")
+                if mx is None:
+                    mx = new["max_exp_avg_sq"] = torch.zeros_like(like)
+                elif mx.stride() != like.stride():  # re-strided, as the moments
+                    mx = new["max_exp_avg_sq"] = torch.empty_like(like).copy_(mx)
+                max_sqs.append(mx)
             steps.append(self._step_tensor(p, state, new))
             kparams.append(kp)
             grads.append(grad_like(p, kp))
-            exp_avgs.append(new.get("exp_avg", state.get("exp_avg")))
-            exp_avg_sqs.append(new.get("exp_avg_sq", state.get("exp_avg_sq")))
-            if amsgrad:
-                max_sqs.append(new.get("max_exp_avg_sq", state.get("max_exp_avg_sq")))
             if master is not None:
                 masters.append(master)
             news.append(new)
         beta1, beta2 = group["betas"]
         lr, lr_t = self._lr(group, params[0].device)
-        _ops.adam_step_(
-            kparams, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, masters,
-            lr, lr_t, float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"]),
-            bool(amsgrad), bool(group.get("decoupled_weight_decay", self._decoupled)),
-            bool(group["maximize"]), inv_scale, found_inf, clip_coef,
-        )  # fmt: skip
-        self._commit(params, news, staged)
-        for p, new in zip(params, news):  # converted back from 8-bit codes: drop their scales
-            if "exp_avg" in new:
-                self.state[p].pop("exp_avg_absmax", None)
-                self.state[p].pop("exp_avg_sq_absmax", None)
+        hyper = (lr, lr_t, float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"]))
+        decoupled = bool(group.get("decoupled_weight_decay", self._decoupled))
+        maximize = bool(group["maximize"])
+        ms, vs, ams, avs = fmt.adam_lists(currents)
+        if fmt.lowbit:
+            seed = int(group.get("state_seed", 0))
+
+            def run() -> None:
+                _ops.adam_lowbit_step_(kparams, grads, ms, vs, ams, avs, steps, masters, seed, *hyper,
+                                       decoupled, maximize, inv_scale, found_inf, clip_coef)
+        else:
+            def run() -> None:
+                _ops.adam_step_(kparams, grads, ms, vs, max_sqs, steps,
+                                masters, *hyper, amsgrad, decoupled, maximize, inv_scale, found_inf,
+                                clip_coef)
+        return _Launch(run, g, params, places, news, moments, staged)
+
 
 class Adam(_AdamBase, torch.optim.Adam):
-    """Fused :class:`torch.optim.Adam` (see the module docstring); ``master_weights`` is extra."""
+    """Fused :class:`torch.optim.Adam` (see the module docstring); ``master_weights``,
+    ``state_dtype`` and ``state_seed`` are extra."""
 
     _decoupled = False
 
@@ -226,18 +339,19 @@ class Adam(_AdamBase, torch.optim.Adam):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
                  master_weights=False, state_dtype=torch.float32, state_seed=0) -> None:  # fmt: skip
+        self._fastamp_setup(master_weights, state_dtype, state_seed)
         torch.optim.Adam.__init__(
             self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )  # fmt: skip
-        self._fastamp_init(master_weights)
-        self._lowbit_init(state_dtype, state_seed)
+        self._fastamp_defaults()
 
 
 class AdamW(_AdamBase, torch.optim.AdamW):
-    """Fused :class:`torch.optim.AdamW` (see the module docstring); ``master_weights`` is extra."""
+    """Fused :class:`torch.optim.AdamW` (see the module docstring); ``master_weights``,
+    ``state_dtype`` and ``state_seed`` are extra."""
 
     _decoupled = True
 
@@ -245,41 +359,64 @@ class AdamW(_AdamBase, torch.optim.AdamW):
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, master_weights=False, state_dtype=torch.float32,
                  state_seed=0) -> None:  # fmt: skip
+        self._fastamp_setup(master_weights, state_dtype, state_seed)
         torch.optim.AdamW.__init__(
             self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=capturable,
             differentiable=differentiable, fused=fused,
         )  # fmt: skip
-        self._fastamp_init(master_weights)
-        self._lowbit_init(state_dtype, state_seed)
+        self._fastamp_defaults()
 
 
-class SGD(LowbitSgdMixin, _FusedStepMixin, torch.optim.SGD):
-    """Fused :class:`torch.optim.SGD` (see the module docstring); ``master_weights`` is extra.
+class SGD(_FusedStepMixin, torch.optim.SGD):
+    """Fused :class:`torch.optim.SGD` (see the module docstring); ``master_weights``,
+    ``state_dtype`` (float32 or bfloat16 momentum buffers) and ``state_seed`` are extra.
 
     The number of updates each param has had lives on the device (``state["step"]`` is not part of
     PyTorch's SGD state, so it is kept beside it): it tells the kernel when a momentum buffer gets
     its first value, exactly as PyTorch's ``None`` buffer does, even when that step is skipped.
+    With bfloat16 buffers it is saved in the state (it keys their rounding), so a resumed run
+    draws the same bits.
     """
 
+    _MOMENTS = lowbit.SGD_MOMENTS
     _ELEMENTWISE = ("momentum_buffer",)
+    _FAMILY = "SGD"
+    _SPARSE = ("SGD does not support sparse gradients",
+               "use torch.optim.SGD for these parameters (it takes sparse grads)")
     _GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay")
+    _updates: dict[Tensor, Tensor]
 
     def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._ELEMENTWISE if group["momentum"] != 0 else ()
+
+    def _moments(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return self._MOMENTS if group["momentum"] != 0 else ()
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
                  fused=None, master_weights=False, state_dtype=torch.float32,
                  state_seed=0) -> None:  # fmt: skip
+        self._fastamp_setup(master_weights, state_dtype, state_seed)
+        self._updates = {}
         torch.optim.SGD.__init__(
             self, params, lr=lr, momentum=momentum, dampening=dampening,
             weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, foreach=foreach,
             differentiable=differentiable, fused=fused,
         )  # fmt: skip
-        self._fastamp_init(master_weights)
-        self._sgd_lowbit_init(state_dtype, state_seed)
-        self._updates: dict[Tensor, Tensor] = {}
+        self._fastamp_defaults()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_updates"] = self._updates
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("_updates", {})
+
+    def _after_load(self) -> None:
+        self._updates = {}
 
     def _updates_of(self, p: Tensor, state: dict[str, Any], new_counts: dict[Tensor, Tensor]) -> Tensor:
         n = self._updates.get(p)
@@ -293,25 +430,8 @@ class SGD(LowbitSgdMixin, _FusedStepMixin, torch.optim.SGD):
             n = new_counts[p] = torch.full((), first, dtype=torch.float32, device=p.device)
         return n
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        formats = [(g.get("state_dtype"), g.get("state_seed")) for g in self.param_groups]
-        super().load_state_dict(state_dict)
-        self._sgd_lowbit_load(formats)
-        self._updates = {}
-
-    def _group_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
-        low = [p for p in params if self._lowbit_format(group, p) != "float32"]
-        rest = [p for p in params if self._lowbit_format(group, p) == "float32"] if low else params
-        if rest:
-            self._full_step(group, rest, inv_scale, found_inf, clip_coef)
-        if low:
-            new_counts: dict[Tensor, Tensor] = {}
-            counts = [self._updates_of(p, self.state.get(p) or {}, new_counts) for p in low]
-            self._sgd_lowbit_step(group, low, counts, inv_scale, found_inf, clip_coef)
-            self._updates.update(new_counts)
-
-    def _full_step(self, group, params, inv_scale, found_inf, clip_coef) -> None:
-        momentum = group["momentum"]
+    def _launch(self, fmt, g, group, params, places, inv_scale, found_inf, clip_coef) -> _Launch:
+        moments = self._moments(group)
         kparams, grads, bufs, counts, masters = [], [], [], [], []
         news: list[dict[str, Any]] = []
         staged: list[tuple[Tensor, Tensor]] = []
@@ -324,27 +444,34 @@ class SGD(LowbitSgdMixin, _FusedStepMixin, torch.optim.SGD):
             kp = kernel_view(p)
             if kp is not p:
                 staged.append((p, kp))
-            master = self._master(p, state, new)
-            counts.append(self._updates_of(p, state, new_counts))
-            if momentum != 0:
-                buf = state.get("momentum_buffer")
+            master = self._master(p, kp, state, new)
+            count = self._updates_of(p, state, new_counts)
+            if fmt.lowbit and state.get("step") is not count:
+                new["step"] = count  # keys the rounding: saved with the state
+            if moments:
                 like = master if master is not None else kp
-                if buf is None:
-                    buf = new["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-                elif buf.dtype == torch.bfloat16 and like.dtype != torch.bfloat16:
-                    # A bfloat16 buffer of state_dtype=torch.bfloat16 (the group's format changed).
-                    buf = new["momentum_buffer"] = buf.to(like.dtype)
-                bufs.append(buf)
+                bufs.append(self._moments_for(fmt, moments, like, state, new)["momentum_buffer"])
+            counts.append(count)
             kparams.append(kp)
             grads.append(grad_like(p, kp))
             if master is not None:
                 masters.append(master)
             news.append(new)
         lr, lr_t = self._lr(group, params[0].device)
-        _ops.sgd_step_(
-            kparams, grads, bufs, counts, masters, lr, lr_t, float(group["weight_decay"]),
-            float(momentum), float(group["dampening"]), bool(group["nesterov"]),
-            bool(group["maximize"]), inv_scale, found_inf, clip_coef,
-        )  # fmt: skip
-        self._updates.update(new_counts)
-        self._commit(params, news, staged)
+        hyper = (float(group["weight_decay"]), float(group["momentum"]), float(group["dampening"]),
+                 bool(group["nesterov"]), bool(group["maximize"]))
+        if fmt.lowbit:
+            seed = int(group.get("state_seed", 0))
+
+            def run() -> None:
+                _ops.sgd_lowbit_step_(kparams, grads, bufs, counts, masters, seed, lr, lr_t, *hyper,
+                                      inv_scale, found_inf, clip_coef)
+        else:
+            def run() -> None:
+                _ops.sgd_step_(kparams, grads, bufs, counts, masters, lr, lr_t, *hyper, inv_scale,
+                               found_inf, clip_coef)
+        return _Launch(run, g, params, places, news, moments, staged, new_counts)
+
+    def _commit(self, launch: _Launch) -> None:
+        super()._commit(launch)
+        self._updates.update(launch.counts)
