@@ -96,7 +96,7 @@ class StateDictChecks:
                         final[key] = v.detach().to(device=p.device, dtype=torch.float32, copy=True)
                 master = final.get("master_param")
             moments = self._moments(group)
-            if moments and (lowbit.format_of(src, moments) is not None or lowbit._legacy(src, moments)):
+            if moments and lowbit.format_of(src, moments) is not None:
                 fmt = self._format(group, p)
                 like = kernel_like(p)
                 if self._master_weights and p.dtype != torch.float32:

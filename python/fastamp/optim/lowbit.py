@@ -36,10 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastamp.optim.codec8 import QUANT_BLOCK, _dequantize_one, _quantize_one, nblocks
+from fastamp.optim.codec8 import decode_m8, decode_v8, dequantize, encode_m8, encode_v8, quantize  # noqa: F401
+
 __all__ = ["BFLOAT16", "FLOAT32", "INT8", "MIN_LOWBIT_NUMEL", "QUANT_BLOCK", "StateFormat",
            "dequantize", "float32_state_dict", "format_of", "quantize", "resolve"]
 
-QUANT_BLOCK = 256
 MIN_LOWBIT_NUMEL = 4096
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -275,7 +277,7 @@ def format_of(state: Mapping[str, Any], moments: Sequence[str]) -> StateFormat |
     """The format whose keys ``state`` holds its moments under (None: no moments yet).
     bfloat16 moments read as :data:`BFLOAT16` (a bfloat16 param's float32-format state is the
     same tensors)."""
-    if any(k in state for k in INT8.keys(moments)) and INT8.supports(moments):
+    if INT8.supports(moments) and (any(k in state for k in INT8.keys(moments)) or _legacy(state, moments)):
         return INT8
     if all(state.get(k) is None for k in moments):
         return None
@@ -329,7 +331,11 @@ def convert(state: Mapping[str, Any], fmt: StateFormat, like: Tensor,
             moments: Sequence[str]) -> dict[str, Tensor] | None:
     """The moments of ``state`` as ``fmt`` holds them for a param laid out as ``like``, or None
     when ``state`` holds them so already."""
-    if fmt.holds(state, like, moments) and not _legacy(state, moments):
+    if _legacy(state, moments):
+        state = _legacy_as_int8(state)
+        if fmt is INT8:  # the same codes under their own keys
+            return {k: v.contiguous().clone() for k, v in state.items()}
+    elif fmt.holds(state, like, moments):
         return None
     floats = decode_any(state, moments)
     return fmt.encode({k: v.to(like.device) for k, v in floats.items()}, like)
@@ -383,87 +389,3 @@ def _check_like(v: Tensor, p: Tensor, what: str, any_device: bool) -> None:
         )
     if v.device != p.device and not any_device:
         raise TypeError(f"{what} is on {v.device}; expected the parameter's device {p.device}")
-
-
-# --- 8-bit codes (csrc/optim/lowbit_math.h, in torch ops) --------------------------------------------
-
-def _rounded_high_half(y: Tensor) -> tuple[Tensor, Tensor]:
-    """The high 16 bits ``h`` of y's float32 bits (y truncated to bfloat16), and ``t``: its
-    exponent << 3 | mantissa rounded to 3 bits, to nearest even (int64)."""
-    h = _bits(y) >> 16
-    a = h & 0x7FFF
-    return h, (a + 7 + ((a >> 4) & 1)) >> 4
-
-
-def _bits(x: Tensor) -> Tensor:
-    return x.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-
-
-def _float(b: Tensor) -> Tensor:
-    """float32 values of the 32-bit patterns in int64 ``b``."""
-    b = b & 0xFFFFFFFF
-    return torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
-
-
-def encode_m8(y: Tensor) -> Tensor:
-    h, t = _rounded_high_half(y)
-    mag = (t.clamp(min=896) - 896).clamp(max=127)  # exponent field 0 below 2^-14; saturates
-    return (mag | ((h >> 8) & 0x80)).to(torch.uint8)
-
-
-def decode_m8(c: Tensor) -> Tensor:
-    c = c.to(torch.int64)
-    ex = (c >> 3) & 0xF
-    b = ((c & 0x80) << 24) | ((ex + 112) << 23) | ((c & 7) << 20)
-    f = _float(b)
-    return torch.where(ex == 0, torch.zeros_like(f), f)
-
-
-def encode_v8(y: Tensor) -> Tensor:
-    _, t = _rounded_high_half(y)
-    return (t.clamp(min=768) - 768).clamp(max=255).to(torch.uint8)
-
-
-def decode_v8(c: Tensor) -> Tensor:
-    c = c.to(torch.int64)
-    ex = c >> 3
-    b = ((ex + 96) << 23) | ((c & 7) << 20)
-    f = _float(b)
-    return torch.where(ex == 0, torch.zeros_like(f), f)
-
-
-def nblocks(p: Tensor) -> int:
-    return (p.numel() + QUANT_BLOCK - 1) // QUANT_BLOCK
-
-
-def _quantize_one(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
-    """(codes shaped like ``x``, contiguous; float32 block maxima) of one moment."""
-    flat = x.detach().reshape(-1).float()
-    n = flat.numel()
-    pad = (-n) % QUANT_BLOCK
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    blocks = flat.view(-1, QUANT_BLOCK)
-    scale = (blocks.abs() if signed else blocks).amax(dim=1)
-    recip = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    codes = (encode_m8 if signed else encode_v8)(blocks * recip[:, None])
-    return codes.reshape(-1)[:n].reshape(x.shape).contiguous(), scale.contiguous()
-
-
-def _dequantize_one(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
-    idx = torch.arange(codes.numel(), device=codes.device) // QUANT_BLOCK
-    vals = (decode_m8 if signed else decode_v8)(codes.reshape(-1)) * scales.float().to(codes.device)[idx]
-    return vals.reshape(codes.shape)
-
-
-def quantize(m: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(exp_avg codes, exp_avg_sq codes, exp_avg_absmax, exp_avg_sq_absmax) of float moments, as
-    the kernel writes them (codes shaped like the moments)."""
-    mq, am = _quantize_one(m, signed=True)
-    vq, av = _quantize_one(v, signed=False)
-    return mq, vq, am, av
-
-
-def dequantize(mq: Tensor, vq: Tensor, am: Tensor, av: Tensor) -> tuple[Tensor, Tensor]:
-    """The float32 moments the codes stand for (what the kernel computes with)."""
-    return _dequantize_one(mq, am, signed=True), _dequantize_one(vq, av, signed=False)

@@ -19,6 +19,9 @@ All or nothing: a param group's options are checked when the group is made (cons
 the first kernel writes anything.
 
 ``optimizer.stepped`` is a device bool tensor: whether the last ``step()`` updated the params.
+
+This file is over 400 lines because it is one concern: the three optimizers and the step they
+share (each optimizer's launch beside the loop that runs it).
 """
 
 from __future__ import annotations
@@ -159,7 +162,7 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
                      state: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         """The state as the kernel takes it for ``fmt``: new zero moments, or the present ones
         converted / re-strided when they are not already in ``fmt`` (into ``new``)."""
-        if lowbit.format_of(state, moments) is None and not lowbit._legacy(state, moments):
+        if lowbit.format_of(state, moments) is None:
             new.update(fmt.new(like, moments))
         else:
             converted = lowbit.convert(state, fmt, like, moments)
