@@ -159,6 +159,15 @@ def _load(path: str, what: str, map_location: Any) -> dict[str, Any]:
             f"load_training_state: {path!r} is not a fastamp training state (format {_FORMAT}); "
             "it must be written by fastamp.save_training_state"
         )
+    # What every file of the format holds (the checkpoint also its model), named when missing.
+    required = ("world_size", "model") if what == "checkpoint" else ("world_size", "rng")
+    missing = [k for k in required if k not in obj]
+    if missing:
+        raise KeyError(
+            f"load_training_state: {what} {path!r} has no {missing} entry (it has "
+            f"{sorted(map(str, obj))}); a file written by fastamp.save_training_state has them: "
+            "was it edited or written by hand? Resume from an unmodified checkpoint"
+        )
     return obj
 
 

@@ -37,6 +37,7 @@ class TimmRecipe:
         self._scaler.scale(loss).backward(create_graph=create_graph)
         if need_update:
             if clip_grad is not None:
+                assert parameters is not None
                 self._scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
             self._scaler.step(optimizer)
@@ -86,7 +87,9 @@ def test_clip_without_parameters_is_a_clear_error():
     model = mlp()
     opt = fastamp.optim.AdamW(model.parameters())
     loss = model(torch.randn(2, 16)).sum()
-    with pytest.raises(ValueError, match="clip_grad needs parameters="):
+    with pytest.raises(AssertionError):  # timm's own class
+        TimmRecipe("cpu")(model(torch.randn(2, 16)).sum(), torch.optim.AdamW(model.parameters()), clip_grad=1.0)
+    with pytest.raises(AssertionError, match="clip_grad needs parameters="):
         NativeScaler("cpu")(loss, opt, clip_grad=1.0)
 
 

@@ -625,6 +625,52 @@ def uneven_inputs_join(rank, world, init_file):
     _finish()
 
 
+class _BranchNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 4)
+
+    def forward(self, x, use_b, use_c):
+        y = self.a(x)
+        if use_b:
+            y = self.b(y)
+        return self.c(y) if use_c else y
+
+
+def join_with_unused_parameters(rank, world, init_file):
+    """join() with find_unused_parameters: a joined rank sends the used map of the last
+    reduction it took part in (torch's reducer all-reduces its map in place and sends it again),
+    so a parameter the remaining ranks leave unused gets zeros where it was used in that
+    reduction and stays None where it was not. Grads compared (None or values) at every step."""
+    _init(rank, world, init_file, timeout_s=30.0)
+    torch.manual_seed(0)
+    base = _BranchNet()
+    # The last rank joins after 2 steps; in its second step b is used by no rank, c by rank 0.
+    plans = {r: [(True, True), (False, r == 0), (False, False), (False, False), (True, True)]
+             for r in range(world)}
+    plans[world - 1] = plans[world - 1][:2]
+    grads = {}
+    for kind, cls in (("torch", TDDP), ("fastamp", FDDP)):
+        m = cls(copy.deepcopy(base), find_unused_parameters=True)
+        seen = []
+        with m.join():
+            for i, (use_b, use_c) in enumerate(plans[rank]):
+                m.zero_grad(set_to_none=True)
+                m(torch.ones(2, 4) * (rank + 1 + i), use_b, use_c).sum().backward()
+                seen.append([None if p.grad is None else p.grad.clone() for p in m.module.parameters()])
+        grads[kind] = seen
+    for i, (t, f) in enumerate(zip(grads["torch"], grads["fastamp"])):
+        for (n, _), gt, gf in zip(base.named_parameters(), t, f):
+            assert (gt is None) == (gf is None), f"step {i}: {n}.grad is {gf is None and 'None'} here, torch's {gt is None and 'None'}"
+            if gt is not None:
+                assert torch.equal(gt, gf), f"step {i}: {n}.grad differs from torch's"
+    if rank == 0:  # the case the test is about did happen
+        assert grads["torch"][2][4] is not None and grads["torch"][2][2] is None
+    _finish()
+
+
 # ------------------------------------------------------------------ 6. bit for bit with 3+ ranks
 class _WideNet(nn.Module):
     def __init__(self):

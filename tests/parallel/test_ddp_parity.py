@@ -70,5 +70,10 @@ def test_join_uneven_inputs_matches_torch(world, tmp_path):
 
 
 @WORLDS
+def test_join_with_unused_parameters_matches_torch(world, tmp_path):
+    _spawn(W.join_with_unused_parameters, world, tmp_path)
+
+
+@WORLDS
 def test_grads_bit_for_bit_with_torch_bucket_layouts(world, tmp_path):
     _spawn(W.grads_bitwise, world, tmp_path)

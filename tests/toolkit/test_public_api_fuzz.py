@@ -40,9 +40,10 @@ class _Net(nn.Module):
         self.bn = nn.BatchNorm1d(6)
         self.drop = nn.Dropout(0.2)
         self.b = nn.Linear(6, 3)
+        self.big = nn.Parameter(torch.randn(64, 64) * 0.1)  # 4096 elements: low-bit state applies
 
     def forward(self, x):
-        return self.b(self.drop(self.bn(self.a(x))))
+        return self.b(self.drop(self.bn(self.a(x)))) + (self.big @ self.big.t()).mean()
 
 
 def _files(d: str) -> dict[str, str]:
@@ -95,6 +96,7 @@ def _op(data, w):
     kind = data.draw(st.sampled_from([
         "backward", "backward_inf", "step", "unscale", "update", "update_new_scale", "clip",
         "opt_step", "bad_grad", "load_opt", "load_scaler", "setters", "checkpoint", "save", "load",
+        "add_group",
     ]))
     if kind == "backward":
         return kind, lambda: _backward(w)
@@ -163,9 +165,39 @@ def _op(data, w):
         if follow == "clip":
             return f"bad_grad:{how}:clip", lambda: scaler.clip_grad_norm_(opt, 1.0)
         return f"bad_grad:{how}:opt_step", lambda: opt.step()
+    if kind == "add_group":
+        options = data.draw(st.fixed_dictionaries({}, optional={
+            "state_dtype": st.sampled_from([torch.float32, torch.bfloat16, "int8", "int4", torch.float16]),
+            "state_seed": st.sampled_from([0, 5, -1, 2**32, True]),
+            "amsgrad": st.booleans(),
+            "lr": st.sampled_from([1e-3, -1.0]),
+        }))
+        again = data.draw(st.booleans())  # a param already in the optimizer: torch refuses it
+        p = params[0] if again else nn.Parameter(torch.randn(4096) * 0.1)
+        return f"add_group:{sorted(options)}", lambda: opt.add_param_group({"params": [p], **options})
     if kind == "load_opt":
         sd = copy.deepcopy(opt.state_dict())
-        defect = data.draw(st.sampled_from(["none", "no_state", "groups", "lr", "shape", "type", "step"]))
+        defect = data.draw(st.sampled_from(["none", "no_state", "groups", "lr", "shape", "type", "step",
+                                            "no_scales", "short_scales", "int_codes", "float_codes",
+                                            "int_moments", "transposed"]))
+        lowbit_state = next((v for v in sd["state"].values() if "exp_avg_codes" in v), None)
+        float_state = next((v for v in sd["state"].values()
+                            if isinstance(v.get("exp_avg", v.get("momentum_buffer")), torch.Tensor)), None)
+        if defect == "no_scales" and lowbit_state:
+            del lowbit_state["exp_avg_sq_absmax"]
+        elif defect == "short_scales" and lowbit_state:
+            lowbit_state["exp_avg_absmax"] = lowbit_state["exp_avg_absmax"][:-1].clone()
+        elif defect in ("int_codes", "float_codes") and lowbit_state:
+            lowbit_state["exp_avg_codes"] = lowbit_state["exp_avg_codes"].to(
+                torch.int16 if defect == "int_codes" else torch.float32)
+        elif defect == "int_moments" and float_state:
+            key = "exp_avg" if "exp_avg" in float_state else "momentum_buffer"
+            float_state[key] = float_state[key].to(torch.int8)
+        elif defect == "transposed":
+            for v in sd["state"].values():
+                for k, t in list(v.items()):
+                    if isinstance(t, torch.Tensor) and t.dim() == 2:
+                        v[k] = t.t().contiguous().t()
         if defect == "no_state":
             sd.pop("state")
         elif defect == "groups":
@@ -266,8 +298,13 @@ def _check_public_api_misuse_changes_nothing(data):
     net = _Net()
     cls = getattr(fastamp.optim, name)
     kw = {"lr": 0.05, "momentum": 0.9} if name == "SGD" else {"lr": 1e-2}
-    opt = cls([{"params": [net.a.weight, net.a.bias]}, {"params": list(net.bn.parameters()) + list(net.b.parameters())}],
-              **kw)
+    formats = [torch.float32, torch.bfloat16] + ([] if name == "SGD" else ["int8"])
+    kw["state_dtype"] = data.draw(st.sampled_from(formats))
+    big = {"params": [net.big]}
+    if data.draw(st.booleans()):  # a group of its own format
+        big["state_dtype"] = data.draw(st.sampled_from(formats))
+    opt = cls([{"params": [net.a.weight, net.a.bias]}, {"params": list(net.bn.parameters()) + list(net.b.parameters())},
+               big], **kw)
     d = tempfile.mkdtemp(prefix="fastamp-fuzz-")
     scratch = tempfile.mkdtemp(prefix="fastamp-fuzz-scratch-")
     w = {"net": net, "opt": opt, "scaler": fastamp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2),

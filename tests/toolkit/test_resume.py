@@ -225,6 +225,10 @@ BAD_FILES = {
         lambda p: _tamper(_save_variant(p), _set("optimizer", "state", 0, "exp_avg", torch.zeros(3))) or p / "c.pt",
         ValueError),
     "RNG entry missing": (lambda p: _tamper(_save_variant(p), _pop("rng")) or p / "c.pt", ValueError),
+    # a KeyError naming the entry and the file (was a bare KeyError: 'model')
+    "model entry missing": (lambda p: _tamper(_save_variant(p), _pop("model")) or p / "c.pt", KeyError),
+    "world_size entry missing": (lambda p: _tamper(_save_variant(p), _pop("world_size")) or p / "c.pt",
+                                 KeyError),
     "python RNG entry missing": (lambda p: _tamper(_save_variant(p), _pop("rng", "python")) or p / "c.pt",
                                  ValueError),
     "torch RNG entry corrupt": (
@@ -246,8 +250,10 @@ def test_bad_file_is_refused_before_anything_is_restored(tmp_path, case):
     for i in range(3):
         _step(net, scaler, opt, sched, i)
     before = _full_snapshot(net, opt, scaler, sched)
-    with pytest.raises(error):
+    with pytest.raises(error) as info:
         fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler, lr_scheduler=sched)
+    if error is KeyError:
+        assert "load_training_state" in str(info.value) and "has no" in str(info.value)
     assert_bitwise_equal(_full_snapshot(net, opt, scaler, sched), before)
 
 

@@ -32,7 +32,7 @@ import torch
 
 import fastamp
 
-__all__ = ["NativeScaler", "OPTIMIZERS", "register_optimizers", "create_optimizer_v2"]
+__all__ = ["ClipParametersError", "NativeScaler", "OPTIMIZERS", "register_optimizers", "create_optimizer_v2"]
 
 #: name in timm's registry -> (fastamp class, has_betas, has_momentum)
 OPTIMIZERS: dict[str, tuple[type, bool, bool]] = {
@@ -50,6 +50,11 @@ def _param_ids(params: Iterable[Any]) -> set[int]:
         else:
             ids.add(id(p))
     return ids
+
+
+class ClipParametersError(AssertionError, ValueError):
+    """``clip_grad`` without ``parameters``: timm's NativeScaler asserts it (AssertionError);
+    this is one, with a message, and a ValueError as well."""
 
 
 class NativeScaler:
@@ -73,7 +78,7 @@ class NativeScaler:
             return
         if clip_grad is not None:
             if parameters is None:
-                raise ValueError(
+                raise ClipParametersError(
                     "NativeScaler: clip_grad needs parameters= (the tensors to clip), as timm's does; "
                     f"got clip_grad={clip_grad!r} and parameters=None"
                 )

@@ -232,21 +232,26 @@ class BackwardSync:
         del b
         return _ops.bucket_unpack_(reduced, grads, offs, inv)
 
-    def _reduce_used_map(self) -> set[int]:
+    def _reduce_used_map(self, joined: bool = False) -> set[int]:
         """ids of the parameters no rank used since the last synchronised backward (torch's
-        globally unused parameters: their grads are not touched)."""
+        globally unused parameters: their grads are not touched). A ``joined`` rank contributes
+        the map of the last reduction it took part in, as torch's does (so a parameter the
+        remaining ranks leave unused gets zeros, not None, when it was used in that one)."""
         if not (self.find_unused_parameters or self.static_graph):
             return set()
         if self.static_graph and self._global_unused is not None:
             return self._global_unused
-        used = torch.tensor([1 if id(p) in self._used else 0 for p in self._params], dtype=torch.int32,
+        mine = self._last_global_used if joined else self._used
+        used = torch.tensor([1 if id(p) in mine else 0 for p in self._params], dtype=torch.int32,
                             device=self.device)
         if self.world_size > 1:
             try:
                 dist.all_reduce(used, group=self.process_group)
             except Exception as e:
                 raise self._collective_error("the all-reduce of the used-parameter map", e) from e
-        unused = {id(p) for p, u in zip(self._params, used.tolist()) if u == 0}
+        counts = used.tolist()
+        unused = {id(p) for p, u in zip(self._params, counts) if u == 0}
+        self._last_global_used = {id(p) for p, u in zip(self._params, counts) if u != 0}
         if self.static_graph:
             self._global_unused = unused
         return unused
@@ -268,7 +273,7 @@ class BackwardSync:
                 self._wait(b)
         if self.find_unused_parameters or (self.static_graph and self._global_unused is None):
             self._used = set()
-            self._reduce_used_map()
+            self._reduce_used_map(joined=True)
         if not self._rebuilt:
             self._rebuilt = True
             self._rebuild_from_rank0()

@@ -167,6 +167,10 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
         self._grad_ready: set[int] = set()
         self._used: set[int] = set()  # locally used since the last synchronised backward
         self._global_unused: set[int] | None = None  # static_graph: from the first iteration
+        # ids used on some rank in the last used-map all-reduce this rank took part in: what a
+        # joined rank contributes to the others' (torch's reducer all-reduces its used map in
+        # place, and a joined rank sends that last result again).
+        self._last_global_used: set[int] = set()
         self._join_work = None
         self._divide = float(self.world_size)
         self._stats: list[tuple[Tensor, Tensor]] = []
