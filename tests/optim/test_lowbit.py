@@ -85,26 +85,29 @@ def _floats(st):
     return st["exp_avg"].float(), st["exp_avg_sq"].float()
 
 
-def _lowbit_call(p, g, st, steps, mp=None, seed=7, inv=None, found=None, coef=None):
+def _lowbit_call(p, g, st, steps, mp=None, seed=7, inv=None, found=None, coef=None, maximize=False,
+                 lr_t=None):
     int8 = st["exp_avg"].dtype == torch.uint8
     _ops.adam_lowbit_step_(
         [p], [g], [st["exp_avg"]], [st["exp_avg_sq"]],
         [st["exp_avg_absmax"]] if int8 else [], [st["exp_avg_sq_absmax"]] if int8 else [],
-        [steps], [mp] if mp is not None else [], seed, HYPER["lr"], None, HYPER["beta1"],
-        HYPER["beta2"], HYPER["weight_decay"], HYPER["eps"], True, False, inv, found, coef,
+        [steps], [mp] if mp is not None else [], seed, HYPER["lr"], lr_t, HYPER["beta1"],
+        HYPER["beta2"], HYPER["weight_decay"], HYPER["eps"], True, maximize, inv, found, coef,
     )  # fmt: skip
 
 
-def _float32_call(p, g, m, v, steps, mp=None, inv=None, coef=None):
+def _float32_call(p, g, m, v, steps, mp=None, inv=None, coef=None, maximize=False, lr_t=None):
     _ops.adam_step_([p], [g], [m], [v], [], [steps], [mp] if mp is not None else [],
-                    HYPER["lr"], None, HYPER["beta1"], HYPER["beta2"], HYPER["weight_decay"],
-                    HYPER["eps"], False, True, False, inv, None, coef)
+                    HYPER["lr"], lr_t, HYPER["beta1"], HYPER["beta2"], HYPER["weight_decay"],
+                    HYPER["eps"], False, True, maximize, inv, None, coef)
 
 
+@pytest.mark.parametrize("lr_t", [None, 2e-3], ids=["lr", "lr_tensor"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "maximize"])
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("numel", [4096, 70_000, 65_536 + 256 * 3 + 17])
-def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(numel, dtype, scaled):
+def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(numel, dtype, scaled, maximize, lr_t):
     master = dtype != torch.float32
     p, g, st, mp = _state(numel, "int8", seed=numel, master=master, dtype=dtype)
     # Unscaled (no GradScaler, no clip): the float32-param kernel skips the multiplies by 1.
@@ -115,8 +118,9 @@ def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(numel, dtype, 
     p32, m32, v32 = p.clone(), m32.clone(), v32.clone()
     mp32 = mp.clone() if master else None
     steps, steps32 = torch.tensor(4.0), torch.tensor(4.0)
-    _float32_call(p32, g, m32, v32, steps32, mp32, inv, coef)
-    _lowbit_call(p, g, st, steps, mp, inv=inv, coef=coef)
+    lr_t = None if lr_t is None else torch.tensor(lr_t)  # a tensor lr overrides the float one
+    _float32_call(p32, g, m32, v32, steps32, mp32, inv, coef, maximize, lr_t)
+    _lowbit_call(p, g, st, steps, mp, inv=inv, coef=coef, maximize=maximize, lr_t=lr_t)
     assert_bitwise_equal(p, p32, "params")
     if master:
         assert_bitwise_equal(mp, mp32, "master")
@@ -126,8 +130,10 @@ def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(numel, dtype, 
     assert float(steps) == 5.0
 
 
+@pytest.mark.parametrize("lr_t", [None, 2e-3], ids=["lr", "lr_tensor"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "maximize"])
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
-def test_bf16_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(scaled):
+def test_bf16_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(scaled, maximize, lr_t):
     numel = 70_000
     p, g, st, _ = _state(numel, "bfloat16", seed=3)
     m32, v32 = st["exp_avg"].float(), st["exp_avg_sq"].float()
@@ -135,8 +141,9 @@ def test_bf16_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(scal
     steps, steps32 = torch.tensor(9.0), torch.tensor(9.0)
     inv, coef = (torch.tensor(0.25), torch.tensor(0.9)) if scaled else (None, None)
     g[123], g[456], g[789] = math.nan, -math.nan, math.inf  # stepped in: no found_inf here
-    _float32_call(p32, g, m32, v32, steps32, inv=inv, coef=coef)
-    _lowbit_call(p, g, st, steps, seed=11, inv=inv, coef=coef)
+    lr_t = None if lr_t is None else torch.tensor(lr_t)
+    _float32_call(p32, g, m32, v32, steps32, inv=inv, coef=coef, maximize=maximize, lr_t=lr_t)
+    _lowbit_call(p, g, st, steps, seed=11, inv=inv, coef=coef, maximize=maximize, lr_t=lr_t)
     assert_bitwise_equal(p, p32, "params")
     r = lowbit_ref.sr_bits(lowbit_ref.sr_key(11, 10, 0), torch.arange(numel))
     assert_bitwise_equal(st["exp_avg"], lowbit_ref.bf16_stochastic(m32, r), "exp_avg")

@@ -374,3 +374,70 @@ def test_capturable_on_cpu_raises_as_torch(cls):
     with pytest.raises(type(te.value), match="capturable=True"):
         f.step()
     assert_bitwise_equal(_state_snapshot(f), before)
+
+
+# --- saving: torch.save with weights_only=True, torch.distributed.checkpoint --------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_state_dict_round_trips_weights_only_and_through_dcp(fmt, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    a = _model()
+    oa = fastamp.optim.AdamW(a.parameters(), lr=1e-3, state_dtype=fmt, state_seed=4)
+    _train(a, oa, 2)
+    torch.save(oa.state_dict(), tmp_path / "o.pt")
+    b = _model(1)
+    b.load_state_dict(a.state_dict())
+    ob = fastamp.optim.AdamW(b.parameters(), lr=1e-3, state_dtype=fmt, state_seed=4)
+    ob.load_state_dict(torch.load(tmp_path / "o.pt", weights_only=True))
+    assert_bitwise_equal(ob.state_dict(), oa.state_dict())
+    # torch.distributed.checkpoint with its state_dict helpers (FQN keys), as FSDP users save.
+    msd, osd = get_state_dict(a, oa)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+    c = _model(2)
+    oc = fastamp.optim.AdamW(c.parameters(), lr=1e-3, state_dtype=fmt, state_seed=4)
+    msd2, osd2 = get_state_dict(c, oc)
+    state = {"model": msd2, "optim": osd2}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    set_state_dict(c, oc, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert_bitwise_equal(oc.state_dict(), oa.state_dict())
+    _train(a, oa, 2, start=2)
+    _train(c, oc, 2, start=2)
+    assert_bitwise_equal(list(c.parameters()), list(a.parameters()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_format_byte_count_is_the_measured_storage(fmt):
+    """StateFormat.nbytes against the storages of the state the step made."""
+    ps = [nn.Parameter(torch.randn(96, 256)), nn.Parameter(torch.randn(5000))]
+    opt = fastamp.optim.AdamW(ps, state_dtype=fmt)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    form = lowbit.resolve(fmt, "test")
+    for p in ps:
+        moments = {k: v for k, v in opt.state[p].items() if k != "step"}
+        measured = sum(v.untyped_storage().nbytes() for v in moments.values())
+        expected = form.nbytes(p, lowbit.ADAM_MOMENTS)
+        assert measured == expected, (fmt, p.shape, measured, expected)
+    assert lowbit.INT8.nbytes(ps[1], lowbit.ADAM_MOMENTS) == 2 * 5000 + 2 * 4 * 20  # 20 blocks
+
+
+@pytest.mark.parametrize("cls, fmt", [("AdamW", torch.bfloat16), ("AdamW", "int8"), ("Adam", "int8"),
+                                      ("SGD", torch.bfloat16)])
+def test_maximize_reaches_the_lowbit_kernels(cls, fmt):
+    """maximize=True steps as torch's rule says: as the negated grads would."""
+    kw = {"momentum": 0.9} if cls == "SGD" else {}
+    runs = []
+    for lr, maximize in ((1e-3, False), (1e-3, True)):
+        a = _model()
+        opt = getattr(fastamp.optim, cls)(a.parameters(), lr=lr, maximize=maximize, state_dtype=fmt, **kw)
+        for k in range(3):
+            _grads(a, k)
+            if maximize:
+                for p in a.parameters():
+                    p.grad.neg_()
+            opt.step()
+        runs.append(list(a.parameters()))
+    assert_bitwise_equal(runs[1], runs[0])

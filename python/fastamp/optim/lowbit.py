@@ -112,8 +112,8 @@ class StateFormat:
                 )
             _check_like(v, p, f"{where}[{k!r}]", any_device)
 
-    def bytes_per_element(self, moments: Sequence[str]) -> float:
-        """Bytes the moments of one parameter element take (float32: 4 per moment)."""
+    def nbytes(self, like: Tensor, moments: Sequence[str]) -> int:
+        """Bytes the moments of a param laid out as ``like`` take in this format."""
         raise NotImplementedError
 
     def adam_lists(self, states: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], ...]:
@@ -134,8 +134,8 @@ class _Float32(StateFormat):
     def encode(self, floats: Mapping[str, Tensor], like: Tensor) -> dict[str, Tensor]:
         return {k: torch.empty_like(like).copy_(v.reshape(like.shape)) for k, v in floats.items()}
 
-    def bytes_per_element(self, moments: Sequence[str]) -> float:
-        return 4.0 * len(moments)
+    def nbytes(self, like: Tensor, moments: Sequence[str]) -> int:
+        return like.numel() * like.element_size() * len(moments)
 
 
 class _BFloat16(StateFormat):
@@ -156,8 +156,8 @@ class _BFloat16(StateFormat):
         return all(isinstance(state.get(k), Tensor) and state[k].dtype == torch.bfloat16
                    and state[k].is_contiguous() for k in moments)
 
-    def bytes_per_element(self, moments: Sequence[str]) -> float:
-        return 2.0 * len(moments)
+    def nbytes(self, like: Tensor, moments: Sequence[str]) -> int:
+        return 2 * like.numel() * len(moments)
 
 
 class _Int8(StateFormat):
@@ -219,8 +219,8 @@ class _Int8(StateFormat):
                     f"{p.device}"
                 )
 
-    def bytes_per_element(self, moments: Sequence[str]) -> float:
-        return (1.0 + 4.0 / QUANT_BLOCK) * len(moments)
+    def nbytes(self, like: Tensor, moments: Sequence[str]) -> int:
+        return (like.numel() + 4 * nblocks(like)) * len(moments)  # codes + a float32 per block
 
     def adam_lists(self, states: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], ...]:
         return tuple([s[k] for s in states] for k in ("exp_avg_codes", "exp_avg_sq_codes",
