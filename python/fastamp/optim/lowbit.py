@@ -29,6 +29,7 @@ the formats convert with them when a state_dict of another format is loaded.
 
 from __future__ import annotations
 
+import abc
 import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -48,7 +49,7 @@ ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 SGD_MOMENTS = ("momentum_buffer",)
 
 
-class StateFormat:
+class StateFormat(abc.ABC):
     """How one param's moments are stored. Instances: :data:`FLOAT32`, :data:`BFLOAT16`,
     :data:`INT8`; ``moments`` below are the state keys PyTorch gives them (``("exp_avg",
     "exp_avg_sq")`` for Adam, ``("momentum_buffer",)`` for SGD)."""
@@ -73,15 +74,15 @@ class StateFormat:
     def supports(self, moments: Sequence[str]) -> bool:
         return True
 
+    @abc.abstractmethod
     def new(self, like: Tensor, moments: Sequence[str]) -> dict[str, Tensor]:
         """Zero moments for a param laid out as ``like`` (the param as the kernel walks it, or
         its float32 master)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def encode(self, floats: Mapping[str, Tensor], like: Tensor) -> dict[str, Tensor]:
         """State in this format of the float moments ``floats`` (a conversion, rounded to
         nearest), laid out as ``like``."""
-        raise NotImplementedError
 
     def decode(self, state: Mapping[str, Any], moments: Sequence[str]) -> dict[str, Tensor]:
         """The float32 moments this format's ``state`` stands for (what the kernel computes with)."""
@@ -94,8 +95,9 @@ class StateFormat:
         return all(isinstance(state.get(k), Tensor) and state[k].dtype == dtype
                    and state[k].stride() == like.stride() for k in moments)
 
+    @abc.abstractmethod
     def moment_dtype(self, like: Tensor) -> torch.dtype:
-        raise NotImplementedError
+        """The dtype the moments of a param laid out as ``like`` are kept in."""
 
     def check(self, state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: str,
               any_device: bool = False) -> None:
@@ -112,9 +114,9 @@ class StateFormat:
                 )
             _check_like(v, p, f"{where}[{k!r}]", any_device)
 
+    @abc.abstractmethod
     def nbytes(self, like: Tensor, moments: Sequence[str]) -> int:
         """Bytes the moments of a param laid out as ``like`` take in this format."""
-        raise NotImplementedError
 
     def adam_lists(self, states: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], ...]:
         """The four moment lists of ``fastamp::adam_lowbit_step_`` (exp_avgs, exp_avg_sqs,
