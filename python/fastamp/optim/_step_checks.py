@@ -14,6 +14,19 @@ from fastamp._checks import is_real
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._layout import FLOAT_TYPES, where_in_groups
 
+class _Where:
+    """``"fastamp.optim.<name>: the state of param_groups[g]['params'][i]"``, formatted when an
+    error message is (``str(where)``)."""
+
+    __slots__ = ("name", "g", "i")
+
+    def __init__(self, name: str, g: int, i: int) -> None:
+        self.name, self.g, self.i = name, g, i
+
+    def __str__(self) -> str:
+        return f"fastamp.optim.{self.name}: the state of {where_in_groups(self.g, self.i)}"
+
+
 # Devices PyTorch's optimizers take capturable=True on.
 _CAPTURABLE = ("cuda", "xpu", "hpu", "privateuseone", "xla")
 
@@ -113,7 +126,8 @@ class StepChecks:
                 continue
             master = self._master_weights and p.dtype != torch.float32
             want = torch.float32 if master else p.dtype
-            where = f"fastamp.optim.{name}: the state of {where_in_groups(g, i)}"
+            # Formatted only if a check fails (this runs for every parameter at every step).
+            where = _Where(name, g, i)
             # Moments in any format (the step converts and re-strides them), complete.
             lowbit.check_any(state, p, moments, where)
             for key in others + (("master_param",) if master else ()):

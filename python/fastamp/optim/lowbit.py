@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -92,20 +93,28 @@ class StateFormat(abc.ABC):
         """Whether ``state`` holds the moments in this format, as the kernel takes them for a
         param laid out as ``like`` (dtype and strides); otherwise the step converts them."""
         dtype = self.moment_dtype(like)
-        return all(isinstance(state.get(k), Tensor) and state[k].dtype == dtype
-                   and state[k].stride() == like.stride() for k in moments)
+        stride = like.stride()
+        for k in moments:
+            v = state.get(k)
+            if not (isinstance(v, Tensor) and v.dtype == dtype and v.stride() == stride):
+                return False
+        return True
 
     @abc.abstractmethod
     def moment_dtype(self, like: Tensor) -> torch.dtype:
         """The dtype the moments of a param laid out as ``like`` are kept in."""
 
-    def check(self, state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: str,
+    def check(self, state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: object,
               any_device: bool = False) -> None:
-        """Raises (naming ``where``) unless ``state`` holds all of the moments in this format for
+        """Raises (naming ``str(where)``) unless ``state`` holds all of the moments in this format for
         param ``p``: each key present, dtype, shape, device (any, with ``any_device``: a loaded
         state moves to the param's), block scales. Strides are not checked: a state laid out
         otherwise is re-strided (PyTorch steps it as it is)."""
         for k in moments:
+            v = state.get(k)
+            if (isinstance(v, Tensor) and v.is_floating_point() and v.shape == p.shape
+                    and (any_device or v.device == p.device)):
+                continue  # the fast path: this runs for every parameter at every step
             v = _present(state, k, where)
             if not v.is_floating_point():
                 raise TypeError(
@@ -167,7 +176,7 @@ class _Int8(StateFormat):
     lowbit = True
 
     def keys(self, moments: Sequence[str]) -> tuple[str, ...]:
-        return tuple(k for m in moments for k in (f"{m}_codes", f"{m}_absmax"))
+        return _int8_keys(tuple(moments))
 
     def supports(self, moments: Sequence[str]) -> bool:
         return tuple(moments) == ADAM_MOMENTS  # a signed and an unsigned codec
@@ -199,7 +208,7 @@ class _Int8(StateFormat):
                    and state[f"{k}_absmax"].dtype == torch.float32 and state[f"{k}_absmax"].is_contiguous()
                    for k in moments)
 
-    def check(self, state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: str,
+    def check(self, state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: object,
               any_device: bool = False) -> None:
         blocks = nblocks(p)
         for k in moments:
@@ -267,34 +276,46 @@ def check_seed(value: Any, where: str) -> int:
 _LEGACY_INT8 = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
 
 
-def moment_keys(moments: Sequence[str]) -> tuple[str, ...]:
+@functools.lru_cache(maxsize=None)
+def _int8_keys(moments: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(k for m in moments for k in (f"{m}_codes", f"{m}_absmax"))
+
+
+@functools.lru_cache(maxsize=None)
+def moment_keys(moments: tuple[str, ...]) -> tuple[str, ...]:
     """Every state key any format keeps the moments under."""
     keys = dict.fromkeys(k for f in _BY_NAME.values() if f.supports(moments) for k in f.keys(moments))
-    if tuple(moments) == ADAM_MOMENTS:
+    if moments == ADAM_MOMENTS:
         keys.update(dict.fromkeys(_LEGACY_INT8))
     return tuple(keys)
+
+
+@functools.lru_cache(maxsize=None)
+def _other_keys(fmt: StateFormat, moments: tuple[str, ...]) -> tuple[str, ...]:
+    """The moment keys of the other formats (a state holding them beside ``fmt``'s is corrupt)."""
+    return tuple(k for k in moment_keys(moments) if k not in fmt.keys(moments))
 
 
 def format_of(state: Mapping[str, Any], moments: Sequence[str]) -> StateFormat | None:
     """The format whose keys ``state`` holds its moments under (None: no moments yet).
     bfloat16 moments read as :data:`BFLOAT16` (a bfloat16 param's float32-format state is the
     same tensors)."""
-    if INT8.supports(moments) and (any(k in state for k in INT8.keys(moments)) or _legacy(state, moments)):
-        return INT8
-    if all(state.get(k) is None for k in moments):
-        return None
     first = state.get(moments[0])
-    if isinstance(first, Tensor) and first.dtype == torch.bfloat16:
-        return BFLOAT16
-    return FLOAT32
+    if isinstance(first, Tensor):  # under PyTorch's key (checked per step: the fast path first)
+        if first.dtype == torch.bfloat16:
+            return BFLOAT16
+        return INT8 if _legacy(state, moments) else FLOAT32
+    if INT8.supports(moments) and any(k in state for k in INT8.keys(moments)):
+        return INT8
+    return None if all(state.get(k) is None for k in moments) else FLOAT32
 
 
 def _legacy(state: Mapping[str, Any], moments: Sequence[str]) -> bool:
-    return (tuple(moments) == ADAM_MOMENTS and isinstance(state.get("exp_avg"), Tensor)
-            and state["exp_avg"].dtype == torch.uint8 and "exp_avg_absmax" in state)
+    return ("exp_avg_absmax" in state and "exp_avg_codes" not in state and tuple(moments) == ADAM_MOMENTS
+            and isinstance(state.get("exp_avg"), Tensor) and state["exp_avg"].dtype == torch.uint8)
 
 
-def check_any(state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: str,
+def check_any(state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: object,
               any_device: bool = False) -> None:
     """Raises unless ``state`` holds complete moments of ``p`` in one of the formats (which the
     step or load converts to the optimizer's), checked as :meth:`StateFormat.check`."""
@@ -304,7 +325,7 @@ def check_any(state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where
     fmt = format_of(state, moments)
     if fmt is None:
         return
-    stray = [k for k in moment_keys(moments) if k in state and k not in fmt.keys(moments)]
+    stray = [k for k in _other_keys(fmt, tuple(moments)) if k in state]
     if stray:
         raise KeyError(
             f"{where} holds {fmt.name} moments under {list(fmt.keys(moments))} and also "
@@ -370,7 +391,7 @@ def float32_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _present(state: Mapping[str, Any], key: str, where: str) -> Tensor:
+def _present(state: Mapping[str, Any], key: str, where: object) -> Tensor:
     v = state.get(key)
     if v is None:
         raise KeyError(f"{where} has no {key!r} (it has {sorted(map(str, state))})")

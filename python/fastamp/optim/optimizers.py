@@ -115,11 +115,17 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
     def _moments(self, group: dict[str, Any]) -> tuple[str, ...]:
         return self._MOMENTS
 
+    def _group_format(self, group: dict[str, Any]) -> StateFormat:
+        """The format of ``group``'s moments (its params' when :meth:`StateFormat.applies_to`)."""
+        if not self._moments(group):
+            return FLOAT32
+        return lowbit.resolve(group.get("state_dtype", FLOAT32),
+                              f"fastamp.optim.{type(self).__name__}", self._moments_of_family())
+
     def _format(self, group: dict[str, Any], p: Tensor) -> StateFormat:
         """The format of ``p``'s moments in ``group``."""
-        fmt = lowbit.resolve(group.get("state_dtype", FLOAT32), f"fastamp.optim.{type(self).__name__}",
-                             self._moments_of_family())
-        return fmt if fmt.applies_to(p) and self._moments(group) else FLOAT32
+        fmt = self._group_format(group)
+        return fmt if fmt.applies_to(p) else FLOAT32
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """PyTorch's ``add_param_group``, with fastamp's options (``state_dtype``, ``state_seed``)
@@ -162,6 +168,8 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
                      state: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         """The state as the kernel takes it for ``fmt``: new zero moments, or the present ones
         converted / re-strided when they are not already in ``fmt`` (into ``new``)."""
+        if fmt.holds(state, like, moments):  # the fast path: every step but the first
+            return {**state, **new} if new else state
         if lowbit.format_of(state, moments) is None:
             new.update(fmt.new(like, moments))
         else:
@@ -201,8 +209,10 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
             dev = params[0].device
             scalars = (on_device(inv_scale, dev), on_device(found_inf, dev), on_device(clip_coef, dev))
             by_format: dict[StateFormat, tuple[list[Tensor], list[int]]] = {}
+            group_format = self._group_format(group)
             for p, i in zip(params, places):
-                ps, ix = by_format.setdefault(self._format(group, p), ([], []))
+                fmt = group_format if group_format.applies_to(p) else FLOAT32
+                ps, ix = by_format.setdefault(fmt, ([], []))
                 ps.append(p)
                 ix.append(i)
             for fmt, (ps, ix) in sorted(by_format.items(), key=lambda kv: kv[0].lowbit):
