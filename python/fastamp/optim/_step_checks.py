@@ -1,10 +1,12 @@
 """Checks of a fused optimizer step, all run before anything is written: every param group's
-params, grads and state (:class:`StepChecks`), and memory shared between params. An error names the
+params, grads and state (:class:`StepChecks`, an object the optimizer owns), and memory shared
+between params. An error names the
 param group entry, says what was expected and what was found, and leaves params, grads and state
 as they were (a retry then steps every group once)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ from torch import Tensor
 
 from fastamp._checks import is_real
 from fastamp.optim import _ops, lowbit
+from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import FLOAT_TYPES, where_in_groups
 
 class _Where:
@@ -32,31 +35,27 @@ _CAPTURABLE = ("cuda", "xpu", "hpu", "privateuseone", "xla")
 
 
 class StepChecks:
-    """Mixin of the fused optimizers (see :class:`fastamp.optim.optimizers._FusedStepMixin`)."""
+    """The checks of one fused optimizer's step (its name in messages, its family, whether it
+    keeps master weights), over param groups and state handed in explicitly."""
 
-    param_groups: list[dict[str, Any]]
-    state: dict[Tensor, dict[str, Any]]
-    _master_weights: bool
-    _ELEMENTWISE: tuple[str, ...] = ()
-    # What PyTorch's optimizer says of a sparse grad, and what to do instead.
-    _SPARSE = ("Adam does not support sparse gradients, please consider SparseAdam instead",
-               "put these parameters in a torch.optim.SparseAdam")
+    def __init__(self, name: str, family: OptimizerFamily, master_weights: bool) -> None:
+        self.name = name
+        self.family = family
+        self.master_weights = master_weights
 
-    def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return self._ELEMENTWISE
-
-    def _check_params(self, g: int, group: dict[str, Any]) -> tuple[list[Tensor], list[int]]:
+    def params(self, g: int, group: dict[str, Any],
+               state: Mapping[Tensor, dict[str, Any]]) -> tuple[list[Tensor], list[int]]:
         """Params of group ``g`` that have grads, with all that the kernel needs checked: nothing
         is created or written until every group has passed (so an error leaves the params, the
         grads and the state as they were)."""
-        name = type(self).__name__
+        name = self.name
         params: list[Tensor] = []
         places: list[int] = []
         for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
-                msg, fix = self._SPARSE
+                msg, fix = self.family.sparse
                 raise RuntimeError(
                     f"{msg} (fastamp.optim.{name}: {where_in_groups(g, i)} has a sparse grad, e.g. from "
                     f"nn.Embedding(sparse=True); expected dense grads: build the module with "
@@ -92,14 +91,14 @@ class StepChecks:
             params.append(p)
             places.append(i)
         if params:
-            self._check_state(g, group, params, places)
+            self._state(g, group, state, params, places)
         return params, places
 
-    def _check_state(self, g: int, group: dict[str, Any], params: list[Tensor],
-                     places: list[int]) -> None:
-        name = type(self).__name__
+    def _state(self, g: int, group: dict[str, Any], states: Mapping[Tensor, dict[str, Any]],
+               params: list[Tensor], places: list[int]) -> None:
+        name = self.name
         halves = [i for p, i in zip(params, places) if p.dtype != torch.float32]
-        if self._master_weights and halves and len(halves) != len(params):
+        if self.master_weights and halves and len(halves) != len(params):
             fp32 = next(i for p, i in zip(params, places) if p.dtype == torch.float32)
             raise RuntimeError(
                 f"fastamp.optim.{name}: with master_weights=True a param group must not mix "
@@ -115,16 +114,15 @@ class StepChecks:
                     f"{list(_CAPTURABLE)} (fastamp.optim.{name}: {where_in_groups(g, bad[1])} is on "
                     f"{bad[0].device}; expected capturable=False for parameters on the CPU)"
                 )
-        fmt = lowbit.resolve(group.get("state_dtype", lowbit.FLOAT32), f"fastamp.optim.{name}: "
-                             f"param_groups[{g}]['state_dtype']", self._moments_of_family())
-        self._check_group_options(f"fastamp.optim.{name}: param group {g}", group, fmt)
-        moments = self._moments(group)
-        others = tuple(k for k in self._elementwise_keys(group) if k not in moments)
+        fmt = self.family.group_format(group, f"fastamp.optim.{name}: param_groups[{g}]['state_dtype']")
+        self.family.check_group_options(f"fastamp.optim.{name}: param group {g}", group, fmt)
+        moments = self.family.moments_of(group)
+        others = tuple(k for k in self.family.elementwise_of(group) if k not in moments)
         for p, i in zip(params, places):
-            state = self.state.get(p)  # .get: reading must not create an entry
+            state = states.get(p)  # .get: reading must not create an entry
             if not state:
                 continue
-            master = self._master_weights and p.dtype != torch.float32
+            master = self.master_weights and p.dtype != torch.float32
             want = torch.float32 if master else p.dtype
             # Formatted only if a check fails (this runs for every parameter at every step).
             where = _Where(name, g, i)
@@ -133,7 +131,7 @@ class StepChecks:
             for key in others + (("master_param",) if master else ()):
                 v = state.get(key)
                 if v is None:
-                    if key in self._required_state(state, group):
+                    if key in self.family.required(state, group):
                         raise KeyError(
                             f"fastamp.optim.{name}: the state of {where_in_groups(g, i)} has no {key!r} "
                             f"(it has {sorted(state)}); expected the state this optimizer creates "
@@ -145,8 +143,7 @@ class StepChecks:
                 # not checked: the step re-strides (PyTorch steps state of any layout).
                 if not (isinstance(v, Tensor) and v.shape == p.shape and v.device == p.device
                         and v.dtype == want):
-                    self._state_error(f"fastamp.optim.{name}: state[{key!r}] of {where_in_groups(g, i)}",
-                                      v, p, want)
+                    _state_error(f"fastamp.optim.{name}: state[{key!r}] of {where_in_groups(g, i)}", v, p, want)
             step = state.get("step")
             if step is not None and not (
                 isinstance(step, Tensor) and step.numel() == 1 or is_real(step)
@@ -156,17 +153,23 @@ class StepChecks:
                     "a number or a one-element tensor"
                 )
 
-    def _moments_of_family(self) -> tuple[str, ...]:
-        return ()
+    def shared_memory(self, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]) -> None:
+        """Refuses params that share memory (see :func:`check_shared_memory`)."""
+        check_shared_memory(self.name, checked)
 
-    def _moments(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return ()
+    def kernel_error(self, e: Exception, g: int, places: list[int], first: bool = True) -> Exception:
+        """The kernel's error, with its list positions named as the param group's entries."""
+        where = ", ".join(f"[{k}] = {where_in_groups(g, i)}" for k, i in enumerate(places[:8]))
+        more = ", ..." if len(places) > 8 else ""
+        try:
+            return type(e)(f"{e} (fastamp.optim.{self.name}: list positions {where}{more}; "
+                           "no param group was stepped)" if first else
+                           f"{e} (fastamp.optim.{self.name}: list positions {where}{more})")
+        except Exception:  # an exception type that takes other arguments
+            return e
 
-    def _check_group_options(self, where: str, options: dict[str, Any], fmt: lowbit.StateFormat) -> None:
-        return None
 
-    @staticmethod
-    def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype) -> None:
+def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype) -> None:
         if not isinstance(v, Tensor):
             raise TypeError(f"{what} is a {type(v).__name__}; expected a tensor like the parameter")
         if v.shape != p.shape:
@@ -181,46 +184,34 @@ class StepChecks:
             "parameter's device, and float32 with master_weights=True)"
         )
 
-    def _check_shared_memory(self, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]) -> None:
-        """Refuses params that share memory -- a view whose own elements overlap (``expand()``),
-        or two params over the same elements (overlapping slices of one tensor, a param listed
-        twice) -- across all groups, before any is stepped. PyTorch updates such memory once per
-        param, in list order; the fused kernels would update it in an unspecified order."""
-        if torch.compiler.is_compiling():
-            return  # no addresses to compare on FakeTensors; the kernels still check each group
-        by_device: dict[torch.device, tuple[list[Tensor], list[tuple[int, int]]]] = {}
-        for g, _, params, places in checked:
-            for p, i in zip(params, places):
-                ts, where = by_device.setdefault(p.device, ([], []))
-                ts.append(p)
-                where.append((g, i))
-        for ts, where in by_device.values():
-            pair = _ops.shared_memory_pair(ts)
-            if not pair:
-                continue
-            a, b = pair
-            name = type(self).__name__
-            if a == b:
-                raise RuntimeError(
-                    f"fastamp.optim.{name}: {where_in_groups(*where[a])} is a view whose elements overlap "
-                    "in memory (e.g. from expand() or as_strided()), so it cannot be updated in "
-                    "place (PyTorch's optimizers raise for it too); expected a parameter with its "
-                    "own storage: nn.Parameter(t.clone())"
-                )
+def check_shared_memory(name: str, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]) -> None:
+    """Refuses params that share memory -- a view whose own elements overlap (``expand()``),
+    or two params over the same elements (overlapping slices of one tensor, a param listed
+    twice) -- across all groups, before any is stepped. PyTorch updates such memory once per
+    param, in list order; the fused kernels would update it in an unspecified order."""
+    if torch.compiler.is_compiling():
+        return  # no addresses to compare on FakeTensors; the kernels still check each group
+    by_device: dict[torch.device, tuple[list[Tensor], list[tuple[int, int]]]] = {}
+    for g, _, params, places in checked:
+        for p, i in zip(params, places):
+            ts, where = by_device.setdefault(p.device, ([], []))
+            ts.append(p)
+            where.append((g, i))
+    for ts, where in by_device.values():
+        pair = _ops.shared_memory_pair(ts)
+        if not pair:
+            continue
+        a, b = pair
+        if a == b:
             raise RuntimeError(
-                f"fastamp.optim.{name}: {where_in_groups(*where[b])} and {where_in_groups(*where[a])} share memory "
-                "(overlapping views of one tensor, or one parameter listed twice), so the shared "
-                "elements would be updated once per parameter; expected parameters over disjoint "
-                "memory: give each its own storage (nn.Parameter(t.clone())) or list it once"
+                f"fastamp.optim.{name}: {where_in_groups(*where[a])} is a view whose elements overlap "
+                "in memory (e.g. from expand() or as_strided()), so it cannot be updated in "
+                "place (PyTorch's optimizers raise for it too); expected a parameter with its "
+                "own storage: nn.Parameter(t.clone())"
             )
-
-    def _kernel_error(self, e: Exception, g: int, places: list[int], first: bool = True) -> Exception:
-        """The kernel's error, with its list positions named as the param group's entries."""
-        where = ", ".join(f"[{k}] = {where_in_groups(g, i)}" for k, i in enumerate(places[:8]))
-        more = ", ..." if len(places) > 8 else ""
-        try:
-            return type(e)(f"{e} (fastamp.optim.{type(self).__name__}: list positions {where}{more}; "
-                           "no param group was stepped)" if first else
-                           f"{e} (fastamp.optim.{type(self).__name__}: list positions {where}{more})")
-        except Exception:  # an exception type that takes other arguments
-            return e
+        raise RuntimeError(
+            f"fastamp.optim.{name}: {where_in_groups(*where[b])} and {where_in_groups(*where[a])} share memory "
+            "(overlapping views of one tensor, or one parameter listed twice), so the shared "
+            "elements would be updated once per parameter; expected parameters over disjoint "
+            "memory: give each its own storage (nn.Parameter(t.clone())) or list it once"
+        )

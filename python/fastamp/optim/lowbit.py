@@ -23,8 +23,11 @@ converts and counts a param's moments; the optimizers ask it and hold no format 
 Parameters with fewer than :data:`MIN_LOWBIT_NUMEL` elements (biases, norms) and non-contiguous
 ones keep float32 state, as bitsandbytes keeps small tensors in 32 bits.
 
-The codecs here are the kernels' own arithmetic written with torch ops (bit for bit the same):
-the formats convert with them when a state_dict of another format is loaded.
+The formats convert with the kernels' own arithmetic written in torch ops (bit for bit the same,
+:mod:`fastamp.optim.codec8`) when a state_dict of another format is loaded.
+
+This file is over 400 lines because it is one concern: the three formats, how a state is
+recognised and checked, and the conversions between them.
 """
 
 from __future__ import annotations
@@ -248,6 +251,8 @@ def resolve(value: Any, where: str, moments: Sequence[str] = ADAM_MOMENTS) -> St
     """The format a ``state_dtype`` argument names, or a ValueError naming ``where``."""
     if isinstance(value, StateFormat):
         fmt = value
+    elif value is None:  # the default, as PyTorch's optional arguments read None
+        fmt = FLOAT32
     elif value is torch.float32 or value is torch.bfloat16:
         fmt = FLOAT32 if value is torch.float32 else BFLOAT16
     elif isinstance(value, str) and value in _BY_NAME:

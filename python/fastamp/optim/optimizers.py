@@ -26,7 +26,7 @@ share (each optimizer's launch beside the loop that runs it).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,9 @@ import torch
 from torch import Tensor
 
 from fastamp.handoff import AmpFusedOptimizer, take
+from fastamp.optim import _family as family
 from fastamp.optim import _ops, lowbit
+from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import grad_like, kernel_view, on_device
 from fastamp.optim._state_dict import StateDictChecks
 from fastamp.optim._step_checks import StepChecks
@@ -58,29 +60,39 @@ class _Launch:
     counts: dict[Tensor, Tensor] = field(default_factory=dict)
 
 
-class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
-    """What the three optimizers share: their options, the amp-scaling protocol and the step.
+class _FusedOptimizer(AmpFusedOptimizer):
+    """What the three optimizers share: their options, the amp-scaling protocol, the step and
+    ``load_state_dict``. Composed with the objects that check (:class:`StepChecks`,
+    :class:`StateDictChecks`) and its family's data (:class:`OptimizerFamily`), each handed its
+    inputs explicitly.
 
     As :class:`fastamp.handoff.AmpFusedOptimizer`s they take from :class:`fastamp.GradScaler` an
     :class:`fastamp.handoff.AmpStep` (inv_scale, found_inf and a clip coefficient), and from
     torch.amp.GradScaler its ``grad_scale`` / ``found_inf`` (its protocol for fused=True)."""
 
+    # PyTorch's (set by torch.optim.Optimizer.__init__, read here).
     param_groups: list[dict[str, Any]]
     state: dict[Tensor, dict[str, Any]]
     defaults: dict[str, Any]
+    register_load_state_dict_pre_hook: Callable[..., Any]
 
+    _FAMILY: OptimizerFamily  # set by each optimizer class
     # fastamp's options (beside PyTorch's, which live in ``defaults`` and the param groups).
     _master_weights: bool
     _default_format: StateFormat
     _default_seed: int
+    _step_checks: StepChecks
+    _load_checks: StateDictChecks
     stepped: Tensor | None
 
     def _fastamp_setup(self, master_weights: bool, state_dtype: Any, state_seed: Any) -> None:
         """Before PyTorch's constructor, which makes the param groups with add_param_group."""
-        where = f"fastamp.optim.{type(self).__name__}"
+        name = type(self).__name__
         self._master_weights = bool(master_weights)
-        self._default_format = lowbit.resolve(state_dtype, where, self._moments_of_family())
-        self._default_seed = lowbit.check_seed(state_seed, where)
+        self._default_format = lowbit.resolve(state_dtype, f"fastamp.optim.{name}", self._FAMILY.moments)
+        self._default_seed = lowbit.check_seed(state_seed, f"fastamp.optim.{name}")
+        self._step_checks = StepChecks(name, self._FAMILY, self._master_weights)
+        self._load_checks = StateDictChecks(name, self._FAMILY, self._master_weights)
         self.stepped = None
 
     def _fastamp_defaults(self) -> None:
@@ -102,30 +114,13 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
         self.__dict__.setdefault("_default_format", FLOAT32)
         self.__dict__.setdefault("_default_seed", 0)
         self.__dict__.setdefault("stepped", None)
-
-    # The moments a group keeps (state keys, in PyTorch's names), and the other per-element
-    # state (set by each optimizer).
-    _MOMENTS: tuple[str, ...] = ()
-    _ELEMENTWISE: tuple[str, ...] = ()
-    _GROUP_KEYS: tuple[str, ...] = ()
-
-    def _moments_of_family(self) -> tuple[str, ...]:
-        return self._MOMENTS
-
-    def _moments(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return self._MOMENTS
+        name = type(self).__name__
+        self._step_checks = StepChecks(name, self._FAMILY, self._master_weights)
+        self._load_checks = StateDictChecks(name, self._FAMILY, self._master_weights)
 
     def _group_format(self, group: dict[str, Any]) -> StateFormat:
         """The format of ``group``'s moments (its params' when :meth:`StateFormat.applies_to`)."""
-        if not self._moments(group):
-            return FLOAT32
-        return lowbit.resolve(group.get("state_dtype", FLOAT32),
-                              f"fastamp.optim.{type(self).__name__}", self._moments_of_family())
-
-    def _format(self, group: dict[str, Any], p: Tensor) -> StateFormat:
-        """The format of ``p``'s moments in ``group``."""
-        fmt = self._group_format(group)
-        return fmt if fmt.applies_to(p) else FLOAT32
+        return self._FAMILY.group_format(group, f"fastamp.optim.{type(self).__name__}")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """PyTorch's ``add_param_group``, with fastamp's options (``state_dtype``, ``state_seed``)
@@ -134,7 +129,7 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
             where = f"fastamp.optim.{type(self).__name__}: param group {len(self.param_groups)}"
             given = "state_dtype" in param_group or "state_seed" in param_group
             fmt = lowbit.resolve(param_group.get("state_dtype", self._default_format), where,
-                                 self._moments_of_family())
+                                 self._FAMILY.moments)
             seed = lowbit.check_seed(param_group.get("state_seed", self._default_seed), where)
             options = {**self.defaults, **param_group}
             if options.get("differentiable"):
@@ -142,15 +137,62 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
                     f"{where}: fastamp.optim.{type(self).__name__} does not support "
                     f"differentiable=True; use torch.optim.{type(self).__name__}"
                 )
-            self._check_group_options(where, options, fmt)
+            self._FAMILY.check_group_options(where, options, fmt)
         super().add_param_group(param_group)  # type: ignore[misc]
         if isinstance(param_group, dict) and (fmt.lowbit or given):
             param_group["state_dtype"] = fmt.name
             param_group["state_seed"] = seed
 
-    def _check_group_options(self, where: str, options: dict[str, Any], fmt: StateFormat) -> None:
-        """Raises for group options that cannot go with ``fmt`` (run when a group is made, and
-        again before a step: param groups are dicts a user may edit)."""
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """PyTorch's ``load_state_dict``, with the dict checked before anything is replaced.
+
+        PyTorch checks only the number and sizes of the param groups; a dict of another model or
+        optimizer type loads, and the step after it fails (or the load itself fails halfway, in
+        ``__setstate__``, with the state already replaced). Here such a dict raises first, naming
+        the entry. The moments are then taken as saved (PyTorch casts every tensor to the param's
+        dtype, 8-bit codes included) and converted to the format this optimizer's param groups
+        were made with (``state_dtype``; they keep theirs over the saved ones), laid out as the
+        params are: a float32 state_dict loads into an 8-bit/bfloat16 optimizer and back. With
+        ``master_weights=True`` the fp32 state of fp16/bf16 params stays fp32.
+        """
+        name = type(self).__name__
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"fastamp.optim.{name}.load_state_dict: state_dict must be the dict returned by "
+                f"optimizer.state_dict(), got {type(state_dict).__name__}"
+            )
+        prepared: list[tuple[Tensor, dict[str, Any]]] = []
+        options = [{k: g[k] for k in ("state_dtype", "state_seed") if k in g} for g in self.param_groups]
+
+        def check(optimizer: Any, sd: Mapping[str, Any]) -> None:
+            # Registered last, so it sees the dict as the user's pre-hooks left it; everything the
+            # load puts in place is made here, before PyTorch replaces anything.
+            self._load_checks.check(self.param_groups, sd)
+            prepared[:] = self._load_checks.prepare(self.param_groups, sd)
+
+        handle = self.register_load_state_dict_pre_hook(check)
+        try:
+            super().load_state_dict(state_dict)  # type: ignore[misc]
+        finally:
+            handle.remove()
+        for group, opts in zip(self.param_groups, options):
+            group.pop("state_dtype", None)
+            group.pop("state_seed", None)
+            group.update(opts)
+        for p, final in prepared:
+            state = self.state[p]
+            for key in lowbit.moment_keys(self._FAMILY.moments):
+                state.pop(key, None)
+            state.update(final)
+        self._after_load()
+
+    def _after_load(self) -> None:
+        """What an optimizer resets after a load (SGD: its update counts)."""
+
+    def check_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """fastamp extra: raises what :meth:`load_state_dict` would raise for ``sd`` (naming the
+        entry), changing nothing."""
+        self._load_checks.check(self.param_groups, sd)
 
     def _master(self, p: Tensor, kp: Tensor, state: dict[str, Any], new: dict[str, Any]) -> Tensor | None:
         """The fp32 master of ``p`` (with ``master_weights=True``), laid out as ``kp`` (the param
@@ -199,8 +241,9 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
                       clip_coef: Tensor | None) -> None:
         # Every group is checked, and every launch's inputs made (new and converted state
         # included), before the first kernel runs; a launch's state is committed right after it.
-        checked = [(g, group, *self._check_params(g, group)) for g, group in enumerate(self.param_groups)]
-        self._check_shared_memory(checked)
+        checks = self._step_checks
+        checked = [(g, group, *checks.params(g, group, self.state)) for g, group in enumerate(self.param_groups)]
+        checks.shared_memory(checked)
         launches: list[_Launch] = []
         stepped = None
         for g, group, params, places in checked:
@@ -223,7 +266,7 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
             try:
                 launch.run()
             except (RuntimeError, TypeError, ValueError) as e:
-                raise self._kernel_error(e, launch.g, launch.places, first=k == 0) from e
+                raise checks.kernel_error(e, launch.g, launch.places, first=k == 0) from e
             self._commit(launch)
         self.stepped = stepped
 
@@ -267,33 +310,12 @@ class _FusedStepMixin(StepChecks, StateDictChecks, AmpFusedOptimizer):
             state.update(new)
 
 
-class _AdamBase(_FusedStepMixin):
-    _MOMENTS = lowbit.ADAM_MOMENTS
-    _ELEMENTWISE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-    _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay")
+class _AdamBase(_FusedOptimizer):
+    _FAMILY = family.ADAM
     _decoupled: bool
 
-    def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return self._ELEMENTWISE if group.get("amsgrad") else self._ELEMENTWISE[:2]
-
-    def _required_state(self, state, group) -> tuple[str, ...]:
-        if lowbit.format_of(state, self._MOMENTS) is None:
-            return ()
-        return ("max_exp_avg_sq",) if group.get("amsgrad") else ()
-
-    def _needs_step(self, state) -> bool:
-        return len(state) > 0  # PyTorch's Adam.__setstate__ reads it (KeyError after the load)
-
-    def _check_group_options(self, where: str, options: dict[str, Any], fmt: StateFormat) -> None:
-        if fmt.lowbit and options.get("amsgrad"):
-            raise ValueError(
-                f"{where}: amsgrad=True needs float32 state (it keeps the running maximum of "
-                f"exp_avg_sq exactly), but the group's state_dtype is {fmt.name!r}: use "
-                "state_dtype=torch.float32 with amsgrad"
-            )
-
     def _launch(self, fmt, g, group, params, places, inv_scale, found_inf, clip_coef) -> _Launch:
-        moments = self._MOMENTS
+        moments = self._FAMILY.moments
         amsgrad = bool(group["amsgrad"]) and not fmt.lowbit
         kparams, grads, steps, masters = [], [], [], []
         currents: list[dict[str, Any]] = []
@@ -381,7 +403,7 @@ class AdamW(_AdamBase, torch.optim.AdamW):
         self._fastamp_defaults()
 
 
-class SGD(_FusedStepMixin, torch.optim.SGD):
+class SGD(_FusedOptimizer, torch.optim.SGD):
     """Fused :class:`torch.optim.SGD` (see the module docstring); ``master_weights``,
     ``state_dtype`` (float32 or bfloat16 momentum buffers) and ``state_seed`` are extra.
 
@@ -392,19 +414,8 @@ class SGD(_FusedStepMixin, torch.optim.SGD):
     draws the same bits.
     """
 
-    _MOMENTS = lowbit.SGD_MOMENTS
-    _ELEMENTWISE = ("momentum_buffer",)
-    _FAMILY = "SGD"
-    _SPARSE = ("SGD does not support sparse gradients",
-               "use torch.optim.SGD for these parameters (it takes sparse grads)")
-    _GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay")
+    _FAMILY = family.SGD
     _updates: dict[Tensor, Tensor]
-
-    def _elementwise_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return self._ELEMENTWISE if group["momentum"] != 0 else ()
-
-    def _moments(self, group: dict[str, Any]) -> tuple[str, ...]:
-        return self._MOMENTS if group["momentum"] != 0 else ()
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False, *, maximize=False, foreach=None, differentiable=False,
@@ -444,7 +455,7 @@ class SGD(_FusedStepMixin, torch.optim.SGD):
         return n
 
     def _launch(self, fmt, g, group, params, places, inv_scale, found_inf, clip_coef) -> _Launch:
-        moments = self._moments(group)
+        moments = self._FAMILY.moments_of(group)
         kparams, grads, bufs, counts, masters = [], [], [], [], []
         news: list[dict[str, Any]] = []
         staged: list[tuple[Tensor, Tensor]] = []
