@@ -12,7 +12,7 @@ import torch
 
 from fastamp.handoff import AmpFusedOptimizer
 from fastamp.scaler import GradScaler
-from fastamp.scaler._validation import check_state_dict as check_scaler_state_dict
+from fastamp.scaler import check_state_dict as check_scaler_state_dict
 
 
 def rng_state() -> dict[str, Any]:

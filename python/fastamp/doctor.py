@@ -103,9 +103,9 @@ def _build(r: _Report) -> bool:
 
 
 def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
-    from fastamp.checkpoint import _ops as ck
-    from fastamp.optim import _ops as optim_ops
-    from fastamp.parallel import _ops as parallel_ops
+    from fastamp.checkpoint import ops as ck
+    from fastamp.optim import ops as optim_ops
+    from fastamp.parallel import ops as parallel_ops
     from fastamp.scaler import ops
     from fastamp.testing import (
         adam_ref,

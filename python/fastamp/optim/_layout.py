@@ -9,12 +9,6 @@ from torch import Tensor
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def on_device(t: Tensor | None, device: torch.device) -> Tensor | None:
-    if t is None:
-        return None
-    return t if t.device == device else t.to(device, non_blocking=True)
-
-
 def where_in_groups(g: int, i: int) -> str:
     return f"param_groups[{g}]['params'][{i}]"
 

@@ -33,11 +33,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastamp._devices import to_device
 from fastamp.handoff import AmpFusedOptimizer, take
 from fastamp.optim import _family as family
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
-from fastamp.optim._layout import grad_like, kernel_view, on_device
+from fastamp.optim._layout import grad_like, kernel_view
 from fastamp.optim._state_dict import StateDictChecks
 from fastamp.optim._step_checks import StepChecks
 from fastamp.optim.lowbit import FLOAT32, StateFormat
@@ -250,7 +251,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
             if not params:
                 continue
             dev = params[0].device
-            scalars = (on_device(inv_scale, dev), on_device(found_inf, dev), on_device(clip_coef, dev))
+            scalars = (to_device(inv_scale, dev), to_device(found_inf, dev), to_device(clip_coef, dev))
             by_format: dict[StateFormat, tuple[list[Tensor], list[int]]] = {}
             group_format = self._group_format(group)
             for p, i in zip(params, places):

@@ -1,6 +1,7 @@
 """Data parallelism on torch.distributed: :class:`DistributedDataParallel` with bucketed,
 overlapped gradient all-reduce."""
 
-from fastamp.parallel.distributed import DDPGradStats, DistributedDataParallel, GradBucket
+from fastamp.parallel import _ops as ops
+from fastamp.parallel.distributed import DistributedDataParallel, GradBucket
 
-__all__ = ["DDPGradStats", "DistributedDataParallel", "GradBucket"]
+__all__ = ["DistributedDataParallel", "GradBucket", "ops"]

@@ -9,7 +9,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-_NAME = "fastamp.parallel.DistributedDataParallel"
+_NAME = "fastamp.parallel.DistributedDataParallel"  # how the class is named in every message of the package
 
 
 def refuse(arg: str, why: str) -> NotImplementedError:

@@ -13,9 +13,9 @@ from torch import Tensor, nn
 
 from fastamp.handoff import GradStats, GradStatsConsumer
 from fastamp.parallel import _ops
+from fastamp.parallel._args import _NAME
 from fastamp.parallel.buckets import Bucket, GradBucket
 
-_NAME = "fastamp.parallel.DistributedDataParallel"
 
 
 class BackwardSync:
@@ -200,7 +200,7 @@ class BackwardSync:
                     continue
                 if inv is None or inv.device != b.buffer.device:
                     inv = torch.ones((), dtype=torch.float32, device=b.buffer.device)
-                self._stats.append(self._unpack(b, reduced, grads, offs, inv))
+                self._stats.append(self._unpack(reduced, grads, offs, inv))
                 noted.extend(zip((p for p in b.params if id(p) not in global_unused), grads))
         if noted and not self.gradient_as_bucket_view:
             found, sq = self.grad_stats()
@@ -221,15 +221,12 @@ class BackwardSync:
         self._started = False
 
     @staticmethod
-    def _unpack(b: Bucket, reduced: Tensor, grads: list[Tensor], offs: list[int], inv: Tensor) -> tuple[Tensor, Tensor]:
+    def _unpack(reduced: Tensor, grads: list[Tensor], offs: list[int], inv: Tensor) -> tuple[Tensor, Tensor]:
         """Copies the reduced bucket into the grads; returns (found_inf, sum of (g * inv)^2).
 
         One fused op on every device (``fastamp::bucket_unpack_``: one read of the bucket). Its
         statistics are computed by the scaler's own stats kernel over the grads' chunks, so they
-        are bit-identical to ``fastamp::grad_stats`` over these grads. (On CPU the fused op now
-        runs the AVX2 stats kernel: 0.92 ms against 1.43 ms for a copy + grad_stats of a 26 MB
-        bucket on the 2-core CI machine.)"""
-        del b
+        are bit-identical to ``fastamp::grad_stats`` over these grads."""
         return _ops.bucket_unpack_(reduced, grads, offs, inv)
 
     def _reduce_used_map(self, joined: bool = False) -> set[int]:

@@ -10,9 +10,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from fastamp.parallel._args import refuse
+from fastamp.parallel._args import _NAME, refuse
 
-_NAME = "fastamp.parallel.DistributedDataParallel"
 
 
 class ReducerShim:

@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from fastamp.parallel._args import _NAME
+
 __all__ = ["BucketLayout", "GradBucket"]
 
-_NAME = "fastamp.parallel.DistributedDataParallel"
 
 
 class GradBucket:

@@ -44,20 +44,15 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from fastamp.handoff import GradStats
-from fastamp.parallel._args import check_arguments
+from fastamp.parallel._args import _NAME, check_arguments
 from fastamp.parallel._backward import BackwardSync
 from fastamp.parallel._torch_compat import CallbackJoinHook, ReducerShim, TorchCompat
 from fastamp.parallel.buckets import Bucket, BucketLayout, GradBucket
 
-__all__ = ["DistributedDataParallel", "DDPGradStats", "GradBucket"]
+__all__ = ["DistributedDataParallel", "GradBucket"]
 
 _DEFAULT_BUCKET_MB = 25.0
-_NAME = "fastamp.parallel.DistributedDataParallel"
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
-
-# The record DDP hands the scaler (kept under its old name too).
-DDPGradStats = GradStats
-
 
 class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP):
     """Mirrors :class:`torch.nn.parallel.DistributedDataParallel` (same arguments, same
@@ -174,7 +169,7 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
         self._join_work = None
         self._divide = float(self.world_size)
         self._stats: list[tuple[Tensor, Tensor]] = []
-        self._last_stats: DDPGradStats | None = None
+        self._last_stats: GradStats | None = None
         self._scaler = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
 

@@ -13,7 +13,8 @@ from torch.amp.grad_scaler import OptState
 
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats
 from fastamp.scaler import _ops
-from fastamp.scaler._grads import collect_grads, to_device
+from fastamp._devices import to_device
+from fastamp.scaler._grads import collect_grads
 
 
 class GradClipping:

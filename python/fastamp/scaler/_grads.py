@@ -68,8 +68,3 @@ def collect_grads(
             entry.param_ids.append(id(param))
             entry.places.append((g, i))
     return per_device
-
-
-def to_device(t: Tensor, device: torch.device) -> Tensor:
-    """``t`` on ``device``, without a copy when it is already there (no sync either way)."""
-    return t if t.device == device else t.to(device, non_blocking=True)

@@ -30,7 +30,8 @@ from fastamp._checks import is_real, real
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, handing
 from fastamp.scaler import _ops, diagnostics
 from fastamp.scaler._clip import GradClipping
-from fastamp.scaler._grads import DeviceGrads, collect_grads, to_device
+from fastamp._devices import to_device
+from fastamp.scaler._grads import DeviceGrads, collect_grads
 from fastamp.scaler._state import ScalerState
 from fastamp.scaler._transaction import RestoreOnError
 from fastamp.scaler._validation import (
