@@ -9,6 +9,8 @@
 * No file in python/ or csrc/ over 400 lines unless its header says why.
 * Classes call the op layer, never ``torch.ops.fastamp`` directly (only ``*/_ops.py`` and the
   loader do).
+* No module imports another capability's private (``_*``) modules: it uses what that capability
+  exports.
 """
 
 from __future__ import annotations
@@ -126,6 +128,52 @@ def test_private_access_scanner_catches_and_allows():
     )
     assert [e for _, e in private_accesses(src)] == [
         "other._z", "torch.autograd.Variable._engine", "getattr(other, '_v', None)"]
+
+
+def capability_private_imports(source: str, capability: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of each import of another capability's private module
+    (``fastamp.<other>._x``, or ``_x`` from ``fastamp.<other>``). ``capability`` is the folder
+    the source lives in ("" for the package's top-level modules, which are everyone's)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            mods = [a.name for a in node.names]
+        else:
+            continue
+        for mod in mods:
+            parts = mod.split(".")
+            if (len(parts) >= 3 and parts[0] == "fastamp" and not parts[1].startswith("_")
+                    and parts[1] != capability and parts[2].startswith("_")):
+                found.append((node.lineno, mod))
+                break
+    return found
+
+
+def test_capability_private_import_scanner_catches_and_allows():
+    src = (
+        "from fastamp.optim import _ops as optim_ops\n"
+        "from fastamp.scaler._validation import check_state_dict\n"
+        "import fastamp.parallel._backward\n"
+        "from fastamp.optim import ops\n"
+        "from fastamp._checks import is_real\n"
+        "from fastamp.checkpoint._ops import x\n"
+    )
+    assert [m for _, m in capability_private_imports(src, "checkpoint")] == [
+        "fastamp.optim._ops", "fastamp.scaler._validation", "fastamp.parallel._backward"]
+
+
+@pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
+def test_no_import_of_another_capabilitys_private_modules(path):
+    rel = path.relative_to(PY)
+    capability = rel.parts[0] if len(rel.parts) > 1 else ""
+    bad = capability_private_imports(path.read_text(), capability)
+    assert not bad, (
+        f"{path.relative_to(ROOT)} imports other capabilities' private modules: "
+        + "; ".join(f"line {n}: {m}" for n, m in bad)
+        + " -- use what that capability exports (its __init__: e.g. fastamp.optim.ops)"
+    )
 
 
 @pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
