@@ -85,6 +85,8 @@ class ScalerState:
         state["_update_count"] = None
         state["_diag"] = {}
         state["_ddp_stats"] = None
+        state["_iterations"] = {}
+        state["_transaction"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -99,6 +101,8 @@ class ScalerState:
             "_diag": {},
             "_warned_small_scale": False,
             "_ddp_stats": None,
+            "_iterations": {},
+            "_transaction": None,
         }
         for k, v in defaults.items():
             state.setdefault(k, v)

@@ -1,53 +1,84 @@
-"""All or nothing for GradScaler's per-iteration state (:class:`RestoreOnError`): a call that raises
-before writing a grad leaves the scaler as it was."""
+"""GradScaler's per-iteration record and its all-or-nothing rule.
+
+:class:`OptimizerIteration` is what fastamp's scaler keeps for one optimizer from its first
+``unscale_`` / ``clip_grad_norm_`` / ``step`` of an iteration until ``update()``, beside PyTorch's
+own per-optimizer entry (``stage``, ``found_inf_per_device``), which keeps PyTorch's keys only.
+
+:class:`Transaction`: a call that raises before writing a grad leaves both as they were.
+"""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+from torch import Tensor
 
-class RestoreOnError:
-    """Mixin of :class:`fastamp.GradScaler` (methods over its own state)."""
+from fastamp.scaler._grads import DeviceGrads
 
-    _per_optimizer_states: Any
 
-    @contextlib.contextmanager
-    def _restore_on_error(self, optimizer: Any) -> Iterator[None]:
-        """Puts the optimizer's per-iteration state back as it was when the block raises.
+@dataclass(frozen=True)
+class ClipStep:
+    """What ``clip_grad_norm_`` leaves for a fused optimizer's step: the grads are still scaled,
+    and the kernel multiplies them by ``inv_scale * clip_coef``."""
 
-        PyTorch leaves a fresh entry behind (``_per_optimizer_states`` is a defaultdict), after
-        which the scaler refuses to be pickled, and a failing fused step would leave inf checks
-        that a retry then mixes with new ones. Once a grad has been written (``_grads_written``)
-        the new stage is the truth and is kept.
-        """
-        outer = self.__dict__.get("_write_mark")
-        mark = self.__dict__["_write_mark"] = [False]
-        states = self._per_optimizer_states
-        key = id(optimizer)
-        saved = None
+    inv_scale: Tensor
+    clip_coef: Tensor
+
+
+@dataclass
+class OptimizerIteration:
+    """fastamp's record of one optimizer's iteration (see the module docstring)."""
+
+    # Each device's grads with their per-grad inf flags (for overflow_report()).
+    flags: list[tuple[DeviceGrads, Tensor]] = field(default_factory=list)
+    # clip_grad_norm_'s result for a fused optimizer's step, until that step takes it.
+    clip: ClipStep | None = None
+    # The inf flags summed over devices, once the step began (step, last_step_skipped and
+    # update all read it; its inputs no longer change).
+    found_total: Tensor | None = None
+
+    def copy(self) -> OptimizerIteration:
+        return OptimizerIteration(list(self.flags), self.clip, self.found_total)
+
+
+class Transaction:
+    """One public call's changes to the per-iteration state of one optimizer, undone if the call
+    raises before it wrote a grad (:meth:`grads_written`): PyTorch leaves a fresh entry behind
+    (its ``_per_optimizer_states`` is a defaultdict), after which the scaler refuses to be pickled,
+    and a failing fused step would leave inf checks that a retry then mixes with new ones. Once a
+    grad has been written the new stage is the truth and is kept."""
+
+    def __init__(self, states: Any, iterations: dict[int, OptimizerIteration], key: int,
+                 outer: Transaction | None) -> None:
+        self.states = states
+        self.iterations = iterations
+        self.key = key
+        self.outer = outer
+        self.wrote = False
+        self._saved = None
         if key in states:  # `in` does not create an entry
             saved = dict(states[key])
             if isinstance(saved.get("found_inf_per_device"), dict):
                 saved["found_inf_per_device"] = dict(saved["found_inf_per_device"])
-        try:
-            yield
-        except BaseException:
-            if self._per_optimizer_states is states and not mark[0]:
-                if saved is None:
-                    states.pop(key, None)
-                else:
-                    states[key] = saved
-            raise
-        finally:
-            if outer is None:
-                self.__dict__.pop("_write_mark", None)
-            else:
-                outer[0] = outer[0] or mark[0]
-                self._write_mark = outer
+            self._saved = saved
+        record = iterations.get(key)
+        self._saved_record = None if record is None else record.copy()
 
-    def _grads_written(self) -> None:
-        mark = self.__dict__.get("_write_mark")
-        if mark is not None:
-            mark[0] = True
+    def grads_written(self) -> None:
+        self.wrote = True
+        if self.outer is not None:
+            self.outer.grads_written()
+
+    def undo(self, states: Any) -> None:
+        """Puts the entries back (unless a grad was written, or update() replaced the dicts)."""
+        if states is not self.states or self.wrote:
+            return
+        if self._saved is None:
+            states.pop(self.key, None)
+        else:
+            states[self.key] = self._saved
+        if self._saved_record is None:
+            self.iterations.pop(self.key, None)
+        else:
+            self.iterations[self.key] = self._saved_record

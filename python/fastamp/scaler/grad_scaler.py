@@ -13,13 +13,20 @@ accept it unchanged. What changes underneath:
   stats pass (inf check + norm) and one write pass (unscale and clip together);
 * the scale update runs on the device with optional hysteresis and bounds;
 * diagnostics: :meth:`last_step_skipped` (a device tensor, no sync) and :meth:`overflow_report`.
+
+One class in one file (over 400 lines: the scaler's state machine is one concern): the clip's
+arithmetic (:mod:`fastamp.scaler._clip`), the per-iteration record and its all-or-nothing rule
+(:mod:`fastamp.scaler._transaction`) and the state_dict checks are functions and objects it calls
+with explicit inputs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,13 +34,13 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from fastamp._checks import is_real, real
+from fastamp._devices import to_device
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, handing
 from fastamp.scaler import _ops, diagnostics
-from fastamp.scaler._clip import GradClipping
-from fastamp._devices import to_device
+from fastamp.scaler._clip import check_clip_arguments, clip_coefficient, grad_norm, unscale_and_clip
 from fastamp.scaler._grads import DeviceGrads, collect_grads
 from fastamp.scaler._state import ScalerState
-from fastamp.scaler._transaction import RestoreOnError
+from fastamp.scaler._transaction import ClipStep, OptimizerIteration, Transaction
 from fastamp.scaler._validation import (
     FLOAT32_MAX,
     check_backoff_factor,
@@ -52,7 +59,7 @@ def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, AmpFusedOptimizer)
 
 
-class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler):
+class GradScaler(ScalerState, torch.amp.GradScaler):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
     Args:
@@ -117,6 +124,10 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
         self._diag: dict[int, diagnostics.OverflowRecord] = {}
         self._warned_small_scale = False
         self._ddp_stats: GradStats | None = None
+        # fastamp's per-iteration record of each optimizer (beside PyTorch's
+        # _per_optimizer_states, which keeps PyTorch's keys only), and the call in progress.
+        self._iterations: dict[int, OptimizerIteration] = {}
+        self._transaction: Transaction | None = None
 
     # ------------------------------------------------------------------ lazy state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -166,8 +177,29 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
         per_device: dict[torch.device, DeviceGrads],
         flags: dict[torch.device, Tensor],
     ) -> None:
-        state = self._per_optimizer_states[id(optimizer)]
-        state["fastamp_flags"] = [(per_device[d], flags[d]) for d in flags]
+        self._iteration(optimizer).flags = [(per_device[d], flags[d]) for d in flags]
+
+    def _iteration(self, optimizer: torch.optim.Optimizer) -> OptimizerIteration:
+        return self._iterations.setdefault(id(optimizer), OptimizerIteration())
+
+    @contextlib.contextmanager
+    def _restore_on_error(self, optimizer: torch.optim.Optimizer) -> Iterator[Transaction]:
+        """The call inside, all or nothing for the optimizer's per-iteration state (see
+        :class:`Transaction`)."""
+        outer = self._transaction
+        tx = self._transaction = Transaction(self._per_optimizer_states, self._iterations,
+                                             id(optimizer), outer)
+        try:
+            yield tx
+        except BaseException:
+            tx.undo(self._per_optimizer_states)
+            raise
+        finally:
+            self._transaction = outer
+
+    def _grads_written(self) -> None:
+        if self._transaction is not None:
+            self._transaction.grads_written()
 
     def _unscale_grads_(
         self,
@@ -188,6 +220,110 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
         self._record_flags(optimizer, per_device, flags)
         return found
 
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # For optimizers that unscale inside their own kernel (fused=True): a read-only inf/NaN
+        # check. PyTorch unscales by 1.0 here, rewriting every grad to itself.
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        per_device = collect_grads(optimizer, allow_fp16=True)
+        one = torch.ones((), dtype=torch.float32, device=scale.device)
+        found: dict[torch.device, Tensor] = {}
+        flags: dict[torch.device, Tensor] = {}
+        with torch.no_grad():
+            for dev, entry in per_device.items():
+                found[dev], _, flags[dev] = _ops.grad_stats(entry.grads, to_device(one, dev))
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        self._record_flags(optimizer, per_device, flags)
+        return found
+
+    # ------------------------------------------------------------------ clipping
+    def current_scale(self) -> Tensor | None:
+        """The scale as a device tensor (no host sync), or None before the first ``scale()`` /
+        when disabled. fastamp extra: :class:`fastamp.parallel.DistributedDataParallel` unscales
+        the sum of squares it measures with it."""
+        return self._scale if self._enabled else None
+
+    def note_grad_stats(self, stats: GradStats) -> None:
+        """fastamp extra: takes a :class:`fastamp.handoff.GradStats` (from
+        :class:`fastamp.parallel.DistributedDataParallel`, which measured the all-reduced grads
+        while unpacking them). ``clip_grad_norm_`` reuses it instead of reading the grads again
+        only while ``stats.current_for(params, scale)`` (same grads, unwritten since, same scale);
+        ``update()`` drops it."""
+        if not isinstance(stats, GradStats):
+            raise TypeError(
+                f"GradScaler.note_grad_stats: stats must be a fastamp.handoff.GradStats, got "
+                f"{type(stats).__name__}"
+            )
+        self._ddp_stats = stats
+
+    def clip_grad_norm_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+    ) -> Tensor:
+        """Unscale and clip the optimizer's grads; return the total norm of the *unscaled* grads.
+
+        Equivalent to ``scaler.unscale_(optimizer)`` followed by
+        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)``, but in two passes over the
+        grads instead of four or more: a read-only pass finds inf/NaN and accumulates the norm (fp32,
+        even for half grads), then one write pass multiplies by ``inv_scale * clip_coef`` (for a
+        fastamp.optim optimizer, its own update pass does). The norm is returned as a device
+        tensor: nothing syncs with the host. On a step with inf/NaN grads the norm is inf/NaN and
+        the following :meth:`step` is skipped, as with PyTorch's recipe.
+
+        Counts as this iteration's ``unscale_`` for ``optimizer`` (calling ``unscale_`` afterwards
+        raises, as a second ``unscale_`` would). If ``unscale_`` was already called, only clips.
+        """
+        norm = check_clip_arguments(optimizer, max_norm, norm_type)
+        if not self._enabled:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
+        with self._restore_on_error(optimizer) as tx:
+            return self._clip_grad_norm(optimizer, scale, float(max_norm), norm, tx)
+
+    def _clip_grad_norm(self, optimizer: torch.optim.Optimizer, scale: Tensor, max_norm: float,
+                        norm_type: float, tx: Transaction) -> Tensor:
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError(
+                "clip_grad_norm_() is being called after step(). Expected once per iteration, "
+                "between scaler.scale(loss).backward() and scaler.step(optimizer) (after "
+                "scaler.update() it may be called again)"
+            )
+        already_unscaled = state["stage"] is OptState.UNSCALED
+        # A fastamp fused optimizer takes the clip coefficient into its own kernel: the grads are
+        # only read here (so fp16 grads are fine), and unscaled + clipped in the update pass.
+        fused = isinstance(optimizer, AmpFusedOptimizer) and not already_unscaled
+        per_device = collect_grads(optimizer, already_unscaled or fused, "clip_grad_norm_")
+        if already_unscaled:
+            inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
+        else:
+            inv_scale = scale.double().reciprocal().float()
+        invs = {dev: to_device(inv_scale, dev) for dev in per_device}
+        reuse = None
+        if norm_type == 2.0 and not already_unscaled and len(per_device) == 1 and self._ddp_stats is not None:
+            # DDP's unpack already read these grads for the inf check and the sum of squares.
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if self._ddp_stats.current_for(params, self._scale):
+                reuse = (self._ddp_stats.found_inf, self._ddp_stats.sum_sq)
+        with torch.no_grad():
+            found, flags, total_norm = grad_norm(per_device, invs, norm_type, scale.device, reuse)
+            if fused:  # the step's scalars but found_inf (summed over devices at step())
+                self._iteration(optimizer).clip = ClipStep(inv_scale, clip_coefficient(total_norm, max_norm))
+            else:
+                unscale_and_clip(per_device, invs, total_norm, max_norm, tx.grads_written)
+        if already_unscaled:
+            # Keep the inf checks of the earlier unscale_: they saw the grads before clipping.
+            prev = state["found_inf_per_device"]
+            for dev, f in found.items():
+                prev[dev] = torch.maximum(prev[dev], f) if dev in prev else f
+        else:
+            state["found_inf_per_device"] = found
+            self._record_flags(optimizer, per_device, flags)
+            state["stage"] = OptState.UNSCALED
+        return total_norm
+
     # ------------------------------------------------------------------ step / update
     def _maybe_opt_step(
         self,
@@ -196,7 +332,7 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
         *args: Any,
         **kwargs: Any,
     ) -> float | None:
-        found = self._found_total(optimizer_state)
+        found = self._found_total(id(optimizer), optimizer_state)
         # One host sync for every device (PyTorch: one .item() per device); the scale rides along
         # so the "scale below 1" warning costs nothing extra.
         found_val, scale_val = torch.stack([found, self._scale.to(found.device)]).tolist()
@@ -205,21 +341,19 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
             return optimizer.step(*args, **kwargs)
         return None
 
-    def _found_total(self, optimizer_state: dict[str, Any]) -> Tensor:
-        """The optimizer's inf flags summed over devices, on the scale's device.
-
-        Computed once per iteration and cached in the optimizer's state: step, last_step_skipped
-        and update all need it, and its inputs no longer change once step() has begun.
-        """
-        total = optimizer_state.get("fastamp_found_total")
-        if total is None:
+    def _found_total(self, key: int, optimizer_state: dict[str, Any]) -> Tensor:
+        """The inf flags of optimizer ``id(optimizer) == key`` summed over devices, on the scale's
+        device: computed once per iteration (step, last_step_skipped and update all need it, and
+        its inputs no longer change once step() has begun)."""
+        record = self._iterations.setdefault(key, OptimizerIteration())
+        if record.found_total is None:
             assert self._scale is not None
             values = [to_device(v, self._scale.device) for v in optimizer_state["found_inf_per_device"].values()]
             total = values[0]
             for v in values[1:]:
                 total = total + v
-            optimizer_state["fastamp_found_total"] = total
-        return total
+            record.found_total = total
+        return record.found_total
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         if not self._enabled:
@@ -232,7 +366,7 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
         if self._enabled:
             state = self._per_optimizer_states[id(optimizer)]
             if state["found_inf_per_device"]:
-                self._last_skipped = self._found_total(state) > 0
+                self._last_skipped = self._found_total(id(optimizer), state) > 0
         return retval
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -245,7 +379,8 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        clip: AmpStep | None = state.pop("fastamp_clip", None)
+        record = self._iteration(optimizer)
+        clip, record.clip = record.clip, None
         if clip is not None:  # clip_grad_norm_ ran the stats pass; grads are still scaled
             inv_scale, coef = clip.inv_scale, clip.clip_coef
         elif state["stage"] is OptState.READY:
@@ -255,7 +390,7 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
             inv_scale, coef = None, None
         if not state["found_inf_per_device"]:
             raise AssertionError("No inf checks were recorded for this optimizer.")
-        found = self._found_total(state)
+        found = self._found_total(id(optimizer), state)
         # Through optimizer.step() (not a private entry point), so wrappers such as the LR
         # schedulers' step counting see every step. PyTorch returns what optimizer.step returns
         # (a closure's loss) for optimizers that handle the scaling themselves.
@@ -279,12 +414,13 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
                     f"got {type(new_scale).__name__}"
                 )
             super().update(new_scale)
+            self._iterations = {}
             return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         hysteresis_tracker, update_count = self._ensure_aux()
         found_infs = [
-            self._found_total(state)
-            for state in self._per_optimizer_states.values()
+            self._found_total(key, state)
+            for key, state in self._per_optimizer_states.items()
             if state["found_inf_per_device"]
         ]
         if len(found_infs) == 0:
@@ -308,11 +444,13 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
         update_count.add_(1)
         self._ddp_stats = None
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._iterations = {}
 
     def _record_overflow(self, update_count: Tensor) -> None:
         """Keeps, per optimizer, the flags of its last overflowing step; device ops only."""
         for opt_id, state in self._per_optimizer_states.items():
-            entries = state.get("fastamp_flags")
+            record = self._iterations.get(opt_id)
+            entries = record.flags if record is not None else None
             if not entries or not state["found_inf_per_device"]:
                 continue
             dev = update_count.device
@@ -322,7 +460,7 @@ class GradScaler(ScalerState, GradClipping, RestoreOnError, torch.amp.GradScaler
                 keys=tuple(k for entry, _ in entries for k in entry.param_ids),
                 places=[pl for entry, _ in entries for pl in entry.places],
                 flags=flags[0] if len(flags) == 1 else torch.cat(flags),
-                overflowed=self._found_total(state) > 0, update_count=update_count,
+                overflowed=self._found_total(opt_id, state) > 0, update_count=update_count,
             )  # fmt: skip
 
     # ------------------------------------------------------------------ diagnostics
