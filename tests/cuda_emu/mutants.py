@@ -139,6 +139,17 @@ MUTANTS = {
         "SGD bfloat16 rounding keyed by the update count before the step",
         "test_emulated_lowbit.py",
     ),
+    # The optimizers' half stores round ties away from zero (the value nudged up by one float32
+    # ulp before the round-to-nearest-even cast): only inputs exactly on a tie see it.
+    "half_store_ties_away": Mutant(
+        "optim/optim_cuda.cu",
+        "for (int j = 0; j < kPack; ++j) r.v[j] = static_cast<T>(x[j]);",
+        "for (int j = 0; j < kPack; ++j) r.v[j] = static_cast<T>(std::is_same_v<T, float> ? x[j] : x[j] * 1.00000012f);",
+        "test_half_param_store_ties",
+        r"differ from the CPU kernel",
+        "float16/bfloat16 param stores rounding ties away from zero",
+        "test_emulated_ties.py",
+    ),
 }
 
 
