@@ -5,6 +5,7 @@ scaler (:class:`fastamp.handoff.GradStats`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,7 +20,47 @@ from fastamp.parallel.buckets import Bucket, GradBucket
 
 
 class BackwardSync:
-    """Mixin of :class:`fastamp.parallel.DistributedDataParallel`: gradient synchronisation."""
+    """Mixin of :class:`fastamp.parallel.DistributedDataParallel`: gradient synchronisation.
+
+    Everything it reads of the DDP object is declared here (assigned in DDP's constructor, in
+    distributed.py, or by torch's DDP, or a method of the BucketLayout mixin)."""
+
+    # torch's DDP options, as DDP's constructor keeps them
+    world_size: int
+    device: torch.device
+    process_group: Any
+    static_graph: bool
+    find_unused_parameters: bool
+    gradient_as_bucket_view: bool
+    # the parameters and their buckets (buckets.py lays them out)
+    _params: list[nn.Parameter]
+    _names: dict[int, str]
+    _buckets: list[Bucket]
+    _bucket_of: dict[int, tuple[Bucket, int]]
+    _ready_order: list[nn.Parameter]
+    _next_launch: int
+    _rebuilt: bool
+    _comm_hook: tuple[Any, object] | None
+    # the iteration state machine (see DDP's constructor)
+    _armed: bool
+    _started: bool
+    _pending: bool
+    _tokens: list[list[bool]]
+    _consuming: list[list[bool]]
+    _grad_ready: set[int]
+    _used: set[int]
+    _global_unused: set[int] | None
+    _last_global_used: set[int]
+    _join_work: Any
+    _divide: float | None
+    _divide_by_initial_world_size: bool
+    # what the unpack measured, and who takes it
+    _stats: list[tuple[Tensor, Tensor]]
+    _last_stats: GradStats | None
+    _scaler: Any
+    # methods of DistributedDataParallel (distributed.py) and BucketLayout (buckets.py)
+    _collective_error: Callable[[str, Exception], RuntimeError]
+    _rebuild_from_rank0: Callable[[], None]
 
     def _on_output_grad(self, token: list) -> None:
         if token[0]:
