@@ -11,13 +11,17 @@
   loader do).
 * No module imports another capability's private (``_*``) modules: it uses what that capability
   exports.
+* A class reads only attributes it assigns or declares in its own body (or a base class has as a
+  class attribute): a reader of one file sees every attribute its classes use.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
+from collections.abc import Callable
 
 import pytest
 
@@ -173,6 +177,75 @@ def test_no_import_of_another_capabilitys_private_modules(path):
         f"{path.relative_to(ROOT)} imports other capabilities' private modules: "
         + "; ".join(f"line {n}: {m}" for n, m in bad)
         + " -- use what that capability exports (its __init__: e.g. fastamp.optim.ops)"
+    )
+
+
+def undeclared_self_reads(source: str, provided: Callable[[str, str], bool] = lambda c, a: False,
+                          ) -> list[tuple[str, str]]:
+    """``(class, attribute)`` for each ``self.<attribute>`` a class of ``source`` reads that the
+    class neither assigns (``self.x = ...`` in its methods) nor declares in its body (an
+    annotation, an assignment, a method), unless ``provided(class, attribute)``: its base classes
+    have it as a class attribute, method or annotation."""
+    found = []
+    for cls in (n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)):
+        declared = set()
+        for st in cls.body:
+            if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name):
+                declared.add(st.target.id)
+            elif isinstance(st, ast.Assign):
+                declared.update(t.id for t in st.targets if isinstance(t, ast.Name))
+            elif isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                declared.add(st.name)
+        reads, assigned = set(), set()
+        for fn in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                    (assigned if isinstance(node.ctx, ast.Store) else reads).add(node.attr)
+        found += [(cls.name, a) for a in sorted(reads - declared - assigned) if not provided(cls.name, a)]
+    return found
+
+
+def test_self_attribute_scanner_catches_and_allows():
+    src = (
+        "class Base:\n"
+        "    def m(self): pass\n"
+        "class A(Base):\n"
+        "    x: int\n"
+        "    def f(self):\n"
+        "        self.y = 1\n"
+        "        return self.x + self.y + self.z + self.m() + self.g() + self.w\n"
+        "    def g(self): pass\n"
+    )
+    provided = lambda c, a: c == "A" and a == "m"  # noqa: E731 (what a base class has)
+    assert undeclared_self_reads(src, provided) == [("A", "w"), ("A", "z")]
+
+
+def _provided_by_bases(module_name: str) -> Callable[[str, str], bool]:
+    """Whether a class of the module has ``attribute`` from a base class (as a class attribute,
+    method or annotation). A module that cannot be imported here (a client library missing)
+    provides nothing: its classes must declare what they read themselves."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return lambda c, a: False
+
+    def provided(cls_name: str, attr: str) -> bool:
+        cls = getattr(module, cls_name, None)
+        if not isinstance(cls, type):
+            return False
+        return any(attr in vars(b) or attr in getattr(b, "__annotations__", {}) for b in cls.__mro__[1:])
+
+    return provided
+
+
+@pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
+def test_classes_declare_what_they_read(path):
+    bad = undeclared_self_reads(path.read_text(), _provided_by_bases(_module_name(path)))
+    assert not bad, (
+        f"{path.relative_to(ROOT)}: classes read attributes they neither assign nor declare: "
+        + ", ".join(f"{c}.{a}" for c, a in bad)
+        + " -- assign it in the class, or declare it in the class body (an annotation saying "
+        "where it is set), so a reader of this file sees every attribute the class uses"
     )
 
 

@@ -122,6 +122,10 @@ class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
     which accelerate's own check takes for "not skipped". The flag is this class's own; accelerate's
     (read through ``super().step_was_skipped``) is left to accelerate."""
 
+    # set by accelerate's AcceleratedOptimizer.__init__
+    gradient_state: Any
+    scaler: Any
+
     # A class default: instances get this class by __class__ assignment, so no __init__ runs.
     _fused_step_skipped = False
 
@@ -145,6 +149,10 @@ class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
 class Accelerator(_Accelerator):
     """:class:`accelerate.Accelerator` with :class:`fastamp.GradScaler` for fp16 and fastamp's
     fused clipping; same constructor and methods (see the module docstring for what differs)."""
+
+    # accelerate's Accelerator (properties)
+    distributed_type: Any
+    mixed_precision: str
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

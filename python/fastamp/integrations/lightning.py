@@ -60,6 +60,10 @@ class FastampPrecision(MixedPrecision):
             ``init_scale=`` or ``hysteresis=``); must be a ``fastamp.GradScaler`` for fused clipping.
     """
 
+    # lightning's MixedPrecision (set by its __init__, and its closure helper)
+    scaler: Any
+    _after_closure: Callable[..., Any]
+
     def __init__(self, precision: str = "16-mixed", device: str | None = None,
                  scaler: torch.amp.GradScaler | None = None) -> None:
         if device is None:
@@ -124,6 +128,14 @@ class FastampDDPStrategy(DDPStrategy):
         trainer = L.Trainer(strategy=FastampDDPStrategy(), plugins=[FastampPrecision("16-mixed")])
 
     Not supported (clear error): manual optimization, and DDP communication hooks."""
+
+    # lightning's DDPStrategy (set by its __init__ and its Strategy bases; its methods)
+    _ddp_comm_hook: Any
+    _ddp_kwargs: dict[str, Any]
+    _model_averaging_period: Any
+    lightning_module: Any
+    precision_plugin: Any
+    determine_ddp_device_ids: Callable[[], Any]
 
     def _setup_model(self, model: torch.nn.Module) -> fastamp.parallel.DistributedDataParallel:
         if self._ddp_comm_hook is not None or self._model_averaging_period is not None:

@@ -41,6 +41,11 @@ _ADAMW_NAMES = {"adamw_torch", "adamw_torch_fused"}
 class FastampTrainer(transformers.Trainer):
     """:class:`transformers.Trainer` with fastamp's scaler, AdamW and fused clipping."""
 
+    # transformers' Trainer (set by its __init__)
+    accelerator: Any
+    args: Any
+    optimizer: Any
+
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         acc = self.accelerator

@@ -52,6 +52,12 @@ class CallbackJoinHook(JoinHook):
 class TorchCompat:
     """Mixin of :class:`fastamp.parallel.DistributedDataParallel`: torch's private methods."""
 
+    # torch's DDP options, as DDP's constructor keeps them
+    world_size: int
+    process_group: Any
+    find_unused_parameters: bool
+    gradient_as_bucket_view: bool
+
     _pending: bool
     _started: bool
     _rebuilt: bool

@@ -72,6 +72,8 @@ class Bucket:
 class BucketLayout:
     """Mixin of :class:`fastamp.parallel.DistributedDataParallel`: the bucket layout."""
 
+    gradient_as_bucket_view: bool
+
     process_group: Any
     world_size: int
     _params: list[nn.Parameter]

@@ -61,6 +61,10 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
     A subclass of torch's class without torch's reducer: ``isinstance(m, torch.nn.parallel.
     DistributedDataParallel)`` is true, ``m.reducer`` does not exist."""
 
+    # set by torch's DDP methods this class calls: _assign_modules_buffers(), join()
+    named_module_buffers: dict[str, Tensor]
+    _join_config: Any
+
     def __init__(
         self,
         module: nn.Module,

@@ -71,6 +71,12 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
             never grows to inf either way).
     """
 
+    # torch.amp.GradScaler's (set by its __init__ and its lazy init)
+    _scale: Tensor | None
+    _growth_factor: float
+    _backoff_factor: float
+    _growth_interval: int
+
     def __init__(
         self,
         device: str = "cuda",
