@@ -78,6 +78,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
     register_load_state_dict_pre_hook: Callable[..., Any]
 
     _FAMILY: OptimizerFamily  # set by each optimizer class
+    # Each optimizer's: the launch of one group's params of one state format, made before any
+    # launch runs: (fmt, g, group, params, places, inv_scale, found_inf, clip_coef) -> _Launch.
+    _launch: Callable[..., _Launch]
     # fastamp's options (beside PyTorch's, which live in ``defaults`` and the param groups).
     _master_weights: bool
     _default_format: StateFormat
@@ -270,11 +273,6 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 raise checks.kernel_error(e, launch.g, launch.places, first=k == 0) from e
             self._commit(launch)
         self.stepped = stepped
-
-    def _launch(self, fmt: StateFormat, g: int, group: dict[str, Any], params: list[Tensor],
-                places: list[int], inv_scale: Tensor | None, found_inf: Tensor | None,
-                clip_coef: Tensor | None) -> _Launch:
-        raise NotImplementedError
 
     @staticmethod
     def _lr(group: dict[str, Any], device: torch.device) -> tuple[float, Tensor | None]:
