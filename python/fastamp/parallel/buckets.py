@@ -72,10 +72,9 @@ class Bucket:
 class BucketLayout:
     """Mixin of :class:`fastamp.parallel.DistributedDataParallel`: the bucket layout."""
 
-    gradient_as_bucket_view: bool
-
     process_group: Any
     world_size: int
+    gradient_as_bucket_view: bool
     _params: list[nn.Parameter]
     _index: dict[int, int]
     _buckets: list[Bucket]
