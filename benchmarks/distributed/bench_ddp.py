@@ -175,7 +175,8 @@ def memory(kind, ddp):
         storages[s.data_ptr()] = s.nbytes()
     held = sum(storages.values())  # what the grads actually keep alive
     if kind in ("fastamp", "today"):
-        bufs = [(b.buffer.data_ptr(), b.buffer.numel() * b.buffer.element_size()) for b in ddp._buckets]
+        buckets = ddp._sync.layout.buckets if kind == "fastamp" else ddp._buckets  # "today": the baseline's own
+        bufs = [(b.buffer.data_ptr(), b.buffer.numel() * b.buffer.element_size()) for b in buckets]
         comm = sum(n for _, n in bufs)
 
         def inside(p):

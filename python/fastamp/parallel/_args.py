@@ -16,6 +16,15 @@ def refuse(arg: str, why: str) -> NotImplementedError:
     return NotImplementedError(f"{_NAME}: {arg} is not supported: {why}")
 
 
+def collective_error(what: str, rank: int, e: Exception) -> RuntimeError:
+    """The error for a collective that failed on ``rank`` (raised ``from e``)."""
+    return RuntimeError(
+        f"{_NAME}: {what} failed on rank {rank}: {e}. "
+        "A peer rank has probably died or stalled past the process group's timeout "
+        "(init_process_group(timeout=...)); check the other ranks' logs."
+    )
+
+
 def check_arguments(module: nn.Module, device_ids: Any, output_device: Any, broadcast_buffers: Any,
                     process_group: Any, bucket_cap_mb: Any, check_reduction: bool,
                     delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any,

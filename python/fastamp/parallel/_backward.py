@@ -1,10 +1,12 @@
-"""The backward half of DistributedDataParallel (:class:`BackwardSync`): each grad's hook marks it
-ready, a full bucket is packed and its all-reduce (or comm hook) started while backward goes on,
-and at the end every bucket is waited on and unpacked into the grads, measuring them for the
-scaler (:class:`fastamp.handoff.GradStats`)."""
+"""The backward half of DistributedDataParallel: :class:`GradSync`, the object that owns one
+iteration's synchronisation. A synchronised forward arms it; each grad's hook marks the grad
+ready; a full bucket is packed and its all-reduce (or comm hook) started while backward goes on;
+at the end every bucket is waited on and unpacked into the grads, measuring them for the scaler
+(:class:`fastamp.handoff.GradStats`)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -14,54 +16,94 @@ from torch import Tensor, nn
 
 from fastamp.handoff import GradStats, GradStatsConsumer
 from fastamp.parallel import _ops
-from fastamp.parallel._args import _NAME
-from fastamp.parallel.buckets import Bucket, GradBucket
+from fastamp.parallel._args import _NAME, collective_error
+from fastamp.parallel.buckets import Bucket, BucketLayout
 
 
+class GradSync:
+    """Gradient synchronisation of one DistributedDataParallel over ``layout``'s buckets.
 
-class BackwardSync:
-    """Mixin of :class:`fastamp.parallel.DistributedDataParallel`: gradient synchronisation.
+    The iteration's state machine: :meth:`arm` (a synchronised forward) arms the next backward;
+    the first grad hook (or the output's grad) starts it (``started``; ``pending`` once a grad
+    hook fired: collectives may be in flight); autograd's end-of-backward callback finishes it.
+    Grads of an unarmed backward (under ``no_sync``) only accumulate locally."""
 
-    Everything it reads of the DDP object is declared here (assigned in DDP's constructor, in
-    distributed.py, or by torch's DDP, or a method of the BucketLayout mixin)."""
+    def __init__(self, layout: BucketLayout, names: dict[int, str], *, world_size: int, rank: int,
+                 process_group: Any, device: torch.device, find_unused_parameters: bool,
+                 static_graph: bool, views: bool):
+        self.layout = layout
+        self.names = names
+        self.world_size = world_size
+        self.rank = rank
+        self.process_group = process_group
+        self.device = device
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        self.views = views  # gradient_as_bucket_view
+        self.comm_hook: tuple[Callable, object] | None = None
+        self.scaler: GradStatsConsumer | None = None
+        self.divide_by_initial_world_size = True  # join()'s option
+        self.join_work: Any = None  # join's count of active ranks, in flight (set per forward)
+        self.armed = False
+        self.started = False  # the end-of-backward callback is queued
+        self.pending = False  # a grad hook fired: collectives may be in flight
+        self._tokens: list[list[bool]] = []  # one per armed forward, set once its backward ran
+        self._consuming: list[list[bool]] = []
+        self._grad_ready: set[int] = set()
+        self._used: set[int] = set()  # locally used since the last synchronised backward
+        self._global_unused: set[int] | None = None  # static_graph: from the first iteration
+        # ids used on some rank in the last used-map all-reduce this rank took part in: what a
+        # joined rank contributes to the others' (torch's reducer all-reduces its used map in
+        # place, and a joined rank sends that last result again).
+        self._last_global_used: set[int] = set()
+        self._factor: float | None = 1.0  # what grads are multiplied by before the all-reduce
+        self._next_launch = 0
+        self._stats: list[tuple[Tensor, Tensor]] = []
 
-    # torch's DDP options, as DDP's constructor keeps them
-    world_size: int
-    device: torch.device
-    process_group: Any
-    static_graph: bool
-    find_unused_parameters: bool
-    gradient_as_bucket_view: bool
-    # the parameters and their buckets (buckets.py lays them out)
-    _params: list[nn.Parameter]
-    _names: dict[int, str]
-    _buckets: list[Bucket]
-    _bucket_of: dict[int, tuple[Bucket, int]]
-    _ready_order: list[nn.Parameter]
-    _next_launch: int
-    _rebuilt: bool
-    _comm_hook: tuple[Any, object] | None
-    # the iteration state machine (see DDP's constructor)
-    _armed: bool
-    _started: bool
-    _pending: bool
-    _tokens: list[list[bool]]
-    _consuming: list[list[bool]]
-    _grad_ready: set[int]
-    _used: set[int]
-    _global_unused: set[int] | None
-    _last_global_used: set[int]
-    _join_work: Any
-    _divide: float | None
-    _divide_by_initial_world_size: bool
-    # what the unpack measured, and who takes it
-    _stats: list[tuple[Tensor, Tensor]]
-    _last_stats: GradStats | None
-    _scaler: Any
-    # methods of DistributedDataParallel (distributed.py) and BucketLayout (buckets.py)
-    _collective_error: Callable[[str, Exception], RuntimeError]
-    _rebuild_from_rank0: Callable[[], None]
+    # ------------------------------------------------------------------ forward side
+    def arm(self) -> None:
+        """The next backward synchronises (torch's ``reducer.prepare_for_backward``)."""
+        self.armed = True
 
+    def arm_forward(self, output: Any) -> None:
+        """Arms the next backward for the forward that produced ``output``. The end-of-backward
+        callback goes on the graph task that reaches this output: the outermost backward, even
+        when the first grad hook fires in a reentrant one. The token tells a second backward
+        through this output (retain_graph) from the first."""
+        from torch.nn.parallel.distributed import _find_tensors
+
+        self.armed = True
+        token = [False]
+        self._tokens.append(token)
+        del self._tokens[:-64]  # forwards with no backward (grad-enabled evaluation) add up
+        on_grad = weakref.WeakMethod(self._on_output_grad)  # the graph must not keep this alive
+
+        def prehook(grads: Any, on_grad: Any = on_grad, token: list = token) -> None:
+            fn = on_grad()
+            if fn is not None:
+                fn(token)
+
+        for t in _find_tensors(output):
+            if t.grad_fn is not None:
+                t.grad_fn.register_prehook(prehook)
+
+    def check_previous_iteration(self) -> None:
+        if self.pending:
+            raise RuntimeError(
+                f"{_NAME}: Expected to have finished reduction in the prior iteration before "
+                "starting a new one. The previous backward started synchronising gradients but "
+                "did not finish (an exception was raised inside it, or some parameters did not "
+                "get a gradient); the ranks' gradients are no longer in step. Recreate the model "
+                "wrapper (and the process group if a peer is stuck) instead of continuing."
+            )
+        # A backward that raised before any grad hook fired launched nothing: nothing to undo.
+        self.started = False
+
+    def has_run(self) -> bool:
+        """A backward has started synchronising (comm hooks can no longer be registered)."""
+        return self.pending or any(b.launched for b in self.layout.buckets)
+
+    # ------------------------------------------------------------------ backward
     def _on_output_grad(self, token: list) -> None:
         if token[0]:
             raise RuntimeError(
@@ -70,75 +112,88 @@ class BackwardSync:
                 "the ranks with different gradients; run a new forward for each backward (or "
                 "sum the losses and call backward once)."
             )
-        if self._armed and not self._started:
+        if self.armed and not self.started:
             self._start_backward()
 
-    def _on_grad_ready(self, p: nn.Parameter) -> None:
+    def on_grad_ready(self, p: nn.Parameter) -> None:
+        """The post-accumulate-grad hook of every parameter (the per-grad hot path: a few set and
+        list operations; with bucket views one pass over the grad)."""
         key = id(p)
-        if not self._started:
-            if not self._armed:  # under no_sync (or no DDP forward): local accumulation
+        if not self.started:
+            if not self.armed:  # under no_sync (or no DDP forward): local accumulation
                 self._used.add(key)
                 return
             self._start_backward()
-        self._pending = True
-        if key in self._grad_ready:
+        self.pending = True
+        ready = self._grad_ready
+        if key in ready:
             raise RuntimeError(
-                f"{_NAME}: parameter {self._names[key]} got a gradient twice in one synchronised "
+                f"{_NAME}: parameter {self.names[key]} got a gradient twice in one synchronised "
                 "backward (torch: 'Expected to mark a variable ready only once'). It is used both "
                 "inside and outside a reentrant checkpoint (use torch.utils.checkpoint with "
                 "use_reentrant=False, or fastamp.checkpoint), or an earlier backward raised half "
                 "way (its all-reduces are incomplete: recreate the wrapper)."
             )
-        self._grad_ready.add(key)
-        self._used.add(key)
-        if not self._rebuilt:
-            self._ready_order.append(p)
-        bucket, i = self._bucket_of[key]
-        if self.gradient_as_bucket_view and p.grad is not None:
-            # Divide by the world size now, while this grad is hot in cache (one pass; a pass over
-            # the whole bucket at launch would read it back cold). If grads were set to None,
-            # autograd made a fresh one: the same pass moves it into the bucket. A comm hook gets
-            # the grads undivided (it averages), as in torch.
-            view = bucket.view_of(i)
-            factor = self._pre_factor()
-            with torch.no_grad():
-                if p.grad.data_ptr() != view.data_ptr():
-                    if factor != 1.0:
-                        torch.mul(p.grad, factor, out=view)
-                    else:
-                        view.copy_(p.grad)
-                    p.grad = view
-                elif factor != 1.0:
-                    view.mul_(factor)
+        ready.add(key)
+        layout = self.layout
+        if not layout.rebuilt:
+            layout.ready_order.append(p)
+        bucket, i = layout.bucket_of[key]
+        if self.views:
+            grad = p.grad
+            if grad is not None:
+                # Divide by the world size now, while this grad is hot in cache (one pass; a pass
+                # over the whole bucket at launch would read it back cold). A fresh grad (the
+                # grads were set to None) moves into the bucket in the same pass. A comm hook
+                # gets the grads undivided (it averages), as in torch.
+                if torch.is_grad_enabled():  # create_graph: the move is not part of the graph
+                    with torch.no_grad():
+                        self._into_view(p, grad, bucket.views[i])
+                else:
+                    self._into_view(p, grad, bucket.views[i])
         bucket.pending -= 1
-        self._launch_ready()
+        if bucket.pending == 0 and bucket.index == self._next_launch:
+            self._launch_ready()
 
-    def _pre_factor(self) -> float:
-        if self._comm_hook is not None:
-            return 1.0
-        if self._join_work is not None and not self._divide_by_initial_world_size:
-            if self._divide is None:
-                self._join_work.wait()
-                self._divide = float(self._join_work.result()[0].item())
-            return 1.0 / self._divide
-        return 1.0 / self.world_size
+    def _into_view(self, p: nn.Parameter, grad: Tensor, view: Tensor) -> None:
+        factor = self._factor if self._factor is not None else self._join_factor()
+        if grad is view or grad.data_ptr() == view.data_ptr():
+            if factor != 1.0:
+                view.mul_(factor)
+            return
+        if factor != 1.0:
+            torch.mul(grad, factor, out=view)
+        else:
+            view.copy_(grad)
+        p.grad = view
+
+    def _join_factor(self) -> float:
+        """1 / the number of ranks still active (join with divide_by_initial_world_size=False)."""
+        self.join_work.wait()
+        self._factor = 1.0 / float(self.join_work.result()[0].item())
+        return self._factor
 
     def _launch_ready(self) -> None:
         """Launches complete buckets strictly in bucket order. Collectives must be issued in the same
         order on every rank; buckets may complete in different orders on different ranks."""
-        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
-            self._launch(self._buckets[self._next_launch])
+        buckets = self.layout.buckets
+        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
+            self._launch(buckets[self._next_launch])
             self._next_launch += 1
 
     def _start_backward(self) -> None:
-        self._started = True
-        self._armed = False
+        self.started = True
+        self.armed = False
         self._consuming, self._tokens = self._tokens, []  # done when this backward finishes
         self._grad_ready = set()
         self._stats = []
-        self._last_stats = None
-        self._divide = None if (self._join_work is not None and not self._divide_by_initial_world_size) else float(self.world_size)
-        for b in self._buckets:
+        if self.comm_hook is not None:
+            self._factor = 1.0
+        elif self.join_work is not None and not self.divide_by_initial_world_size:
+            self._factor = None  # the count of active ranks arrives with join's all-reduce
+        else:
+            self._factor = 1.0 / self.world_size
+        for b in self.layout.buckets:
             b.pending, b.work, b.launched = len(b.params), None, False
         self._next_launch = 0
         # private-ok: autograd's end-of-backward callback queue has no public spelling; torch's
@@ -146,13 +201,12 @@ class BackwardSync:
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _launch(self, bucket: Bucket) -> None:
-        factor = self._pre_factor()
+        factor = self._factor if self._factor is not None else self._join_factor()
         with torch.no_grad():
-            if self.gradient_as_bucket_view:
-                for i, p in enumerate(bucket.params):
+            if self.views:
+                for p, view in zip(bucket.params, bucket.views):
                     if id(p) in self._grad_ready:
                         continue  # divided (or moved) in its hook
-                    view = bucket.view_of(i)
                     if p.grad is None:  # unused here: contributes zeros
                         view.zero_()
                     else:  # unused in this backward but holding a grad: torch reduces it
@@ -168,11 +222,9 @@ class BackwardSync:
                     _ops.bucket_pack_(
                         bucket.buffer, [g.contiguous() for g, _ in present], [o for _, o in present], factor,
                     )
-            if self._comm_hook is not None:
-                hook, state = self._comm_hook
-                gb = GradBucket(bucket.index, bucket.buffer, bucket.params, bucket.offsets,
-                                bucket.index == len(self._buckets) - 1)
-                bucket.work = hook(state, gb)
+            if self.comm_hook is not None:
+                hook, state = self.comm_hook
+                bucket.work = hook(state, bucket.comm_bucket(bucket.buffer, bucket.index == len(self.layout.buckets) - 1))
             elif self.world_size > 1:
                 bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         bucket.launched = True
@@ -183,12 +235,12 @@ class BackwardSync:
         if work is None:
             return bucket.buffer
         try:
-            if self._comm_hook is None:
+            if self.comm_hook is None:
                 work.wait()
                 return bucket.buffer
             out = work.wait()
         except Exception as e:
-            raise self._collective_error(f"the all-reduce of gradient bucket {bucket.index}", e) from e
+            raise collective_error(f"the all-reduce of gradient bucket {bucket.index}", self.rank, e) from e
         if isinstance(out, (list, tuple)) and len(out) == 1:
             out = out[0]
         if not isinstance(out, Tensor) or out.numel() != bucket.numel or out.device != bucket.buffer.device:
@@ -200,9 +252,10 @@ class BackwardSync:
         return out.reshape(-1).to(bucket.buffer.dtype)
 
     def _finish_backward(self) -> None:
-        unready = [p for p in self._params if id(p) not in self._grad_ready]
+        layout = self.layout
+        unready = [p for p in layout.params if id(p) not in self._grad_ready]
         if unready and not self.find_unused_parameters and not self.static_graph:
-            names = ", ".join(self._names[id(p)] for p in unready[:10])
+            names = ", ".join(self.names[id(p)] for p in unready[:10])
             more = f" and {len(unready) - 10} more" if len(unready) > 10 else ""
             raise RuntimeError(
                 f"{_NAME}: these parameters received no gradient in this backward: {names}{more}. "
@@ -212,22 +265,23 @@ class BackwardSync:
             )
         # Unused parameters (allowed): their buckets still need their all-reduce, with zeros.
         for p in unready:
-            bucket, _ = self._bucket_of[id(p)]
+            bucket, _ = layout.bucket_of[id(p)]
             bucket.pending -= 1
         self._launch_ready()
+        self._used |= self._grad_ready
         global_unused = self._reduce_used_map()
-        scale = self._scaler.current_scale() if self._scaler is not None else None
+        scale = self.scaler.current_scale() if self.scaler is not None else None
         inv = scale.double().reciprocal().float() if scale is not None else None
         noted: list[tuple[Tensor, Tensor]] = []
-        for b in self._buckets:
+        for b in layout.buckets:
             reduced = self._wait(b)
             with torch.no_grad():
-                if self.gradient_as_bucket_view:
+                if self.views:
                     if reduced.data_ptr() != b.buffer.data_ptr():
                         b.buffer.copy_(reduced)
-                    for i, p in enumerate(b.params):
-                        if id(p) not in global_unused and p.grad is None:
-                            p.grad = b.view_of(i)
+                    for p, view in zip(b.params, b.views):
+                        if p.grad is None and id(p) not in global_unused:
+                            p.grad = view
                     continue
                 grads, offs = [], []
                 for p, off in zip(b.params, b.offsets):
@@ -241,34 +295,24 @@ class BackwardSync:
                     continue
                 if inv is None or inv.device != b.buffer.device:
                     inv = torch.ones((), dtype=torch.float32, device=b.buffer.device)
-                self._stats.append(self._unpack(reduced, grads, offs, inv))
+                # One fused op on every device (one read of the bucket); its statistics come from
+                # the scaler's own stats kernel over the grads' chunks, so they are bit-identical
+                # to fastamp::grad_stats over these grads.
+                self._stats.append(_ops.bucket_unpack_(reduced, grads, offs, inv))
                 noted.extend(zip((p for p in b.params if id(p) not in global_unused), grads))
-        if noted and not self.gradient_as_bucket_view:
+        if noted and self.scaler is not None and scale is not None:
             found, sq = self.grad_stats()
-            self._last_stats = GradStats.measured(
-                found, sq, [p for p, _ in noted], [g for _, g in noted], scale
-            )
-            if self._scaler is not None and scale is not None:
-                self._scaler.note_grad_stats(self._last_stats)
-        if not self._rebuilt:
-            self._rebuilt = True
-            self._rebuild_from_rank0()
+            self.scaler.note_grad_stats(GradStats.measured(
+                found, sq, [p for p, _ in noted], [g for _, g in noted], scale))
+        if not layout.rebuilt:
+            layout.rebuild_from_rank0()
         self._used = set()
-        self._join_work = None
+        self.join_work = None
         for token in self._consuming:
             token[0] = True
         self._consuming = []
-        self._pending = False
-        self._started = False
-
-    @staticmethod
-    def _unpack(reduced: Tensor, grads: list[Tensor], offs: list[int], inv: Tensor) -> tuple[Tensor, Tensor]:
-        """Copies the reduced bucket into the grads; returns (found_inf, sum of (g * inv)^2).
-
-        One fused op on every device (``fastamp::bucket_unpack_``: one read of the bucket). Its
-        statistics are computed by the scaler's own stats kernel over the grads' chunks, so they
-        are bit-identical to ``fastamp::grad_stats`` over these grads."""
-        return _ops.bucket_unpack_(reduced, grads, offs, inv)
+        self.pending = False
+        self.started = False
 
     def _reduce_used_map(self, joined: bool = False) -> set[int]:
         """ids of the parameters no rank used since the last synchronised backward (torch's
@@ -279,60 +323,45 @@ class BackwardSync:
             return set()
         if self.static_graph and self._global_unused is not None:
             return self._global_unused
+        params = self.layout.params
         mine = self._last_global_used if joined else self._used
-        used = torch.tensor([1 if id(p) in mine else 0 for p in self._params], dtype=torch.int32,
-                            device=self.device)
+        used = torch.tensor([1 if id(p) in mine else 0 for p in params], dtype=torch.int32, device=self.device)
         if self.world_size > 1:
             try:
                 dist.all_reduce(used, group=self.process_group)
             except Exception as e:
-                raise self._collective_error("the all-reduce of the used-parameter map", e) from e
+                raise collective_error("the all-reduce of the used-parameter map", self.rank, e) from e
         counts = used.tolist()
-        unused = {id(p) for p, u in zip(self._params, counts) if u == 0}
-        self._last_global_used = {id(p) for p, u in zip(self._params, counts) if u != 0}
+        unused = {id(p) for p, u in zip(params, counts) if u == 0}
+        self._last_global_used = {id(p) for p, u in zip(params, counts) if u != 0}
         if self.static_graph:
             self._global_unused = unused
         return unused
 
-    def _shadow_backward(self) -> None:
+    def shadow_backward(self) -> None:
         """A joined rank's share of one backward of the others: zeros for every bucket, in order
         (through the comm hook if one is registered), the used map, the one-time rebuild."""
+        buckets = self.layout.buckets
         with torch.no_grad():
-            for b in self._buckets:
-                if self._comm_hook is not None:
-                    hook, state = self._comm_hook
-                    zeros = torch.zeros_like(b.buffer)
-                    gb = GradBucket(b.index, zeros, b.params, b.offsets, b.index == len(self._buckets) - 1)
-                    b.work = hook(state, gb)
+            for b in buckets:
+                if self.comm_hook is not None:
+                    hook, state = self.comm_hook
+                    b.work = hook(state, b.comm_bucket(torch.zeros_like(b.buffer), b.index == len(buckets) - 1))
                 else:
                     b.buffer.zero_()
                     b.work = dist.all_reduce(b.buffer, group=self.process_group, async_op=True)
-            for b in self._buckets:
+            for b in buckets:
                 self._wait(b)
         if self.find_unused_parameters or (self.static_graph and self._global_unused is None):
             self._used = set()
             self._reduce_used_map(joined=True)
-        if not self._rebuilt:
-            self._rebuilt = True
-            self._rebuild_from_rank0()
+        if not self.layout.rebuilt:
+            self.layout.rebuild_from_rank0()
 
-    def register_grad_scaler(self, scaler: Any) -> None:
-        """Hands the unpack's fused statistics (a :class:`fastamp.handoff.GradStats`) to ``scaler`` (a
-        :class:`fastamp.GradScaler`), whose ``clip_grad_norm_`` then skips its own read pass over
-        the grads -- only while the grads are exactly the ones measured (see
-        :meth:`fastamp.handoff.GradStats.current_for`).
-
-        The sum of squares is of the *unscaled* grads: the unpack multiplies by the scaler's
-        inverse scale in registers (read on the device, no sync)."""
-        if not isinstance(scaler, GradStatsConsumer):
-            raise TypeError(
-                f"{_NAME}.register_grad_scaler: expected a fastamp.GradScaler, got {type(scaler).__name__}"
-            )
-        self._scaler = scaler
-
+    # ------------------------------------------------------------------ what the unpack measured
     def grad_stats(self) -> tuple[Tensor, Tensor] | None:
         """``(found_inf, sum of squares)`` of the all-reduced grads, computed by the unpack of the
-        last backward (None with gradient_as_bucket_view, which has no unpack)."""
+        last backward (None with bucket views, which have no unpack)."""
         if not self._stats:
             return None
         found = sum(f for f, _ in self._stats)

@@ -1,6 +1,7 @@
 """What DistributedDataParallel keeps of torch's DDP interface without torch's C++ reducer: the
-``reducer`` attribute's one used call, the Join hook for uneven inputs, and torch's private methods
-that clients call (each either does what torch's does or raises naming itself)."""
+``reducer`` attribute's one used call (:class:`ReducerShim`), the Join hook for uneven inputs
+(:class:`CallbackJoinHook`), and torch's private methods that clients call (:class:`TorchCompat`:
+each either does what torch's does or raises naming itself)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from fastamp.parallel._args import _NAME, refuse
+from fastamp.parallel._backward import GradSync
 
 
 
@@ -50,27 +52,26 @@ class CallbackJoinHook(JoinHook):
 
 
 class TorchCompat:
-    """Mixin of :class:`fastamp.parallel.DistributedDataParallel`: torch's private methods."""
+    """Mixin of :class:`fastamp.parallel.DistributedDataParallel`: torch's private methods, over
+    the wrapper's :class:`fastamp.parallel._backward.GradSync` (``_sync``)."""
 
     # torch's DDP options, as DDP's constructor keeps them
     world_size: int
     process_group: Any
     find_unused_parameters: bool
     gradient_as_bucket_view: bool
-
-    _pending: bool
-    _started: bool
-    _rebuilt: bool
-    _buckets: list[Any]
+    static_graph: bool
+    _sync: GradSync
 
     def _check_reducer_finalized(self) -> None:
-        if self._pending or self._started:
+        if self._sync.pending or self._sync.started:
             raise RuntimeError(f"{_NAME}: the last backward has not finished synchronising gradients")
 
     def _set_static_graph(self) -> None:
-        if any(b.launched for b in self._buckets):
+        if self._sync.has_run():
             raise RuntimeError("_set_static_graph: static graph can only be set before the first iteration")
         self.static_graph = True
+        self._sync.static_graph = True
 
     def _register_fused_optim(self, *args: Any, **kwargs: Any) -> None:
         raise refuse("_register_fused_optim", "use fastamp.optim's fused optimizers after backward")
@@ -85,8 +86,9 @@ class TorchCompat:
         raise refuse("_update_process_group", "wrap the module again with the new process group")
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        return {"bucket_sizes": ", ".join(str(b.numel * b.buffer.element_size()) for b in self._buckets),
-                "has_rebuilt_buckets": int(self._rebuilt), "world_size": self.world_size,
+        layout = self._sync.layout
+        return {"bucket_sizes": ", ".join(str(b.numel * b.buffer.element_size()) for b in layout.buckets),
+                "has_rebuilt_buckets": int(layout.rebuilt), "world_size": self.world_size,
                 "find_unused_parameters": int(self.find_unused_parameters),
                 "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
                 "static_graph": int(self.static_graph), "backend_name": dist.get_backend(self.process_group)}

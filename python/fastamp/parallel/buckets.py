@@ -1,7 +1,7 @@
-"""Gradient buckets: :class:`GradBucket` (what a comm hook receives, torch's interface), the bucket
-itself, and :class:`BucketLayout`, the part of DistributedDataParallel that decides which grads go
-in which bucket (torch's size caps and its one-time rebuild in the order grads became ready) and
-saves/restores that layout for :func:`fastamp.save_training_state`."""
+"""Gradient buckets: :class:`GradBucket` (what a comm hook receives, torch's interface), the
+:class:`Bucket` itself, and :class:`BucketLayout`, the object that decides which grads go in which
+bucket (torch's size caps and its one-time rebuild in the order grads became ready) and saves and
+restores that layout for :func:`fastamp.save_training_state`."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from fastamp.parallel._args import _NAME
+__all__ = ["Bucket", "BucketLayout", "GradBucket"]
 
-__all__ = ["BucketLayout", "GradBucket"]
-
+_WHERE = "DistributedDataParallel.load_bucket_layout"
 
 
 class GradBucket:
@@ -48,7 +47,12 @@ class GradBucket:
 
 
 class Bucket:
-    __slots__ = ("params", "offsets", "buffer", "pending", "work", "launched", "index", "numel")
+    """One flat buffer holding the grads of ``params`` (one dtype, one device) at ``offsets``;
+    ``views[i]`` is parameter i's slice shaped like it (made once: the hooks of a backward use
+    them). ``pending`` (grads not yet ready), ``work`` (the collective in flight) and ``launched``
+    are the current backward's; :class:`fastamp.parallel._backward.GradSync` sets them."""
+
+    __slots__ = ("params", "offsets", "buffer", "views", "pending", "work", "launched", "index", "numel")
 
     def __init__(self, params: list[nn.Parameter], index: int):
         self.params = params
@@ -60,49 +64,57 @@ class Bucket:
             n += p.numel()
         self.numel = n
         self.buffer = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
+        self.views = [self.buffer.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, self.offsets)]
         self.pending = len(params)
-        self.work = None
+        self.work: Any = None
         self.launched = False
 
-    def view_of(self, i: int) -> Tensor:
-        p = self.params[i]
-        return self.buffer.narrow(0, self.offsets[i], p.numel()).view(p.shape)
+    def comm_bucket(self, buffer: Tensor, last: bool) -> GradBucket:
+        """What a comm hook receives for this bucket, holding ``buffer``."""
+        return GradBucket(self.index, buffer, self.params, self.offsets, last)
 
 
 class BucketLayout:
-    """Mixin of :class:`fastamp.parallel.DistributedDataParallel`: the bucket layout."""
+    """The buckets of one DistributedDataParallel: built at construction with torch's assignment,
+    rebuilt once after the first backward in the order its grads became ready (rank 0's order),
+    saved and restored as plain data.
 
-    process_group: Any
-    world_size: int
-    gradient_as_bucket_view: bool
-    _params: list[nn.Parameter]
-    _index: dict[int, int]
-    _buckets: list[Bucket]
-    _bucket_of: dict[int, tuple[Bucket, int]]
-    _bucket_caps: list[int]
-    _ready_order: list[nn.Parameter]
-    _rebuilt: bool
-    _pending: bool
-    find_unused_parameters: bool
-    static_graph: bool
-    _default_bucket_cap: bool
-    _custom_bucket_caps: bool
-    device_mesh: Any
+    ``caps`` are the bucket limits in bytes (``bucket_cap_mb``, or ``bucket_cap_mb_list`` when
+    ``custom_caps``); ``default_cap`` says ``bucket_cap_mb`` was not given (torch then makes the
+    rebuilt first bucket 1 MiB). ``views``: grads that are bucket views move with the buckets."""
 
-    def _global_src(self) -> int:
-        return dist.get_global_rank(self.process_group, 0) if self.process_group is not dist.group.WORLD else 0
+    def __init__(self, params: list[nn.Parameter], *, caps: list[int], custom_caps: bool,
+                 default_cap: bool, find_unused_parameters: bool, static_graph: bool, views: bool,
+                 process_group: Any, world_size: int):
+        self.params = params
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.caps = caps
+        self.custom_caps = custom_caps
+        self.default_cap = default_cap
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        self.views = views
+        self.process_group = process_group
+        self.world_size = world_size
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict[int, tuple[Bucket, int]] = {}
+        # The order grads became ready in the first synchronised backward (the hooks append).
+        self.ready_order: list[nn.Parameter] = []
+        # Like torch: no rebuild when the graph may differ between iterations or ranks.
+        self.rebuilt = find_unused_parameters
+        self._assign(None)
 
     def _limits(self, rebuild: bool) -> list[int]:
         """torch's bucket size limits in bytes (its DDP's BucketCapacityConfig and the C++
         reducer's rebuild default): bucket_cap_mb_list as given; else for the first iteration one
         bucket per dtype and device (the rebuild sizes them) unless unused parameters are searched
         for without a static graph; else a 1 MiB first bucket with the default cap, then the cap."""
-        if self._custom_bucket_caps:
-            return list(self._bucket_caps)
+        if self.custom_caps:
+            return list(self.caps)
         if not rebuild and (self.static_graph or not self.find_unused_parameters):
             return [sys.maxsize]
-        cap = self._bucket_caps[0]
-        first = dist._DEFAULT_FIRST_BUCKET_BYTES if self._default_bucket_cap else cap
+        cap = self.caps[0]
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES if self.default_cap else cap
         return [first, cap] if first < cap else [cap]
 
     def _assign(self, order: list[int] | None) -> None:
@@ -115,103 +127,93 @@ class BucketLayout:
         that depends on its position in the bucket, so with 3 or more ranks another layout gives
         grads that differ from torch's in the last bits (and batch norm over a few samples can
         amplify them); with torch's layout they are torch's bit for bit."""
-        n = len(self._params)
+        n = len(self.params)
         if n == 0:
-            self._build_buckets([], [])
+            self._build([], [])
             return
         limits = self._limits(rebuild=order is not None)
         if order is None:
-            indices, _ = dist._compute_bucket_assignment_by_size(self._params, limits, [False] * n)
+            indices, _ = dist._compute_bucket_assignment_by_size(self.params, limits, [False] * n)
             indices = list(reversed(indices))
         else:
             indices, _ = dist._compute_bucket_assignment_by_size(
-                [self._params[i] for i in order], limits, [False] * n, list(order))
-        self._build_buckets([self._params[i] for b in indices for i in b], [len(b) for b in indices])
+                [self.params[i] for i in order], limits, [False] * n, list(order))
+        self._build([self.params[i] for b in indices for i in b], [len(b) for b in indices])
 
-    def _build_buckets(self, order: list[nn.Parameter], sizes: list[int]) -> None:
+    def _build(self, order: list[nn.Parameter], sizes: list[int]) -> None:
         """Contiguous buckets of exactly ``sizes`` parameters each, in ``order``; grads that are
         bucket views move into the new buffers."""
-        old = self._buckets
-        self._buckets, self._bucket_of = [], {}
+        self.buckets, self.bucket_of = [], {}
         start = 0
         for n in sizes:
-            self._add_bucket(order[start:start + n])
+            b = Bucket(order[start:start + n], len(self.buckets))
+            self.buckets.append(b)
+            for i, p in enumerate(b.params):
+                self.bucket_of[id(p)] = (b, i)
             start += n
-        if self.gradient_as_bucket_view:
+        if self.views:
             with torch.no_grad():
-                for b in self._buckets:
-                    for i, p in enumerate(b.params):
+                for b in self.buckets:
+                    for p, view in zip(b.params, b.views):
                         if p.grad is not None:
-                            view = b.view_of(i)
                             view.copy_(p.grad)
                             p.grad = view
-        del old
-
-    def _add_bucket(self, params: list[nn.Parameter]) -> None:
-        b = Bucket(params, len(self._buckets))
-        self._buckets.append(b)
-        for i, p in enumerate(params):
-            self._bucket_of[id(p)] = (b, i)
 
     @property
-    def bucket_sizes(self) -> list[int]:
-        """Number of parameters in each bucket, in launch order (for tests and tuning)."""
-        return [len(b.params) for b in self._buckets]
+    def sizes(self) -> list[int]:
+        """Number of parameters in each bucket, in launch order."""
+        return [len(b.params) for b in self.buckets]
 
-    def _rebuild_from_rank0(self) -> None:
+    def rebuild_from_rank0(self) -> None:
         """Rebuilds the buckets in the order grads became ready in the first iteration -- rank 0's
         order, broadcast, so that every rank builds the same buckets."""
-        seen = {id(p) for p in self._ready_order}
-        order = [self._index[id(p)] for p in self._ready_order]
-        order += [i for i in reversed(range(len(self._params))) if id(self._params[i]) not in seen]
+        self.rebuilt = True
+        seen = {id(p) for p in self.ready_order}
+        order = [self.index[id(p)] for p in self.ready_order]
+        order += [i for i in reversed(range(len(self.params))) if id(self.params[i]) not in seen]
         if self.world_size > 1:
             box = [order]
-            dist.broadcast_object_list(box, src=self._global_src(), group=self.process_group)
+            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not dist.group.WORLD else 0
+            dist.broadcast_object_list(box, src=src, group=self.process_group)
             order = box[0]
-        self._ready_order = []
+        self.ready_order = []
         self._assign(order)
 
-    def bucket_layout(self) -> dict[str, Any]:
-        """The bucket layout as plain data: which parameter (by index in ``module.parameters()``
-        that require grad) goes in which bucket, and whether the one-time rebuild has happened.
-
-        :func:`fastamp.save_training_state` stores it so that a resumed run sums the same grads
-        in the same buckets as the run it continues (the clip norm is a sum of per-bucket partial
-        sums: another layout rounds differently)."""
+    def to_dict(self) -> dict[str, Any]:
+        """The layout as plain data: which parameter (by index among the parameters that require
+        grad) goes in which bucket, and whether the one-time rebuild has happened."""
         return {
-            "order": [self._index[id(p)] for b in self._buckets for p in b.params],
-            "bucket_sizes": self.bucket_sizes,
-            "rebuilt": bool(self._rebuilt),
-            "num_params": len(self._params),
+            "order": [self.index[id(p)] for b in self.buckets for p in b.params],
+            "bucket_sizes": self.sizes,
+            "rebuilt": bool(self.rebuilt),
+            "num_params": len(self.params),
         }
 
-    def load_bucket_layout(self, layout: dict[str, Any]) -> None:
-        """Restores a layout from :meth:`bucket_layout` (validated before anything changes)."""
-        n = len(self._params)
+    def load_dict(self, layout: Any) -> None:
+        """Restores a layout from :meth:`to_dict` (validated before anything changes)."""
+        n = len(self.params)
         if not isinstance(layout, dict) or not {"order", "bucket_sizes", "rebuilt"} <= layout.keys():
             raise ValueError(
-                "DistributedDataParallel.load_bucket_layout: layout must be the dict returned by "
-                f"bucket_layout() (keys order, bucket_sizes, rebuilt); got {layout!r:.200}"
+                f"{_WHERE}: layout must be the dict returned by bucket_layout() (keys order, "
+                f"bucket_sizes, rebuilt); got {layout!r:.200}"
             )
         order, sizes = list(layout["order"]), list(layout["bucket_sizes"])
         if sorted(order) != list(range(n)) or sum(sizes) != n or any(s <= 0 for s in sizes):
             raise ValueError(
-                "DistributedDataParallel.load_bucket_layout: the layout does not fit this model "
-                f"({n} parameters that require grad; the layout orders {len(order)} in buckets of "
-                f"{sizes}). Load a layout saved from the same model."
+                f"{_WHERE}: the layout does not fit this model ({n} parameters that require grad; "
+                f"the layout orders {len(order)} in buckets of {sizes}). Load a layout saved from "
+                "the same model."
             )
-        if self._pending:
-            raise RuntimeError("DistributedDataParallel.load_bucket_layout: cannot change buckets during backward")
-        params = [self._params[i] for i in order]
+        params = [self.params[i] for i in order]
         start = 0
         for s in sizes:
             group = params[start:start + s]
             if any(p.dtype != group[0].dtype or p.device != group[0].device for p in group):
                 raise ValueError(
-                    "DistributedDataParallel.load_bucket_layout: a bucket would mix dtypes or "
-                    "devices; the layout was saved from a different model"
+                    f"{_WHERE}: a bucket would mix dtypes or devices; the layout was saved from a "
+                    "different model"
                 )
             start += s
-        self._build_buckets(params, sizes)
-        self._rebuilt = bool(layout["rebuilt"]) or self.find_unused_parameters
-        self._ready_order = []
+        self._build(params, sizes)
+        self.rebuilt = bool(layout["rebuilt"]) or self.find_unused_parameters
+        self.ready_order = []

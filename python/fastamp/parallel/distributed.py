@@ -43,23 +43,25 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from fastamp.handoff import GradStats
-from fastamp.parallel._args import _NAME, check_arguments
-from fastamp.parallel._backward import BackwardSync
+from fastamp.handoff import GradStatsConsumer
+from fastamp.parallel._args import _NAME, check_arguments, collective_error
+from fastamp.parallel._backward import GradSync
 from fastamp.parallel._torch_compat import CallbackJoinHook, ReducerShim, TorchCompat
-from fastamp.parallel.buckets import Bucket, BucketLayout, GradBucket
+from fastamp.parallel.buckets import BucketLayout, GradBucket
 
 __all__ = ["DistributedDataParallel", "GradBucket"]
 
 _DEFAULT_BUCKET_MB = 25.0
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
-class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP):
+class DistributedDataParallel(TorchCompat, _TorchDDP):
     """Mirrors :class:`torch.nn.parallel.DistributedDataParallel` (same arguments, same
     ``state_dict`` keys with the ``module.`` prefix); see the module docstring and docs/ddp.md.
 
     A subclass of torch's class without torch's reducer: ``isinstance(m, torch.nn.parallel.
-    DistributedDataParallel)`` is true, ``m.reducer`` does not exist."""
+    DistributedDataParallel)`` is true, ``m.reducer`` does not exist. The buckets are a
+    :class:`fastamp.parallel.buckets.BucketLayout`; each iteration's synchronisation is a
+    :class:`fastamp.parallel._backward.GradSync` (``self._sync``), whose hooks the parameters hold."""
 
     # set by torch's DDP methods this class calls: _assign_modules_buffers(), join()
     named_module_buffers: dict[str, Tensor]
@@ -135,47 +137,29 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
         self.rank = dist.get_rank(self.process_group)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self._divide_by_initial_world_size = True
-        self._comm_hooks: list[tuple[Callable, object]] = []
-        self._comm_hook: tuple[Callable, object] | None = None
+        self._comm_hooks: list[tuple[Callable, object]] = []  # torch's attribute: the registered hook
         self._assign_modules_buffers()  # torch's: self.modules_buffers, self.named_module_buffers
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
-        self._params = [p for _, p in named]
-        self._names = {id(p): n for n, p in named}
-        self._index = {id(p): i for i, p in enumerate(self._params)}
+        params = [p for _, p in named]
         self._checked_same_model = False
         if init_sync:
             self._check_same_model()
             self._sync_initial_states(init_sync_buffers)
 
-        self._bucket_of: dict[int, tuple[Bucket, int]] = {}
-        self._buckets: list[Bucket] = []
-        self._assign(None)
-        self._ready_order: list[nn.Parameter] = []
-        # Like torch: no rebuild when the graph may differ between iterations or ranks.
-        self._rebuilt = self.find_unused_parameters
-        self._next_launch = 0
-        # The iteration state machine: a synchronised forward arms the next backward; its first
-        # hook starts it (_pending); the end-of-backward callback finishes it.
-        self._armed = False
-        self._started = False  # the end-of-backward callback is queued
-        self._pending = False  # a grad hook fired: collectives may be in flight
-        self._tokens: list[list[bool]] = []  # one per armed forward, set once its backward ran
-        self._consuming: list[list[bool]] = []
-        self._grad_ready: set[int] = set()
-        self._used: set[int] = set()  # locally used since the last synchronised backward
-        self._global_unused: set[int] | None = None  # static_graph: from the first iteration
-        # ids used on some rank in the last used-map all-reduce this rank took part in: what a
-        # joined rank contributes to the others' (torch's reducer all-reduces its used map in
-        # place, and a joined rank sends that last result again).
-        self._last_global_used: set[int] = set()
-        self._join_work = None
-        self._divide = float(self.world_size)
-        self._stats: list[tuple[Tensor, Tensor]] = []
-        self._last_stats: GradStats | None = None
-        self._scaler = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        layout = BucketLayout(
+            params, caps=self._bucket_caps, custom_caps=self._custom_bucket_caps,
+            default_cap=self._default_bucket_cap, find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph, views=self.gradient_as_bucket_view,
+            process_group=self.process_group, world_size=self.world_size,
+        )
+        self._sync = GradSync(
+            layout, {id(p): n for n, p in named}, world_size=self.world_size, rank=self.rank,
+            process_group=self.process_group, device=self.device,
+            find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
+            views=self.gradient_as_bucket_view,
+        )
+        self._hooks = [p.register_post_accumulate_grad_hook(self._sync.on_grad_ready) for p in params]
 
     # ------------------------------------------------------------------ what torch's reducer was
     @property
@@ -183,10 +167,7 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
         """Not torch's C++ reducer: the one call clients make on it, ``prepare_for_backward``
         (accelerate's ``trigger_sync_in_backward``), arms the next backward for synchronisation
         as torch's does; anything else raises AttributeError naming it."""
-        return ReducerShim(self._arm_next_backward)
-
-    def _arm_next_backward(self) -> None:
-        self._armed = True
+        return ReducerShim(self._sync.arm)
 
     # ------------------------------------------------------------------ construction
     def _describe(self) -> list[str]:
@@ -240,18 +221,18 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
             return self._post_forward(self.module(*inputs, **kwargs))
 
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
-        self._check_previous_iteration()
+        self._sync.check_previous_iteration()
         if self._join_config.enable:
             work = Join.notify_join_context(self)
             if work:
-                self._join_work = work
+                self._sync.join_work = work
         if self._check_sync_bufs_pre_fwd():
             if not self._checked_same_model:  # init_sync=False: check before the first broadcast
                 self._check_same_model()
             try:
                 self._sync_buffers()  # torch's: rank 0 (or, under join, the last active rank)
             except Exception as e:
-                raise self._collective_error("the broadcast of the module's buffers", e) from e
+                raise collective_error("the broadcast of the module's buffers", self.rank, e) from e
         if self._join_config.enable:
             self._check_global_requires_backward_grad_sync(is_joined_rank=False)
         if self.device_ids:
@@ -267,46 +248,8 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
         # torch: the next forward broadcasts buffers only if this one synchronises.
         self.require_forward_param_sync = synced
         if synced:
-            self._armed = True
-            # The end-of-backward callback goes on the graph task that reaches this output: the
-            # outermost backward, even when the first grad hook fires in a reentrant one. The
-            # token tells a second backward through this output (retain_graph) from the first.
-            from torch.nn.parallel.distributed import _find_tensors
-
-            token = [False]
-            self._tokens.append(token)
-            del self._tokens[:-64]  # forwards with no backward (grad-enabled evaluation) add up
-            # A weak method: the graph must not keep the wrapper alive.
-            on_grad = weakref.WeakMethod(self._on_output_grad)
-
-            def prehook(grads: Any, on_grad: Any = on_grad, token: list = token) -> None:
-                fn = on_grad()
-                if fn is not None:
-                    fn(token)
-
-            for t in _find_tensors(output):
-                if t.grad_fn is not None:
-                    t.grad_fn.register_prehook(prehook)
+            self._sync.arm_forward(output)
         return output
-
-    def _check_previous_iteration(self) -> None:
-        if self._pending:
-            raise RuntimeError(
-                f"{_NAME}: Expected to have finished reduction in the prior iteration before "
-                "starting a new one. The previous backward started synchronising gradients but "
-                "did not finish (an exception was raised inside it, or some parameters did not "
-                "get a gradient); the ranks' gradients are no longer in step. Recreate the model "
-                "wrapper (and the process group if a peer is stuck) instead of continuing."
-            )
-        # A backward that raised before any grad hook fired launched nothing: nothing to undo.
-        self._started = False
-
-    def _collective_error(self, what: str, e: Exception) -> RuntimeError:
-        return RuntimeError(
-            f"{_NAME}: {what} failed on rank {self.rank}: {e}. "
-            "A peer rank has probably died or stalled past the process group's timeout "
-            "(init_process_group(timeout=...)); check the other ranks' logs."
-        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -330,14 +273,14 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
         fp16_compress_hook, bf16_compress_hook, user hooks); with ``gradient_as_bucket_view=True``
         there is no unpack and no statistics, hook or not."""
         self._check_comm_hook(hook)  # torch's checks (callable, annotations, bf16 support)
-        if self._comm_hook is not None:
+        if self._sync.comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        if self._pending or any(b.launched for b in self._buckets):
+        if self._sync.has_run():
             raise RuntimeError(
                 "register_comm_hook: communication hook can only be registered before the first backward"
             )
         self._comm_hooks.append((hook, state))
-        self._comm_hook = (hook, state)
+        self._sync.comm_hook = (hook, state)
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -357,7 +300,7 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        self._sync.divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         return CallbackJoinHook(self._join_main_hook, self._sync_final_model)
 
     def _join_main_hook(self) -> None:
@@ -367,7 +310,48 @@ class DistributedDataParallel(BucketLayout, BackwardSync, TorchCompat, _TorchDDP
         should_sync = self._check_global_requires_backward_grad_sync(is_joined_rank=True)
         self.require_forward_param_sync = should_sync
         if should_sync:
-            self._shadow_backward()
+            self._sync.shadow_backward()
+
+    # ------------------------------------------------------------------ the scaler's statistics
+    def register_grad_scaler(self, scaler: Any) -> None:
+        """Hands the unpack's fused statistics (a :class:`fastamp.handoff.GradStats`) to ``scaler`` (a
+        :class:`fastamp.GradScaler`), whose ``clip_grad_norm_`` then skips its own read pass over
+        the grads -- only while the grads are exactly the ones measured (see
+        :meth:`fastamp.handoff.GradStats.current_for`).
+
+        The sum of squares is of the *unscaled* grads: the unpack multiplies by the scaler's
+        inverse scale in registers (read on the device, no sync)."""
+        if not isinstance(scaler, GradStatsConsumer):
+            raise TypeError(
+                f"{_NAME}.register_grad_scaler: expected a fastamp.GradScaler, got {type(scaler).__name__}"
+            )
+        self._sync.scaler = scaler
+
+    def grad_stats(self) -> tuple[Tensor, Tensor] | None:
+        """``(found_inf, sum of squares)`` of the all-reduced grads, computed by the unpack of the
+        last backward (None with gradient_as_bucket_view, which has no unpack)."""
+        return self._sync.grad_stats()
+
+    # ------------------------------------------------------------------ the bucket layout
+    @property
+    def bucket_sizes(self) -> list[int]:
+        """Number of parameters in each bucket, in launch order (for tests and tuning)."""
+        return self._sync.layout.sizes
+
+    def bucket_layout(self) -> dict[str, Any]:
+        """The bucket layout as plain data: which parameter (by index in ``module.parameters()``
+        that require grad) goes in which bucket, and whether the one-time rebuild has happened.
+
+        :func:`fastamp.save_training_state` stores it so that a resumed run sums the same grads
+        in the same buckets as the run it continues (the clip norm is a sum of per-bucket partial
+        sums: another layout rounds differently)."""
+        return self._sync.layout.to_dict()
+
+    def load_bucket_layout(self, layout: dict[str, Any]) -> None:
+        """Restores a layout from :meth:`bucket_layout` (validated before anything changes)."""
+        if self._sync.pending:
+            raise RuntimeError("DistributedDataParallel.load_bucket_layout: cannot change buckets during backward")
+        self._sync.layout.load_dict(layout)
 
     # ------------------------------------------------------------------ module protocol
     def __getstate__(self):
