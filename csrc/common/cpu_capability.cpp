@@ -1,3 +1,5 @@
+// Which SIMD flavour of the CPU kernels this machine runs (decided once, at load), and the op
+// that reports it.
 #include "common/cpu_capability.h"
 
 #include <torch/library.h>

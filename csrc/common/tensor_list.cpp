@@ -1,3 +1,5 @@
+// Tensor lists as the kernels take them: validation of each list (device, dtype, layout, sizes,
+// aliasing) before anything is written, flattened into raw pointers and element counts.
 #include "common/tensor_list.h"
 
 #include <ATen/MemoryOverlap.h>

@@ -1,4 +1,5 @@
-"""Memory reports: ``summary()`` for every device and ``track()`` for the peak of a block.
+"""Memory reports: ``summary()`` for every device (a :class:`DeviceMemory` each) and ``track()`` for
+the peak of a block (a :class:`Peak`).
 
 On CUDA the numbers come from PyTorch's caching allocator (allocated, reserved, peak,
 fragmentation = the share of reserved memory not allocated). On CPU there is no allocator to ask:

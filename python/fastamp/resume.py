@@ -5,7 +5,7 @@ loss scale and its growth tracker (and fastamp's hysteresis tracker), the optimi
 step counts, the LR scheduler, every random generator (dropout masks, data shuffling) and, under
 :class:`fastamp.parallel.DistributedDataParallel`, the gradient-bucket layout (the clip norm is a
 sum of per-bucket partial sums) all decide the next step's bits. :func:`save_training_state`
-stores all of them; :func:`load_training_state` validates the files and restores them.
+stores all of them (what it returns and reads back is a :class:`TrainingState`); :func:`load_training_state` validates the files and restores them.
 
 Files. With one process, ``path`` is one file. Under torch.distributed (world size > 1) rank 0
 writes ``path`` (model, optimizer, scaler, scheduler: identical on every rank under DDP) and every

@@ -1,5 +1,5 @@
 """Activation accounting: the bytes autograd keeps for the backward, counted through saved-tensor
-hooks (:func:`count_saved_bytes`), plus what checkpointed regions keep (their inputs,
+hooks (:func:`count_saved_bytes`, into a :class:`SavedBytes` tally), plus what checkpointed regions keep (their inputs,
 :func:`note_checkpoint_inputs`) and selective checkpointing's caches (:func:`note_cache`).
 
 The bottom layer of ``fastamp.checkpoint``: ``core`` and ``policies`` report to it, the planner

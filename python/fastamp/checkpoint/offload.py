@@ -2,7 +2,7 @@
 
 ``offload_activations()`` is a ``saved_tensors_hooks`` context: each activation autograd saves
 (above ``min_bytes``) is copied to host memory on a side stream -- overlapped with the forward's
-compute -- into pinned buffers that are reused across steps, and copied back on the backward's
+compute -- into pinned buffers that are reused across steps (a :class:`PinnedPool`), and copied back on the backward's
 stream when autograd needs it. On CPU tensors there is nothing to offload and they are kept.
 """
 

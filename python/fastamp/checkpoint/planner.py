@@ -1,5 +1,6 @@
-"""Memory-budget planner: measure a model once, then checkpoint the blocks that free the most
-activation memory per second of recompute until the saved activations fit the budget.
+"""Memory-budget planner: measure a model once (a :class:`BlockStats` per block), then checkpoint the
+blocks that free the most activation memory per second of recompute until the saved activations
+fit the budget (the :class:`CheckpointPlan`).
 
 Activation memory is measured, on any device, as the bytes autograd keeps for the backward: every
 tensor saved through saved-tensor hooks (parameters excluded, shared storages counted once), plus

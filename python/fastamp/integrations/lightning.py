@@ -15,6 +15,9 @@ before clipping. Here the clip goes through ``scaler.clip_grad_norm_``: with a f
 the grads are read once (inf check + norm) and unscaled and clipped inside the fused update, with
 no host sync; with any other optimizer it is Lightning's recipe (unscale, then clip).
 
+Under DDP, :class:`FastampDDPStrategy` is Lightning's DDP strategy with
+:class:`fastamp.parallel.DistributedDataParallel` as the wrapper.
+
 What differs from ``MixedPrecision`` (nothing else does): the default scaler is
 :class:`fastamp.GradScaler`; ``gradient_clip_algorithm="norm"`` uses ``scaler.clip_grad_norm_``
 (fp32 accumulation of the norm: equal to torch's up to rounding); with a fastamp fused optimizer,

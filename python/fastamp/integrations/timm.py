@@ -19,6 +19,8 @@ Optimizers by name: :func:`register_optimizers` adds ``fastamp-adamw``, ``fastam
 ``--opt fastamp-adamw`` work. timm keeps only the part of a name after its last underscore
 (``"fastamp_adamw"`` is read as ``"adamw"``: torch's AdamW, silently), so the names use a hyphen,
 and :func:`create_optimizer_v2` here refuses underscore spellings of them with a clear error.
+:class:`ClipParametersError` is what ``NativeScaler`` raises for ``clip_grad`` without ``parameters``
+(timm asserts).
 
 Note: timm 1.0 imports torchvision at ``import timm``; the registry functions need both.
 """

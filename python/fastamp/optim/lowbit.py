@@ -26,8 +26,8 @@ ones keep float32 state, as bitsandbytes keeps small tensors in 32 bits.
 The formats convert with the kernels' own arithmetic written in torch ops (bit for bit the same,
 :mod:`fastamp.optim.codec8`) when a state_dict of another format is loaded.
 
-This file is over 400 lines because it is one concern: the three formats, how a state is
-recognised and checked, and the conversions between them.
+One concern: the three formats, how a state is recognised and checked, and the conversions
+between them.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ the first kernel writes anything.
 
 ``optimizer.stepped`` is a device bool tensor: whether the last ``step()`` updated the params.
 
-This file is over 400 lines because it is one concern: the three optimizers and the step they
-share (each optimizer's launch beside the loop that runs it).
+One concern: the three optimizers and the step they share (each optimizer's launch beside the
+loop that runs it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The arithmetic of ``GradScaler.clip_grad_norm_`` over an optimizer's grads, as functions of
 explicit inputs (the scaler keeps the per-iteration state): the argument checks, the read-only
-stats pass (inf flags and the norm, or DDP's measured statistics reused), and the write pass
+stats pass (inf flags and the norm, a :class:`GradNorm`, or DDP's measured statistics reused), and the write pass
 (unscale and clip together) for optimizers that do not take the clip into their own kernel."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""An optimizer's grads as the scaler's ops take them: grouped by device (all dtypes in one list),
+"""An optimizer's grads as the scaler's ops take them (:class:`DeviceGrads`): grouped by device (all dtypes in one list),
 validated before the first one is touched."""
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 :class:`OptimizerIteration` is what fastamp's scaler keeps for one optimizer from its first
 ``unscale_`` / ``clip_grad_norm_`` / ``step`` of an iteration until ``update()``, beside PyTorch's
-own per-optimizer entry (``stage``, ``found_inf_per_device``), which keeps PyTorch's keys only.
+own per-optimizer entry (``stage``, ``found_inf_per_device``), which keeps PyTorch's keys only;
+its :class:`ClipStep` is what ``clip_grad_norm_`` hands the fused step.
 
 :class:`Transaction`: a call that raises before writing a grad leaves both as they were.
 """

@@ -1,6 +1,6 @@
 """What the scaler remembers of overflows, on the device, and the report it builds from it.
 
-Per optimizer, :func:`record` keeps the per-parameter inf/NaN flags of the last step that
+Per optimizer, :func:`record` keeps (in an :class:`OverflowRecord`) the per-parameter inf/NaN flags of the last step that
 overflowed, with device ops only (no host sync in the training step); :func:`report` reads them
 back (one sync, meant for after a NaN loss) as an :class:`OverflowReport`.
 """

@@ -14,7 +14,7 @@ accept it unchanged. What changes underneath:
 * the scale update runs on the device with optional hysteresis and bounds;
 * diagnostics: :meth:`last_step_skipped` (a device tensor, no sync) and :meth:`overflow_report`.
 
-One class in one file (over 400 lines: the scaler's state machine is one concern): the clip's
+One class in one file (the scaler's state machine is one concern): the clip's
 arithmetic (:mod:`fastamp.scaler._clip`), the per-iteration record and its all-or-nothing rule
 (:mod:`fastamp.scaler._transaction`) and the state_dict checks are functions and objects it calls
 with explicit inputs.
