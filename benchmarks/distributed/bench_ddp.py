@@ -11,7 +11,7 @@ every rank, repetitions interleaved (the order rotates each repetition) after wa
             scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt); scaler.step(opt); scaler.update()
 
 each with gradient_as_bucket_view=False and =True (4 variants); with --baseline REF also
-  today:    fastamp's DDP as it was at git commit REF (python/fastamp/parallel/distributed.py of
+  today:    fastamp's DDP as it was at git commit REF (the python/fastamp/parallel package of
             that commit, imported from a temporary file), the rest as fastamp above
 so that "no slower than before" is measured in the same interleaved run. Timed per step: zero_grad + forward +
 backward (which includes the bucket all-reduces and their wait) = "fwd+bwd", and clip + optimizer
@@ -87,41 +87,27 @@ _BASELINE = None  # the DDP class of --baseline REF
 
 
 def load_baseline(ref):
-    """fastamp's DDP class as of git commit `ref` (only that file; the ops are today's)."""
-    import importlib.util
+    """fastamp's DDP class as of git commit `ref`: that commit's python/fastamp/parallel package,
+    imported under another name (the ops and the rest of fastamp are today's). `ref` must be a
+    commit whose DDP hands the scaler a fastamp.handoff.GradStats (register_grad_scaler)."""
+    import importlib
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    src = subprocess.run(["git", "-C", root, "show", f"{ref}:python/fastamp/parallel/distributed.py"],
-                         check=True, capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), "fastamp_ddp_baseline.py")
-    with open(path, "w") as fh:
-        fh.write(src)
-    spec = importlib.util.spec_from_file_location("fastamp_ddp_baseline", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.DistributedDataParallel
-
-
-class _OldScalerHandoff:
-    """The baseline reads the scale as ``_scale`` and hands its stats as (params, found_inf,
-    sum_sq); today's scaler takes a fastamp.handoff.GradStats through note_grad_stats. This adapter
-    (the object the baseline talks to) builds one for the grads as they are (the baseline's
-    unconditional reuse), so the baseline's step costs what it cost."""
-
-    def __init__(self, scaler):
-        self.scaler = scaler
-
-    @property
-    def _scale(self):
-        return self.scaler.current_scale()
-
-    def _note_grad_stats(self, params, found, sq):
-        from fastamp.handoff import GradStats
-
-        with_grad = [p for p in params if p.grad is not None]
-        self.scaler.note_grad_stats(GradStats.measured(
-            found, sq, with_grad, [p.grad for p in with_grad], self.scaler.current_scale()))
+    files = subprocess.run(["git", "-C", root, "ls-tree", "--name-only", ref, "python/fastamp/parallel/"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    top = tempfile.mkdtemp()
+    pkg = os.path.join(top, "fastamp_baseline_parallel")
+    os.makedirs(pkg)
+    for f in files:
+        if not f.endswith(".py"):
+            continue
+        src = subprocess.run(["git", "-C", root, "show", f"{ref}:{f}"], check=True, capture_output=True,
+                             text=True).stdout
+        with open(os.path.join(pkg, os.path.basename(f)), "w") as fh:
+            fh.write(src.replace("fastamp.parallel", "fastamp_baseline_parallel"))
+    sys.path.insert(0, top)
+    return importlib.import_module("fastamp_baseline_parallel.distributed").DistributedDataParallel
 
 
 def make_variant(kind, view, base, args):
@@ -130,7 +116,7 @@ def make_variant(kind, view, base, args):
         ddp = _BASELINE(model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=view)
         opt = fastamp.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
         scaler = fastamp.GradScaler("cpu", init_scale=2.0**16)
-        ddp.register_grad_scaler(_OldScalerHandoff(scaler))
+        ddp.register_grad_scaler(scaler)
     elif kind == "torch":
         ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
                                                   gradient_as_bucket_view=view)
@@ -175,7 +161,7 @@ def memory(kind, ddp):
         storages[s.data_ptr()] = s.nbytes()
     held = sum(storages.values())  # what the grads actually keep alive
     if kind in ("fastamp", "today"):
-        buckets = ddp._sync.layout.buckets if kind == "fastamp" else ddp._buckets  # "today": the baseline's own
+        buckets = ddp._sync.layout.buckets if hasattr(ddp, "_sync") else ddp._buckets  # an older baseline's
         bufs = [(b.buffer.data_ptr(), b.buffer.numel() * b.buffer.element_size()) for b in buckets]
         comm = sum(n for _, n in bufs)
 

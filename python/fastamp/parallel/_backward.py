@@ -139,25 +139,26 @@ class GradSync:
         if not layout.rebuilt:
             layout.ready_order.append(p)
         bucket, i = layout.bucket_of[key]
-        if self.views:
-            grad = p.grad
-            if grad is not None:
-                # Divide by the world size now, while this grad is hot in cache (one pass; a pass
-                # over the whole bucket at launch would read it back cold). A fresh grad (the
-                # grads were set to None) moves into the bucket in the same pass. A comm hook
-                # gets the grads undivided (it averages), as in torch.
-                if torch.is_grad_enabled():  # create_graph: the move is not part of the graph
-                    with torch.no_grad():
-                        self._into_view(p, grad, bucket.views[i])
-                else:
-                    self._into_view(p, grad, bucket.views[i])
+        grad = p.grad
+        if grad is not None:
+            # Into the bucket, divided by the world size, now, while this grad is hot in cache
+            # (one pass, as torch's reducer; a pack of the whole bucket at launch would read the
+            # grads back cold). With bucket views the grad is (or becomes) its view. A comm hook
+            # gets the grads undivided (it averages), as in torch.
+            if torch.is_grad_enabled():  # create_graph: the move is not part of the graph
+                with torch.no_grad():
+                    self._into_bucket(p, grad, bucket.views[i])
+            else:
+                self._into_bucket(p, grad, bucket.views[i])
+        else:  # another hook set it to None: contributes zeros, as in torch's reducer
+            bucket.views[i].zero_()
         bucket.pending -= 1
         if bucket.pending == 0 and bucket.index == self._next_launch:
             self._launch_ready()
 
-    def _into_view(self, p: nn.Parameter, grad: Tensor, view: Tensor) -> None:
+    def _into_bucket(self, p: nn.Parameter, grad: Tensor, view: Tensor) -> None:
         factor = self._factor if self._factor is not None else self._join_factor()
-        if grad is view or grad.data_ptr() == view.data_ptr():
+        if self.views and (grad is view or grad.data_ptr() == view.data_ptr()):
             if factor != 1.0:
                 view.mul_(factor)
             return
@@ -165,7 +166,8 @@ class GradSync:
             torch.mul(grad, factor, out=view)
         else:
             view.copy_(grad)
-        p.grad = view
+        if self.views:
+            p.grad = view
 
     def _join_factor(self) -> float:
         """1 / the number of ranks still active (join with divide_by_initial_world_size=False)."""
@@ -214,14 +216,17 @@ class GradSync:
                             view.copy_(p.grad)
                         if factor != 1.0:
                             view.mul_(factor)
-            else:
-                present = [(p.grad, off) for p, off in zip(bucket.params, bucket.offsets) if p.grad is not None]
-                if len(present) != len(bucket.params):
-                    bucket.buffer.zero_()
-                if present:
-                    _ops.bucket_pack_(
-                        bucket.buffer, [g.contiguous() for g, _ in present], [o for _, o in present], factor,
-                    )
+            else:  # ready grads are in the bucket (their hook); unused ones: zeros or their grad
+                late = []
+                for p, view, off in zip(bucket.params, bucket.views, bucket.offsets):
+                    if id(p) in self._grad_ready:
+                        continue
+                    if p.grad is None:
+                        view.zero_()
+                    else:
+                        late.append((p.grad.contiguous(), off))
+                if late:
+                    _ops.bucket_pack_(bucket.buffer, [g for g, _ in late], [o for _, o in late], factor)
             if self.comm_hook is not None:
                 hook, state = self.comm_hook
                 bucket.work = hook(state, bucket.comm_bucket(bucket.buffer, bucket.index == len(self.layout.buckets) - 1))
