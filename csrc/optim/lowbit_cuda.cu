@@ -218,9 +218,9 @@ void sgd_lowbit_step_cuda(at::TensorList params, at::TensorList grads,
   const StepScalars& dev = plan.scalars;
   const SgdHyper h = sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
   run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
-    with_bools(plan.has_master, false, [&](auto master, auto) {
+    with_bool(plan.has_master, [&](auto master) {
       using Op = SgdLowbitOp<decltype(master)::value>;
-      run_update<Op::kDepth>(plan, Op{h, dev, old_steps, lr, static_cast<uint32_t>(seed)});
+      run_update(plan, Op{h, dev, old_steps, lr, static_cast<uint32_t>(seed)});
     });
   });
 }
@@ -243,19 +243,12 @@ void adam_lowbit_step_cuda(at::TensorList params, at::TensorList grads, at::Tens
   const AdamHyper h =
       adam_hyper(beta1, beta2, weight_decay, eps, false, decoupled_weight_decay, maximize);
   run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
-    std::vector<const std::vector<FlatTensor>*> l = update_lists(plan);
-    for (const FlatTensorList& a : plan.absmax) l.push_back(&a.items());
     with_bools(plan.int8, plan.has_master, [&](auto int8, auto master) {
       using Op = AdamLowbitOp<decltype(int8)::value, decltype(master)::value>;
-      TORCH_INTERNAL_ASSERT(l.size() == static_cast<size_t>(Op::kDepth), op, ": ", l.size(),
-                            " lists for a ", Op::kDepth, "-list kernel");
-      std::array<const std::vector<FlatTensor>*, Op::kDepth> lists;
-      for (int d = 0; d < Op::kDepth; ++d) lists[static_cast<size_t>(d)] = l[static_cast<size_t>(d)];
-      cuda_multi_tensor_apply<Op::kDepth, Op, Op::kSide>(
-          lists, plan.device, Op{h, dev, old_steps, lr, static_cast<uint32_t>(seed)});
+      run_update<Op::kSide>(plan, Op{h, dev, old_steps, lr, static_cast<uint32_t>(seed)},
+                            plan.absmax);
     });
   });
-  for (FlatTensorList& a : plan.absmax) a.write_back();
 }
 
 }  // namespace

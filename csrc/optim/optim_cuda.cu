@@ -236,7 +236,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
     with_bools(amsgrad, plan.has_master, [&](auto ams, auto master) {
       using Op = AdamOp<decltype(ams)::value, decltype(master)::value>;
-      run_update<Op::kDepth>(plan, Op{h, dev, old_steps, lr});
+      run_update(plan, Op{h, dev, old_steps, lr});
     });
   });
 }
@@ -257,7 +257,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
   run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
     with_bools(momentum != 0.0, plan.has_master, [&](auto mom, auto master) {
       using Op = SgdOp<decltype(mom)::value, decltype(master)::value>;
-      run_update<Op::kDepth>(plan, Op{h, dev, old_steps, lr});
+      run_update(plan, Op{h, dev, old_steps, lr});
     });
   });
 }
