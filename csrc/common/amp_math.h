@@ -29,6 +29,17 @@ FASTAMP_HOST_DEVICE inline Op unscale_clip(Op v, float inv_scale, float coef) {
   return (v * inv_scale) * coef;
 }
 
+/// Calls f(std::bool_constant<a>): a runtime flag becomes a template parameter, so the element
+/// loops carry no per-element branch on it.
+template <typename F>
+inline void with_bool(bool a, const F& f) {
+  if (a) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
 /// Calls f(std::bool_constant<a>, std::bool_constant<b>): runtime flags become template
 /// parameters, so the element loops carry no per-element branch on them.
 template <typename F>

@@ -118,9 +118,9 @@ inline void prefetch(const P* p, int64_t bytes) {
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes), kWrite);
 }
 
-/// How many elements ahead of their use the streaming kernels prefetch. Measured at 50M params on
-/// this project's 2-core CPU VM, whose hardware prefetch does not keep several streams ahead:
-/// 512, 1024 and 2048 gave the same step times.
+/// How many elements ahead of their use the streaming kernels prefetch: far enough to cover the
+/// memory latency of several concurrent streams, which a hardware prefetcher may not keep ahead on
+/// its own; the step time is flat around this distance (benchmarks/results/lowbit_cpu.md).
 constexpr int64_t kPrefetchAhead = 1024;
 
 /// prefetch() of the line holding p[kPrefetchAhead].

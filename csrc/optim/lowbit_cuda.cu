@@ -203,59 +203,34 @@ struct SgdLowbitOp {
   }
 };
 
-void sgd_lowbit_step_cuda(at::TensorList params, at::TensorList grads,
-                          at::TensorList momentum_buffers, at::TensorList state_steps,
-                          at::TensorList master_params, int64_t seed, double lr,
-                          const c10::optional<at::Tensor>& lr_tensor, double weight_decay,
-                          double momentum, double dampening, bool nesterov, bool maximize,
-                          const c10::optional<at::Tensor>& inv_scale,
-                          const c10::optional<at::Tensor>& found_inf,
-                          const c10::optional<at::Tensor>& clip_coef) {
-  constexpr const char* op = "fastamp::sgd_lowbit_step_";
-  StepPlan plan = check_sgd_lowbit_step(params, grads, momentum_buffers, state_steps, master_params,
-                                        momentum, lr_tensor, inv_scale, found_inf, clip_coef);
+void sgd_lowbit_step_cuda(const SgdLowbitArgs& args) {
+  const StepPlan plan = check_args(args);
   if (plan.empty()) return;
   const StepScalars& dev = plan.scalars;
-  const SgdHyper h = sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
-  run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
-    with_bools(plan.has_master, false, [&](auto master, auto) {
+  const SgdHyper h = args.opt.hyper();
+  const double lr = args.opt.lr;
+  const auto seed = static_cast<uint32_t>(args.seed);
+  run_step(SgdLowbitArgs::kOp, plan, args.state_steps, dev, [&](const float* old_steps) {
+    with_bool(plan.has_master, [&](auto master) {
       using Op = SgdLowbitOp<decltype(master)::value>;
-      run_update<Op::kDepth>(plan, Op{h, dev, old_steps, lr, static_cast<uint32_t>(seed)});
+      run_update(plan, Op{h, dev, old_steps, lr, seed});
     });
   });
 }
 
-void adam_lowbit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                           at::TensorList exp_avg_sqs, at::TensorList exp_avg_absmax,
-                           at::TensorList exp_avg_sq_absmax, at::TensorList state_steps,
-                           at::TensorList master_params, int64_t seed, double lr,
-                           const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
-                           double weight_decay, double eps, bool decoupled_weight_decay,
-                           bool maximize, const c10::optional<at::Tensor>& inv_scale,
-                           const c10::optional<at::Tensor>& found_inf,
-                           const c10::optional<at::Tensor>& clip_coef) {
-  constexpr const char* op = "fastamp::adam_lowbit_step_";
-  LowbitPlan plan = check_adam_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax,
-                                           exp_avg_sq_absmax, state_steps, master_params,
-                                           lr_tensor, inv_scale, found_inf, clip_coef);
+void adam_lowbit_step_cuda(const AdamLowbitArgs& args) {
+  const LowbitPlan plan = check_args(args);
   if (plan.empty()) return;
   const StepScalars& dev = plan.scalars;
-  const AdamHyper h =
-      adam_hyper(beta1, beta2, weight_decay, eps, false, decoupled_weight_decay, maximize);
-  run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
-    std::vector<const std::vector<FlatTensor>*> l = update_lists(plan);
-    for (const FlatTensorList& a : plan.absmax) l.push_back(&a.items());
+  const AdamHyper h = args.opt.hyper();
+  const double lr = args.opt.lr;
+  const auto seed = static_cast<uint32_t>(args.seed);
+  run_step(AdamLowbitArgs::kOp, plan, args.state_steps, dev, [&](const float* old_steps) {
     with_bools(plan.int8, plan.has_master, [&](auto int8, auto master) {
       using Op = AdamLowbitOp<decltype(int8)::value, decltype(master)::value>;
-      TORCH_INTERNAL_ASSERT(l.size() == static_cast<size_t>(Op::kDepth), op, ": ", l.size(),
-                            " lists for a ", Op::kDepth, "-list kernel");
-      std::array<const std::vector<FlatTensor>*, Op::kDepth> lists;
-      for (int d = 0; d < Op::kDepth; ++d) lists[static_cast<size_t>(d)] = l[static_cast<size_t>(d)];
-      cuda_multi_tensor_apply<Op::kDepth, Op, Op::kSide>(
-          lists, plan.device, Op{h, dev, old_steps, lr, static_cast<uint32_t>(seed)});
+      run_update<Op::kSide>(plan, Op{h, dev, old_steps, lr, seed}, plan.absmax);
     });
   });
-  for (FlatTensorList& a : plan.absmax) a.write_back();
 }
 
 }  // namespace
@@ -263,6 +238,7 @@ void adam_lowbit_step_cuda(at::TensorList params, at::TensorList grads, at::Tens
 }  // namespace fastamp
 
 FASTAMP_CUDA_KERNELS(m) {
-  m.impl("adam_lowbit_step_", &fastamp::optim::adam_lowbit_step_cuda);
-  m.impl("sgd_lowbit_step_", &fastamp::optim::sgd_lowbit_step_cuda);
+  namespace o = fastamp::optim;
+  m.impl("adam_lowbit_step_", &o::adam_lowbit_step_op<o::adam_lowbit_step_cuda>);
+  m.impl("sgd_lowbit_step_", &o::sgd_lowbit_step_op<o::sgd_lowbit_step_cuda>);
 }

@@ -1,6 +1,7 @@
 // Schemas of the fused optimizer ops (each with what it reads and writes) and their
-// device-independent registrations; the argument checks are in optim_checks.cpp, the kernels in
-// optim_cpu.cpp and optim_cuda.cu.
+// device-independent registrations; the C++ op functions that pack each schema's arguments into
+// one struct are in optim_args.h, the argument checks in optim_checks.cpp, the kernels in
+// optim_cpu.cpp, optim_cuda.cu and lowbit_cuda.cu.
 #include <torch/library.h>
 
 #include "optim/optim_checks.h"
@@ -9,68 +10,14 @@ namespace fastamp {
 namespace optim {
 namespace {
 
-// Kernels for calls that reach no backend kernel. A step over empty lists with no optional tensor
-// has no tensor to dispatch on, and the dispatcher would say only "no fallback function is
+// The kernel of calls that reach no backend kernel. A step over empty lists with no optional
+// tensor has no tensor to dispatch on, and the dispatcher would say only "no fallback function is
 // registered"; a step over no params is a no-op, as it is on every backend. A non-empty call
 // lands here only on a device with no fastamp kernel, which is refused by name.
-void adam_step_no_kernel(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                         at::TensorList state_steps, at::TensorList master_params, double,
-                         const c10::optional<at::Tensor>& lr_tensor, double, double, double,
-                         double, bool amsgrad, bool, bool,
-                         const c10::optional<at::Tensor>& inv_scale,
-                         const c10::optional<at::Tensor>& found_inf,
-                         const c10::optional<at::Tensor>& clip_coef) {
-  const StepPlan plan = check_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
-                                        state_steps, master_params, amsgrad, lr_tensor, inv_scale,
-                                        found_inf, clip_coef);
-  TORCH_CHECK(plan.empty(), "fastamp::adam_step_: no kernel for params on ", plan.device,
-              " in this build");
-}
-
-void sgd_step_no_kernel(at::TensorList params, at::TensorList grads,
-                        at::TensorList momentum_buffers, at::TensorList state_steps,
-                        at::TensorList master_params, double,
-                        const c10::optional<at::Tensor>& lr_tensor, double, double momentum,
-                        double, bool, bool, const c10::optional<at::Tensor>& inv_scale,
-                        const c10::optional<at::Tensor>& found_inf,
-                        const c10::optional<at::Tensor>& clip_coef) {
-  const StepPlan plan = check_sgd_step(params, grads, momentum_buffers, state_steps,
-                                       master_params, momentum, lr_tensor, inv_scale, found_inf,
-                                       clip_coef);
-  TORCH_CHECK(plan.empty(), "fastamp::sgd_step_: no kernel for params on ", plan.device,
-              " in this build");
-}
-
-void adam_lowbit_step_no_kernel(at::TensorList params, at::TensorList grads,
-                                at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                                at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
-                                at::TensorList state_steps, at::TensorList master_params, int64_t,
-                                double, const c10::optional<at::Tensor>& lr_tensor, double, double,
-                                double, double, bool, bool,
-                                const c10::optional<at::Tensor>& inv_scale,
-                                const c10::optional<at::Tensor>& found_inf,
-                                const c10::optional<at::Tensor>& clip_coef) {
-  const LowbitPlan plan = check_adam_lowbit_step(params, grads, exp_avgs, exp_avg_sqs,
-                                                 exp_avg_absmax, exp_avg_sq_absmax, state_steps,
-                                                 master_params, lr_tensor, inv_scale, found_inf,
-                                                 clip_coef);
-  TORCH_CHECK(plan.empty(), "fastamp::adam_lowbit_step_: no kernel for params on ", plan.device,
-              " in this build");
-}
-
-void sgd_lowbit_step_no_kernel(at::TensorList params, at::TensorList grads,
-                               at::TensorList momentum_buffers, at::TensorList state_steps,
-                               at::TensorList master_params, int64_t, double,
-                               const c10::optional<at::Tensor>& lr_tensor, double, double momentum,
-                               double, bool, bool, const c10::optional<at::Tensor>& inv_scale,
-                               const c10::optional<at::Tensor>& found_inf,
-                               const c10::optional<at::Tensor>& clip_coef) {
-  const StepPlan plan = check_sgd_lowbit_step(params, grads, momentum_buffers, state_steps,
-                                              master_params, momentum, lr_tensor, inv_scale,
-                                              found_inf, clip_coef);
-  TORCH_CHECK(plan.empty(), "fastamp::sgd_lowbit_step_: no kernel for params on ", plan.device,
-              " in this build");
+template <typename Args>
+void no_kernel(const Args& args) {
+  const auto plan = check_args(args);
+  TORCH_CHECK(plan.empty(), Args::kOp, ": no kernel for params on ", plan.device, " in this build");
 }
 
 std::vector<int64_t> shared_memory_pair(at::TensorList tensors) {
@@ -142,8 +89,9 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
 
 TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
   m.impl("shared_memory_pair", &fastamp::optim::shared_memory_pair);
-  m.impl("adam_step_", &fastamp::optim::adam_step_no_kernel);
-  m.impl("sgd_step_", &fastamp::optim::sgd_step_no_kernel);
-  m.impl("adam_lowbit_step_", &fastamp::optim::adam_lowbit_step_no_kernel);
-  m.impl("sgd_lowbit_step_", &fastamp::optim::sgd_lowbit_step_no_kernel);
+  namespace o = fastamp::optim;
+  m.impl("adam_step_", &o::adam_step_op<o::no_kernel<o::AdamArgs>>);
+  m.impl("sgd_step_", &o::sgd_step_op<o::no_kernel<o::SgdArgs>>);
+  m.impl("adam_lowbit_step_", &o::adam_lowbit_step_op<o::no_kernel<o::AdamLowbitArgs>>);
+  m.impl("sgd_lowbit_step_", &o::sgd_lowbit_step_op<o::no_kernel<o::SgdLowbitArgs>>);
 }

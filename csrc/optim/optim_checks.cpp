@@ -92,60 +92,41 @@ StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
   return plan;
 }
 
-StepScalars check_scalars(const char* op, const c10::Device& device,
-                          const c10::optional<at::Tensor>& lr_tensor,
-                          const c10::optional<at::Tensor>& inv_scale,
-                          const c10::optional<at::Tensor>& found_inf,
-                          const c10::optional<at::Tensor>& clip_coef) {
+StepScalars check_scalars(const char* op, const c10::Device& device, const StepTensors& t) {
   StepScalars s;
-  const auto get = [&](const c10::optional<at::Tensor>& t, const char* name) -> const float* {
-    if (!t.has_value() || !t->defined()) return nullptr;
-    check_scalar_tensor(*t, op, name, device, at::kFloat, true);
-    return t->data_ptr<float>();
+  const auto get = [&](const c10::optional<at::Tensor>& x, const char* name) -> const float* {
+    if (!x.has_value() || !x->defined()) return nullptr;
+    check_scalar_tensor(*x, op, name, device, at::kFloat, true);
+    return x->data_ptr<float>();
   };
-  s.lr = get(lr_tensor, "lr_tensor");
-  s.inv_scale = get(inv_scale, "inv_scale");
-  s.found_inf = get(found_inf, "found_inf");
-  s.clip_coef = get(clip_coef, "clip_coef");
+  s.lr = get(t.lr_tensor, "lr_tensor");
+  s.inv_scale = get(t.inv_scale, "inv_scale");
+  s.found_inf = get(t.found_inf, "found_inf");
+  s.clip_coef = get(t.clip_coef, "clip_coef");
   return s;
 }
 
 }  // namespace
 
-StepPlan check_adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                         at::TensorList state_steps, at::TensorList master_params, bool amsgrad,
-                         const c10::optional<at::Tensor>& lr_tensor,
-                         const c10::optional<at::Tensor>& inv_scale,
-                         const c10::optional<at::Tensor>& found_inf,
-                         const c10::optional<at::Tensor>& clip_coef) {
-  constexpr const char* op = "fastamp::adam_step_";
-  std::vector<std::pair<const char*, at::TensorList>> state = {{"exp_avgs", exp_avgs},
-                                                               {"exp_avg_sqs", exp_avg_sqs}};
-  if (amsgrad) state.emplace_back("max_exp_avg_sqs", max_exp_avg_sqs);
-  StepPlan plan = check_step(op, params, grads, state, state_steps, master_params);
-  if (!plan.empty()) {
-    plan.scalars = check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
-  }
+StepPlan check_args(const AdamArgs& a) {
+  constexpr const char* op = AdamArgs::kOp;
+  std::vector<std::pair<const char*, at::TensorList>> state = {{"exp_avgs", a.exp_avgs},
+                                                               {"exp_avg_sqs", a.exp_avg_sqs}};
+  if (a.opt.amsgrad) state.emplace_back("max_exp_avg_sqs", a.max_exp_avg_sqs);
+  StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params);
+  if (!plan.empty()) plan.scalars = check_scalars(op, plan.device, a.tensors);
   return plan;
 }
 
-StepPlan check_sgd_step(at::TensorList params, at::TensorList grads,
-                        at::TensorList momentum_buffers, at::TensorList state_steps,
-                        at::TensorList master_params, double momentum,
-                        const c10::optional<at::Tensor>& lr_tensor,
-                        const c10::optional<at::Tensor>& inv_scale,
-                        const c10::optional<at::Tensor>& found_inf,
-                        const c10::optional<at::Tensor>& clip_coef) {
-  constexpr const char* op = "fastamp::sgd_step_";
-  TORCH_CHECK(momentum != 0.0 || momentum_buffers.empty(), op,
+StepPlan check_args(const SgdArgs& a) {
+  constexpr const char* op = SgdArgs::kOp;
+  const bool momentum = a.opt.momentum != 0.0;
+  TORCH_CHECK(momentum || a.momentum_buffers.empty(), op,
                     ": momentum_buffers must be empty when momentum == 0");
   std::vector<std::pair<const char*, at::TensorList>> state;
-  if (momentum != 0.0) state.emplace_back("momentum_buffers", momentum_buffers);
-  StepPlan plan = check_step(op, params, grads, state, state_steps, master_params);
-  if (!plan.empty()) {
-    plan.scalars = check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
-  }
+  if (momentum) state.emplace_back("momentum_buffers", a.momentum_buffers);
+  StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params);
+  if (!plan.empty()) plan.scalars = check_scalars(op, plan.device, a.tensors);
   return plan;
 }
 
@@ -209,39 +190,33 @@ void check_lowbit_lists(const char* op, StepPlan& plan, at::TensorList params, a
 
 }  // namespace
 
-LowbitPlan check_adam_lowbit_step(at::TensorList params, at::TensorList grads,
-                                  at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                                  at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
-                                  at::TensorList state_steps, at::TensorList master_params,
-                                  const c10::optional<at::Tensor>& lr_tensor,
-                                  const c10::optional<at::Tensor>& inv_scale,
-                                  const c10::optional<at::Tensor>& found_inf,
-                                  const c10::optional<at::Tensor>& clip_coef) {
-  constexpr const char* op = "fastamp::adam_lowbit_step_";
+LowbitPlan check_args(const AdamLowbitArgs& a) {
+  constexpr const char* op = AdamLowbitArgs::kOp;
   constexpr int64_t kBlock = 256;  // lowbit_math.h's kQuantBlock
+  const at::TensorList params = a.params;
   const size_t n = params.size();
   const bool has_master = check_lengths(
-      op, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, state_steps,
-      master_params);
+      op, params, a.grads, {{"exp_avgs", a.exp_avgs}, {"exp_avg_sqs", a.exp_avg_sqs}},
+      a.state_steps, a.master_params);
   LowbitPlan plan;
   plan.has_master = has_master;
   if (n == 0) return plan;
   const c10::Device dev = params[0].device();
   plan.device = dev;
-  const c10::ScalarType code_t = exp_avgs[0].scalar_type();
+  const c10::ScalarType code_t = a.exp_avgs[0].scalar_type();
   TORCH_CHECK(code_t == at::kBFloat16 || code_t == at::kByte, op,
               ": exp_avgs[0] has dtype ", code_t,
               "; expected bfloat16 (16-bit state) or uint8 (8-bit codes)");
   plan.int8 = code_t == at::kByte;
   NamedLists written;
   if (plan.int8) {
-    check_len(op, "exp_avg_absmax", exp_avg_absmax.size(), n);
-    check_len(op, "exp_avg_sq_absmax", exp_avg_sq_absmax.size(), n);
+    check_len(op, "exp_avg_absmax", a.exp_avg_absmax.size(), n);
+    check_len(op, "exp_avg_sq_absmax", a.exp_avg_sq_absmax.size(), n);
     for (size_t i = 0; i < n; ++i) {
       const int64_t blocks = (params[i].numel() + kBlock - 1) / kBlock;
       for (const auto& [name, list] :
-           {std::pair<const char*, at::TensorList>{"exp_avg_absmax", exp_avg_absmax},
-            {"exp_avg_sq_absmax", exp_avg_sq_absmax}}) {
+           {std::pair<const char*, at::TensorList>{"exp_avg_absmax", a.exp_avg_absmax},
+            {"exp_avg_sq_absmax", a.exp_avg_sq_absmax}}) {
         const at::Tensor& s = list[i];
         TORCH_CHECK(s.defined() && s.device() == dev && s.scalar_type() == at::kFloat &&
                         s.dim() == 1 && s.numel() == blocks && s.is_contiguous(),
@@ -249,42 +224,37 @@ LowbitPlan check_adam_lowbit_step(at::TensorList params, at::TensorList grads,
                     " elements (one per 256-element block of params[", i, "]) on ", dev);
       }
     }
-    written = {{"exp_avg_absmax", exp_avg_absmax}, {"exp_avg_sq_absmax", exp_avg_sq_absmax}};
+    written = {{"exp_avg_absmax", a.exp_avg_absmax}, {"exp_avg_sq_absmax", a.exp_avg_sq_absmax}};
   } else {
-    TORCH_CHECK(exp_avg_absmax.empty() && exp_avg_sq_absmax.empty(), op,
+    TORCH_CHECK(a.exp_avg_absmax.empty() && a.exp_avg_sq_absmax.empty(), op,
                 ": exp_avg_absmax and exp_avg_sq_absmax must be empty with bfloat16 state (they "
                 "hold the block scales of 8-bit codes)");
   }
-  check_lowbit_lists(op, plan, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
-                     code_t, state_steps, master_params, written);
+  check_lowbit_lists(op, plan, params, a.grads,
+                     {{"exp_avgs", a.exp_avgs}, {"exp_avg_sqs", a.exp_avg_sqs}}, code_t,
+                     a.state_steps, a.master_params, written);
   if (plan.int8) {
     plan.absmax.push_back(
-        FlatTensorList::prepare(exp_avg_absmax, op, "exp_avg_absmax", dev, true, {at::kFloat}));
-    plan.absmax.push_back(FlatTensorList::prepare(exp_avg_sq_absmax, op, "exp_avg_sq_absmax", dev,
-                                                  true, {at::kFloat}));
+        FlatTensorList::prepare(a.exp_avg_absmax, op, "exp_avg_absmax", dev, true, {at::kFloat}));
+    plan.absmax.push_back(FlatTensorList::prepare(a.exp_avg_sq_absmax, op, "exp_avg_sq_absmax",
+                                                  dev, true, {at::kFloat}));
   }
-  plan.scalars = check_scalars(op, dev, lr_tensor, inv_scale, found_inf, clip_coef);
+  plan.scalars = check_scalars(op, dev, a.tensors);
   return plan;
 }
 
-StepPlan check_sgd_lowbit_step(at::TensorList params, at::TensorList grads,
-                               at::TensorList momentum_buffers, at::TensorList state_steps,
-                               at::TensorList master_params, double momentum,
-                               const c10::optional<at::Tensor>& lr_tensor,
-                               const c10::optional<at::Tensor>& inv_scale,
-                               const c10::optional<at::Tensor>& found_inf,
-                               const c10::optional<at::Tensor>& clip_coef) {
-  constexpr const char* op = "fastamp::sgd_lowbit_step_";
-  TORCH_CHECK(momentum != 0.0, op, ": momentum is 0; without momentum SGD keeps no state (use "
+StepPlan check_args(const SgdLowbitArgs& a) {
+  constexpr const char* op = SgdLowbitArgs::kOp;
+  TORCH_CHECK(a.opt.momentum != 0.0, op, ": momentum is 0; without momentum SGD keeps no state (use "
               "fastamp::sgd_step_)");
   StepPlan plan;
-  plan.has_master = check_lengths(op, params, grads, {{"momentum_buffers", momentum_buffers}},
-                                  state_steps, master_params);
-  if (params.empty()) return plan;
-  plan.device = params[0].device();
-  check_lowbit_lists(op, plan, params, grads, {{"momentum_buffers", momentum_buffers}},
-                     at::kBFloat16, state_steps, master_params, {});
-  plan.scalars = check_scalars(op, plan.device, lr_tensor, inv_scale, found_inf, clip_coef);
+  plan.has_master = check_lengths(op, a.params, a.grads, {{"momentum_buffers", a.momentum_buffers}},
+                                  a.state_steps, a.master_params);
+  if (a.params.empty()) return plan;
+  plan.device = a.params[0].device();
+  check_lowbit_lists(op, plan, a.params, a.grads, {{"momentum_buffers", a.momentum_buffers}},
+                     at::kBFloat16, a.state_steps, a.master_params, {});
+  plan.scalars = check_scalars(op, plan.device, a.tensors);
   return plan;
 }
 

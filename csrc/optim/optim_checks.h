@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common/tensor_list.h"
+#include "optim/optim_args.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
@@ -37,22 +38,10 @@ struct StepPlan {
 };
 
 /// Everything fastamp::adam_step_ checks, for both backends, before anything is written.
-StepPlan check_adam_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                         at::TensorList state_steps, at::TensorList master_params, bool amsgrad,
-                         const c10::optional<at::Tensor>& lr_tensor,
-                         const c10::optional<at::Tensor>& inv_scale,
-                         const c10::optional<at::Tensor>& found_inf,
-                         const c10::optional<at::Tensor>& clip_coef);
+StepPlan check_args(const AdamArgs& a);
 
 /// Everything fastamp::sgd_step_ checks, for both backends, before anything is written.
-StepPlan check_sgd_step(at::TensorList params, at::TensorList grads,
-                        at::TensorList momentum_buffers, at::TensorList state_steps,
-                        at::TensorList master_params, double momentum,
-                        const c10::optional<at::Tensor>& lr_tensor,
-                        const c10::optional<at::Tensor>& inv_scale,
-                        const c10::optional<at::Tensor>& found_inf,
-                        const c10::optional<at::Tensor>& clip_coef);
+StepPlan check_args(const SgdArgs& a);
 
 /// The validated arguments of fastamp::adam_lowbit_step_: `state` = [exp_avgs, exp_avg_sqs] in
 /// bfloat16 or uint8 codes; with uint8 codes (`int8`), `absmax` = [exp_avg_absmax,
@@ -63,23 +52,10 @@ struct LowbitPlan : StepPlan {
 };
 
 /// Everything fastamp::adam_lowbit_step_ checks, for both backends, before anything is written.
-LowbitPlan check_adam_lowbit_step(at::TensorList params, at::TensorList grads,
-                                  at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                                  at::TensorList exp_avg_absmax, at::TensorList exp_avg_sq_absmax,
-                                  at::TensorList state_steps, at::TensorList master_params,
-                                  const c10::optional<at::Tensor>& lr_tensor,
-                                  const c10::optional<at::Tensor>& inv_scale,
-                                  const c10::optional<at::Tensor>& found_inf,
-                                  const c10::optional<at::Tensor>& clip_coef);
+LowbitPlan check_args(const AdamLowbitArgs& a);
 
 /// Everything fastamp::sgd_lowbit_step_ checks (bfloat16 momentum buffers), for both backends.
-StepPlan check_sgd_lowbit_step(at::TensorList params, at::TensorList grads,
-                               at::TensorList momentum_buffers, at::TensorList state_steps,
-                               at::TensorList master_params, double momentum,
-                               const c10::optional<at::Tensor>& lr_tensor,
-                               const c10::optional<at::Tensor>& inv_scale,
-                               const c10::optional<at::Tensor>& found_inf,
-                               const c10::optional<at::Tensor>& clip_coef);
+StepPlan check_args(const SgdLowbitArgs& a);
 
 }  // namespace optim
 }  // namespace fastamp

@@ -36,30 +36,22 @@ void advance_steps(at::TensorList steps) {
   for (const auto& t : steps) *t.data_ptr<float>() += 1.0f;
 }
 
-void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                   at::TensorList state_steps, at::TensorList master_params, double lr,
-                   const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
-                   double weight_decay, double eps, bool amsgrad, bool decoupled_weight_decay,
-                   bool maximize, const c10::optional<at::Tensor>& inv_scale,
-                   const c10::optional<at::Tensor>& found_inf,
-                   const c10::optional<at::Tensor>& clip_coef) {
-  StepPlan plan = check_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                                  master_params, amsgrad, lr_tensor, inv_scale, found_inf, clip_coef);
+void adam_step_cpu(const AdamArgs& args) {
+  const at::TensorList state_steps = args.state_steps;
+  StepPlan plan = check_args(args);
   if (plan.empty()) return;
   const StepScalars& dev = plan.scalars;
   const CpuScalars s = read_scalars(dev);
   if (s.skip) return;  // an overflowed step writes nothing, not even the step counters
-  const double lr_v = dev.lr != nullptr ? static_cast<double>(*dev.lr) : lr;
-  const AdamHyper h =
-      adam_hyper(beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize);
+  const double lr_v = dev.lr != nullptr ? static_cast<double>(*dev.lr) : args.opt.lr;
+  const AdamHyper h = args.opt.hyper();
   const auto& items = plan.params.items();
   std::vector<AdamCoefs> coefs(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     const double step = static_cast<double>(*state_steps[items[i].index].data_ptr<float>()) + 1.0;
     coefs[i] = adam_coefs(h, lr_v, step);
   }
-  const FlatTensorList* vmax = amsgrad ? &plan.state[2] : nullptr;
+  const FlatTensorList* vmax = args.opt.amsgrad ? &plan.state[2] : nullptr;
   const FlatTensorList* master = plan.has_master ? &plan.master : nullptr;
   const OptimCpuKernels& k = optim_cpu_kernels();
   cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) {
@@ -79,23 +71,18 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   advance_steps(state_steps);
 }
 
-void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                  at::TensorList state_steps, at::TensorList master_params, double lr,
-                  const c10::optional<at::Tensor>& lr_tensor, double weight_decay, double momentum,
-                  double dampening, bool nesterov, bool maximize,
-                  const c10::optional<at::Tensor>& inv_scale,
-                  const c10::optional<at::Tensor>& found_inf,
-                  const c10::optional<at::Tensor>& clip_coef) {
-  StepPlan plan = check_sgd_step(params, grads, momentum_buffers, state_steps, master_params,
-                                 momentum, lr_tensor, inv_scale, found_inf, clip_coef);
+void sgd_step_cpu(const SgdArgs& args) {
+  const at::TensorList state_steps = args.state_steps;
+  StepPlan plan = check_args(args);
   if (plan.empty()) return;
   const StepScalars& dev = plan.scalars;
   const CpuScalars s = read_scalars(dev);
   if (s.skip) return;
-  const float neg_lr = static_cast<float>(-(dev.lr != nullptr ? static_cast<double>(*dev.lr) : lr));
-  const SgdHyper h = sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
+  const float neg_lr =
+      static_cast<float>(-(dev.lr != nullptr ? static_cast<double>(*dev.lr) : args.opt.lr));
+  const SgdHyper h = args.opt.hyper();
   const auto& items = plan.params.items();
-  const FlatTensorList* bufs = momentum != 0.0 ? &plan.state[0] : nullptr;
+  const FlatTensorList* bufs = args.opt.momentum != 0.0 ? &plan.state[0] : nullptr;
   const FlatTensorList* master = plan.has_master ? &plan.master : nullptr;
   const OptimCpuKernels& k = optim_cpu_kernels();
   cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) {
@@ -115,25 +102,16 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
   advance_steps(state_steps);
 }
 
-void adam_lowbit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                          at::TensorList exp_avg_sqs, at::TensorList exp_avg_absmax,
-                          at::TensorList exp_avg_sq_absmax, at::TensorList state_steps,
-                          at::TensorList master_params, int64_t seed, double lr,
-                          const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
-                          double weight_decay, double eps, bool decoupled_weight_decay,
-                          bool maximize, const c10::optional<at::Tensor>& inv_scale,
-                          const c10::optional<at::Tensor>& found_inf,
-                          const c10::optional<at::Tensor>& clip_coef) {
-  LowbitPlan plan = check_adam_lowbit_step(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax,
-                                           exp_avg_sq_absmax, state_steps, master_params,
-                                           lr_tensor, inv_scale, found_inf, clip_coef);
+void adam_lowbit_step_cpu(const AdamLowbitArgs& args) {
+  const at::TensorList state_steps = args.state_steps;
+  const int64_t seed = args.seed;
+  LowbitPlan plan = check_args(args);
   if (plan.empty()) return;
   const StepScalars& dev = plan.scalars;
   const CpuScalars s = read_scalars(dev);
   if (s.skip) return;  // an overflowed step writes nothing, not even the step counters
-  const double lr_v = dev.lr != nullptr ? static_cast<double>(*dev.lr) : lr;
-  const AdamHyper h =
-      adam_hyper(beta1, beta2, weight_decay, eps, false, decoupled_weight_decay, maximize);
+  const double lr_v = dev.lr != nullptr ? static_cast<double>(*dev.lr) : args.opt.lr;
+  const AdamHyper h = args.opt.hyper();
   const auto& items = plan.params.items();
   std::vector<AdamCoefs> coefs(items.size());
   std::vector<uint32_t> keys(items.size());
@@ -172,22 +150,17 @@ void adam_lowbit_step_cpu(at::TensorList params, at::TensorList grads, at::Tenso
   advance_steps(state_steps);
 }
 
-void sgd_lowbit_step_cpu(at::TensorList params, at::TensorList grads,
-                         at::TensorList momentum_buffers, at::TensorList state_steps,
-                         at::TensorList master_params, int64_t seed, double lr,
-                         const c10::optional<at::Tensor>& lr_tensor, double weight_decay,
-                         double momentum, double dampening, bool nesterov, bool maximize,
-                         const c10::optional<at::Tensor>& inv_scale,
-                         const c10::optional<at::Tensor>& found_inf,
-                         const c10::optional<at::Tensor>& clip_coef) {
-  StepPlan plan = check_sgd_lowbit_step(params, grads, momentum_buffers, state_steps, master_params,
-                                        momentum, lr_tensor, inv_scale, found_inf, clip_coef);
+void sgd_lowbit_step_cpu(const SgdLowbitArgs& args) {
+  const at::TensorList state_steps = args.state_steps;
+  const int64_t seed = args.seed;
+  StepPlan plan = check_args(args);
   if (plan.empty()) return;
   const StepScalars& dev = plan.scalars;
   const CpuScalars s = read_scalars(dev);
   if (s.skip) return;  // an overflowed step writes nothing, not even the update counts
-  const float neg_lr = static_cast<float>(-(dev.lr != nullptr ? static_cast<double>(*dev.lr) : lr));
-  const SgdHyper h = sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
+  const float neg_lr =
+      static_cast<float>(-(dev.lr != nullptr ? static_cast<double>(*dev.lr) : args.opt.lr));
+  const SgdHyper h = args.opt.hyper();
   const auto& items = plan.params.items();
   std::vector<float> olds(items.size());
   std::vector<uint32_t> keys(items.size());
@@ -233,8 +206,9 @@ const OptimCpuKernels& optim_cpu_kernels() {
 }  // namespace fastamp
 
 TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
-  m.impl("adam_step_", &fastamp::optim::adam_step_cpu);
-  m.impl("sgd_step_", &fastamp::optim::sgd_step_cpu);
-  m.impl("adam_lowbit_step_", &fastamp::optim::adam_lowbit_step_cpu);
-  m.impl("sgd_lowbit_step_", &fastamp::optim::sgd_lowbit_step_cpu);
+  namespace o = fastamp::optim;
+  m.impl("adam_step_", &o::adam_step_op<o::adam_step_cpu>);
+  m.impl("sgd_step_", &o::sgd_step_op<o::sgd_step_cpu>);
+  m.impl("adam_lowbit_step_", &o::adam_lowbit_step_op<o::adam_lowbit_step_cpu>);
+  m.impl("sgd_lowbit_step_", &o::sgd_lowbit_step_op<o::sgd_lowbit_step_cpu>);
 }

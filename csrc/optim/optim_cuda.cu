@@ -217,47 +217,30 @@ struct SgdOp {
 
 // --- host side ----------------------------------------------------------------------------------
 
-
-void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                    at::TensorList state_steps, at::TensorList master_params, double lr,
-                    const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
-                    double weight_decay, double eps, bool amsgrad, bool decoupled_weight_decay,
-                    bool maximize, const c10::optional<at::Tensor>& inv_scale,
-                    const c10::optional<at::Tensor>& found_inf,
-                    const c10::optional<at::Tensor>& clip_coef) {
-  constexpr const char* op = "fastamp::adam_step_";
-  StepPlan plan = check_adam_step(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                                  master_params, amsgrad, lr_tensor, inv_scale, found_inf, clip_coef);
+void adam_step_cuda(const AdamArgs& args) {
+  const StepPlan plan = check_args(args);
   if (plan.empty()) return;
   const StepScalars& dev = plan.scalars;
-  const AdamHyper h =
-      adam_hyper(beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize);
-  run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
-    with_bools(amsgrad, plan.has_master, [&](auto ams, auto master) {
+  const AdamHyper h = args.opt.hyper();
+  const double lr = args.opt.lr;
+  run_step(AdamArgs::kOp, plan, args.state_steps, dev, [&](const float* old_steps) {
+    with_bools(args.opt.amsgrad, plan.has_master, [&](auto ams, auto master) {
       using Op = AdamOp<decltype(ams)::value, decltype(master)::value>;
-      run_update<Op::kDepth>(plan, Op{h, dev, old_steps, lr});
+      run_update(plan, Op{h, dev, old_steps, lr});
     });
   });
 }
 
-void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                   at::TensorList state_steps, at::TensorList master_params, double lr,
-                   const c10::optional<at::Tensor>& lr_tensor, double weight_decay,
-                   double momentum, double dampening, bool nesterov, bool maximize,
-                   const c10::optional<at::Tensor>& inv_scale,
-                   const c10::optional<at::Tensor>& found_inf,
-                   const c10::optional<at::Tensor>& clip_coef) {
-  constexpr const char* op = "fastamp::sgd_step_";
-  StepPlan plan = check_sgd_step(params, grads, momentum_buffers, state_steps, master_params,
-                                 momentum, lr_tensor, inv_scale, found_inf, clip_coef);
+void sgd_step_cuda(const SgdArgs& args) {
+  const StepPlan plan = check_args(args);
   if (plan.empty()) return;
   const StepScalars& dev = plan.scalars;
-  const SgdHyper h = sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
-  run_step(op, plan, state_steps, dev, [&](const float* old_steps) {
-    with_bools(momentum != 0.0, plan.has_master, [&](auto mom, auto master) {
+  const SgdHyper h = args.opt.hyper();
+  const double lr = args.opt.lr;
+  run_step(SgdArgs::kOp, plan, args.state_steps, dev, [&](const float* old_steps) {
+    with_bools(args.opt.momentum != 0.0, plan.has_master, [&](auto mom, auto master) {
       using Op = SgdOp<decltype(mom)::value, decltype(master)::value>;
-      run_update<Op::kDepth>(plan, Op{h, dev, old_steps, lr});
+      run_update(plan, Op{h, dev, old_steps, lr});
     });
   });
 }
@@ -267,6 +250,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
 }  // namespace fastamp
 
 FASTAMP_CUDA_KERNELS(m) {
-  m.impl("adam_step_", &fastamp::optim::adam_step_cuda);
-  m.impl("sgd_step_", &fastamp::optim::sgd_step_cuda);
+  namespace o = fastamp::optim;
+  m.impl("adam_step_", &o::adam_step_op<o::adam_step_cuda>);
+  m.impl("sgd_step_", &o::sgd_step_op<o::sgd_step_cuda>);
 }

@@ -52,29 +52,31 @@ struct AdvanceStepsOp {
 
 // --- host side ----------------------------------------------------------------------------------
 
-/// The lists of `plan` in the ops' layout: params, grads, state..., [master].
-std::vector<const std::vector<FlatTensor>*> update_lists(const StepPlan& plan) {
+/// Runs `op`, an Op::kDepth-list update, over the lists of `plan` in the ops' layout: params,
+/// grads, state..., [master], then `side`: the engine's side lists (one element per
+/// kMtaSideBlock elements of the params, e.g. the 8-bit state's block scales), Side of them.
+template <int Side = 0, typename Op>
+void run_update(const StepPlan& plan, const Op& op, const std::vector<FlatTensorList>& side = {}) {
+  constexpr int kDepth = Op::kDepth;
   std::vector<const std::vector<FlatTensor>*> l = {&plan.params.items(), &plan.grads.items()};
   for (const FlatTensorList& s : plan.state) l.push_back(&s.items());
   if (plan.has_master) l.push_back(&plan.master.items());
-  return l;
-}
-
-template <int Depth, typename Op>
-void run_update(const StepPlan& plan, const Op& op) {
-  const auto l = update_lists(plan);
-  TORCH_INTERNAL_ASSERT(l.size() == static_cast<size_t>(Depth), "optim: ", l.size(),
-                        " lists for a ", Depth, "-list kernel");
-  std::array<const std::vector<FlatTensor>*, Depth> lists;
-  for (int d = 0; d < Depth; ++d) lists[static_cast<size_t>(d)] = l[static_cast<size_t>(d)];
-  cuda_multi_tensor_apply<Depth, Op>(lists, plan.device, op);
+  for (const FlatTensorList& s : side) l.push_back(&s.items());
+  TORCH_INTERNAL_ASSERT(l.size() == static_cast<size_t>(kDepth) &&
+                            side.size() == static_cast<size_t>(Side),
+                        "optim: ", l.size(), " lists (", side.size(), " side) for a ", kDepth,
+                        "-list kernel (", Side, " side)");
+  std::array<const std::vector<FlatTensor>*, kDepth> lists;
+  for (int d = 0; d < kDepth; ++d) lists[static_cast<size_t>(d)] = l[static_cast<size_t>(d)];
+  cuda_multi_tensor_apply<kDepth, Op, Side>(lists, plan.device, op);
 }
 
 /// Everything of a step but the update pass: validates state_steps as a writable list (before
-/// anything is written), snapshots the counters, runs `update(old_steps)`, advances the counters,
-/// and copies staged tensors back (none today: check_step admits dense tensors only).
+/// anything is written), snapshots the counters, runs `update(old_steps)` and advances the
+/// counters. The op's checks admit dense tensors only, so no list of the plan is staged and
+/// nothing needs copying back.
 template <typename Update>
-void run_step(const char* op, StepPlan& plan, at::TensorList state_steps,
+void run_step(const char* op, const StepPlan& plan, at::TensorList state_steps,
               const StepScalars& scalars, const Update& update) {
   gpu::check_device(plan.device, op, "params");
   FlatTensorList steps =
@@ -87,9 +89,6 @@ void run_step(const char* op, StepPlan& plan, at::TensorList state_steps,
   cuda_multi_tensor_apply(steps.items(), plan.device, SnapshotStepsOp{old});
   update(static_cast<const float*>(old));
   cuda_multi_tensor_apply(steps.items(), plan.device, AdvanceStepsOp{scalars.found_inf});
-  plan.params.write_back();
-  for (FlatTensorList& s : plan.state) s.write_back();
-  if (plan.has_master) plan.master.write_back();
 }
 
 }  // namespace

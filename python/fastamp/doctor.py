@@ -164,8 +164,9 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         m, v = [torch.zeros_like(p[0])], [torch.zeros_like(p[0])]
         exp = adam_ref(p[0], g[0], m[0], v[0], None, 1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
                        weight_decay=0.01, amsgrad=False, decoupled=True, maximize=False)
-        optim_ops.adam_step_(p, g, m, v, [], [torch.zeros((), device=device)], [], 1e-2, None, 0.9,
-                                     0.999, 0.01, 1e-8, False, True, False, None, None, None)
+        hyper = optim_ops.AdamHyper(1e-2, None, 0.9, 0.999, 0.01, 1e-8, decoupled_weight_decay=True,
+                                    maximize=False)
+        optim_ops.adam_step_(p, g, m, v, [], [torch.zeros((), device=device)], [], hyper)
         close(p[0], exp[0], 1e-5)
 
     def adam_lowbit():
@@ -182,9 +183,10 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
             exp = adam_ref(p, g, floats["exp_avg"], floats["exp_avg_sq"], None, 1, lr=1e-2, beta1=0.9,
                            beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False, decoupled=True,
                            maximize=False)
-            optim_ops.adam_lowbit_step_(
-                [p], [g], *form.adam_lists([st]), [torch.zeros((), device=device)], [], 0,
-                1e-2, None, 0.9, 0.999, 0.01, 1e-8, True, False, None, None, None)
+            hyper = optim_ops.AdamHyper(1e-2, None, 0.9, 0.999, 0.01, 1e-8,
+                                        decoupled_weight_decay=True, maximize=False)
+            optim_ops.adam_lowbit_step_([p], [g], *form.adam_lists([st]),
+                                        [torch.zeros((), device=device)], [], 0, hyper)
             close(p, exp[0], 1e-5)
 
     def sgd():
@@ -192,8 +194,9 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         b = [torch.zeros_like(p[0])]
         exp = sgd_ref(p[0], g[0], None, True, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0,
                       nesterov=False, maximize=False)
-        optim_ops.sgd_step_(p, g, b, [torch.zeros((), device=device)], [], 0.1, None, 0.0, 0.9, 0.0,
-                                    False, False, None, None, None)
+        hyper = optim_ops.SgdHyper(0.1, None, weight_decay=0.0, momentum=0.9, dampening=0.0,
+                                   nesterov=False, maximize=False)
+        optim_ops.sgd_step_(p, g, b, [torch.zeros((), device=device)], [], hyper)
         close(p[0], exp[0], 1e-6)
 
     def digest_and_rng():

@@ -16,7 +16,8 @@ import fastamp
 SCRIPT = textwrap.dedent(
     """
     import sys, torch, fastamp
-    from fastamp.optim import _ops, lowbit
+    from fastamp.optim import lowbit
+    ops = torch.ops.fastamp
     out = {"capability": fastamp.build_info()["cpu_capability"]}
     # Sizes with SIMD tails, partial 256-blocks, and more than one 2^16-element chunk.
     sizes = (4096 + 7, 65536 * 2 + 256 * 3 + 45)
@@ -36,14 +37,14 @@ SCRIPT = textwrap.dedent(
                     if step == 0:
                         ms = [m.to(dtype) if not mp else m for m in ms]
                         vs = [v.to(dtype) if not mp else v for v in vs]
-                    _ops.adam_step_(ps, gs, ms, vs, [], steps, mp, 1e-2, None, 0.9, 0.999, 0.01,
-                                    1e-8, False, step % 2 == 0, False, inv, None, coef)
+                    ops.adam_step_(ps, gs, ms, vs, [], steps, mp, 1e-2, None, 0.9, 0.999, 0.01,
+                                   1e-8, False, step % 2 == 0, False, inv, None, coef)
                     state = ms + vs
                 else:
                     if step == 0:
                         st = [lowbit.resolve(fmt, "test").encode({"exp_avg": m, "exp_avg_sq": v}, p.float())
                               for m, v, p in zip(ms, vs, ps)]
-                    _ops.adam_lowbit_step_(
+                    ops.adam_lowbit_step_(
                         ps, gs, *lowbit.resolve(fmt, "test").adam_lists(st), steps, mp, 5, 1e-2,
                         None, 0.9 if step < 2 else 0.3, 0.999, 0.01 * step, 1e-8, step != 1,
                         step == 2, inv, None, coef)
@@ -59,8 +60,8 @@ SCRIPT = textwrap.dedent(
         counts = [torch.tensor(0.0), torch.tensor(3.0)]
         inv, coef = torch.tensor(0.5), torch.tensor(0.75)
         for step in range(2):
-            _ops.sgd_lowbit_step_(ps, gs, bufs, counts, mp, 9, 0.05, None, 0.01, 0.9, 0.1, step == 1,
-                                  step == 0, inv, None, coef)
+            ops.sgd_lowbit_step_(ps, gs, bufs, counts, mp, 9, 0.05, None, 0.01, 0.9, 0.1, step == 1,
+                                 step == 0, inv, None, coef)
         out[("sgd-bf16", str(dtype))] = [t.clone() for t in ps + mp + bufs]
     torch.save(out, sys.argv[1])
     """

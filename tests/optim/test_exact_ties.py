@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from fastamp.optim import _ops, lowbit
+from fastamp.optim import lowbit
 from fastamp.testing import assert_bitwise_equal, lowbit_ref
 from tests.optim.test_lowbit import _rne_reference
+
+ops = torch.ops.fastamp  # the ops themselves: their schemas are the interface under test
 
 N = 4096 + 256 * 3 + 5  # several 8-bit blocks and a partial one
 
@@ -51,8 +53,8 @@ def _adam_master_store(dtype, master):
     g = torch.randn(master.shape).to(dtype) * 1e-2
     m, v = torch.zeros_like(master), torch.zeros_like(master)
     p.fill_(0)  # overwritten by the store
-    _ops.adam_step_([p], [g], [m], [v], [], [torch.tensor(3.0)], [master], 0.0, None, 0.9, 0.999, 0.0,
-                    1e-8, False, True, False, None, None, None)
+    ops.adam_step_([p], [g], [m], [v], [], [torch.tensor(3.0)], [master], 0.0, None, 0.9, 0.999, 0.0,
+                   1e-8, False, True, False, None, None, None)
     return p
 
 
@@ -60,8 +62,8 @@ def _sgd_master_store(dtype, master):
     p = torch.zeros(master.shape, dtype=dtype)
     g = torch.randn(master.shape).to(dtype) * 1e-2
     buf = torch.zeros_like(master)
-    _ops.sgd_step_([p], [g], [buf], [torch.tensor(0.0)], [master], 0.0, None, 0.0, 0.9, 0.0, False,
-                   False, None, None, None)
+    ops.sgd_step_([p], [g], [buf], [torch.tensor(0.0)], [master], 0.0, None, 0.0, 0.9, 0.0, False,
+                  False, None, None, None)
     return p
 
 
@@ -103,8 +105,8 @@ def test_8bit_codes_round_ties_to_even_through_the_kernel():
     am = torch.zeros(lowbit.nblocks(p))
     av = torch.zeros(lowbit.nblocks(p))
     # beta1 = 0: the new exp_avg is the grad exactly; lr 0 leaves the params.
-    _ops.adam_lowbit_step_([p], [g], [m8], [v8], [am], [av], [torch.tensor(0.0)], [], 0, 0.0, None,
-                           0.0, 0.999, 0.0, 1e-8, True, False, None, None, None)
+    ops.adam_lowbit_step_([p], [g], [m8], [v8], [am], [av], [torch.tensor(0.0)], [], 0, 0.0, None,
+                          0.0, 0.999, 0.0, 1e-8, True, False, None, None, None)
     assert torch.equal(am, torch.ones_like(am))
     assert_bitwise_equal(m8, lowbit.encode_m8(g), "codes vs the codec")
     assert_bitwise_equal(lowbit.decode_m8(m8).double(), _rne_reference(g, 3, -14), "codes vs float64")
@@ -132,8 +134,8 @@ def test_bf16_stochastic_rounding_carries_exactly_at_the_boundary():
     p = torch.randn(N)
     m = torch.zeros(N, dtype=torch.bfloat16)
     v = torch.zeros(N, dtype=torch.bfloat16)
-    _ops.adam_lowbit_step_([p], [g], [m], [v], [], [], [torch.tensor(float(step))], [], seed, 0.0,
-                           None, 0.0, 0.999, 0.0, 1e-8, True, False, None, None, None)
+    ops.adam_lowbit_step_([p], [g], [m], [v], [], [], [torch.tensor(float(step))], [], seed, 0.0,
+                          None, 0.0, 0.999, 0.0, 1e-8, True, False, None, None, None)
     truncated = (g.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
     bumped = ((g.view(torch.int32) >> 16) + 1).to(torch.int16).view(torch.bfloat16)
     assert_bitwise_equal(m, torch.where(up, bumped, truncated), "exp_avg at the carry boundary")

@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 import fastamp
-from fastamp.optim import _ops, lowbit
+from fastamp.optim import lowbit
 from fastamp.testing import adam_ref, assert_bitwise_equal, lowbit_ref
+
+ops = torch.ops.fastamp  # the ops themselves: their schemas are the interface under test
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8)
 
@@ -88,7 +90,7 @@ def _floats(st):
 def _lowbit_call(p, g, st, steps, mp=None, seed=7, inv=None, found=None, coef=None, maximize=False,
                  lr_t=None):
     int8 = st["exp_avg"].dtype == torch.uint8
-    _ops.adam_lowbit_step_(
+    ops.adam_lowbit_step_(
         [p], [g], [st["exp_avg"]], [st["exp_avg_sq"]],
         [st["exp_avg_absmax"]] if int8 else [], [st["exp_avg_sq_absmax"]] if int8 else [],
         [steps], [mp] if mp is not None else [], seed, HYPER["lr"], lr_t, HYPER["beta1"],
@@ -97,9 +99,9 @@ def _lowbit_call(p, g, st, steps, mp=None, seed=7, inv=None, found=None, coef=No
 
 
 def _float32_call(p, g, m, v, steps, mp=None, inv=None, coef=None, maximize=False, lr_t=None):
-    _ops.adam_step_([p], [g], [m], [v], [], [steps], [mp] if mp is not None else [],
-                    HYPER["lr"], lr_t, HYPER["beta1"], HYPER["beta2"], HYPER["weight_decay"],
-                    HYPER["eps"], False, True, maximize, inv, None, coef)
+    ops.adam_step_([p], [g], [m], [v], [], [steps], [mp] if mp is not None else [],
+                   HYPER["lr"], lr_t, HYPER["beta1"], HYPER["beta2"], HYPER["weight_decay"],
+                   HYPER["eps"], False, True, maximize, inv, None, coef)
 
 
 @pytest.mark.parametrize("lr_t", [None, 2e-3], ids=["lr", "lr_tensor"])
@@ -344,11 +346,11 @@ def test_bad_arguments_are_refused_before_anything_changes():
     _, _, st16, _ = _state(5000, "bfloat16", seed=8)
     before = (q.clone(), {k: v.clone() for k, v in st.items()})
     with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[0\] must be a contiguous Byte tensor"):
-        _ops.adam_lowbit_step_([q], [g], [st["exp_avg"]], [st16["exp_avg_sq"]], [st["exp_avg_absmax"]],
-                               [st["exp_avg_sq_absmax"]], [torch.tensor(0.0)], [], 0, 1e-3, None, 0.9,
-                               0.999, 0.0, 1e-8, True, False, None, None, None)
+        ops.adam_lowbit_step_([q], [g], [st["exp_avg"]], [st16["exp_avg_sq"]], [st["exp_avg_absmax"]],
+                              [st["exp_avg_sq_absmax"]], [torch.tensor(0.0)], [], 0, 1e-3, None, 0.9,
+                              0.999, 0.0, 1e-8, True, False, None, None, None)
     with pytest.raises(RuntimeError, match=r"exp_avg_absmax\[0\] must be a contiguous float32 tensor of 20 elements"):
-        _ops.adam_lowbit_step_([q], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [torch.zeros(19)],
-                               [st["exp_avg_sq_absmax"]], [torch.tensor(0.0)], [], 0, 1e-3, None, 0.9,
-                               0.999, 0.0, 1e-8, True, False, None, None, None)
+        ops.adam_lowbit_step_([q], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [torch.zeros(19)],
+                              [st["exp_avg_sq_absmax"]], [torch.tensor(0.0)], [], 0, 1e-3, None, 0.9,
+                              0.999, 0.0, 1e-8, True, False, None, None, None)
     assert_bitwise_equal((q, st), before)

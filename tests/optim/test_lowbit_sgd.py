@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 import fastamp
-from fastamp.optim import _ops, lowbit
+from fastamp.optim import lowbit
 from fastamp.testing import assert_bitwise_equal, lowbit_ref
+
+ops = torch.ops.fastamp  # the ops themselves: their schemas are the interface under test
 
 LR, WD, MOMENTUM, DAMPENING = 0.05, 0.01, 0.9, 0.1
 
@@ -39,10 +41,10 @@ def test_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(dtype, fi
     count = torch.tensor(0.0 if first else 4.0)
     # Reference: the float32 SGD kernel on a float32 copy of the buffer, then the rounding.
     p32, buf32, mp32, count32 = p.clone(), buf.float(), None if master is None else master.clone(), count.clone()
-    _ops.sgd_step_([p32], [g], [buf32], [count32], [mp32] if mp32 is not None else [], LR, None, WD,
-                   MOMENTUM, DAMPENING, nesterov, False, inv, None, coef)
-    _ops.sgd_lowbit_step_([p], [g], [buf], [count], [master] if master is not None else [], 7, LR,
-                          None, WD, MOMENTUM, DAMPENING, nesterov, False, inv, None, coef)
+    ops.sgd_step_([p32], [g], [buf32], [count32], [mp32] if mp32 is not None else [], LR, None, WD,
+                  MOMENTUM, DAMPENING, nesterov, False, inv, None, coef)
+    ops.sgd_lowbit_step_([p], [g], [buf], [count], [master] if master is not None else [], 7, LR,
+                         None, WD, MOMENTUM, DAMPENING, nesterov, False, inv, None, coef)
     assert_bitwise_equal(p, p32, "params")
     if master is not None:
         assert_bitwise_equal(master, mp32, "master")
@@ -56,8 +58,8 @@ def test_found_inf_step_writes_nothing():
     g[3] = math.inf
     count = torch.tensor(2.0)
     before = (p.clone(), buf.clone(), count.clone())
-    _ops.sgd_lowbit_step_([p], [g], [buf], [count], [], 0, LR, None, WD, MOMENTUM, 0.0, False, False,
-                          torch.tensor(1.0), torch.tensor(1.0), None)
+    ops.sgd_lowbit_step_([p], [g], [buf], [count], [], 0, LR, None, WD, MOMENTUM, 0.0, False, False,
+                         torch.tensor(1.0), torch.tensor(1.0), None)
     assert_bitwise_equal((p, buf, count), before)
 
 
@@ -140,16 +142,16 @@ def test_bad_arguments_are_refused_before_anything_changes():
     q, g, buf = _inputs(5000, torch.float32, seed=4)
     before = (q.clone(), buf.clone())
     with pytest.raises(RuntimeError, match=r"momentum_buffers\[0\] must be a contiguous BFloat16 tensor"):
-        _ops.sgd_lowbit_step_([q], [g], [buf.float()], [torch.tensor(0.0)], [], 0, LR, None, 0.0,
-                              MOMENTUM, 0.0, False, False, None, None, None)
+        ops.sgd_lowbit_step_([q], [g], [buf.float()], [torch.tensor(0.0)], [], 0, LR, None, 0.0,
+                             MOMENTUM, 0.0, False, False, None, None, None)
     with pytest.raises(RuntimeError, match=r"momentum is 0"):
-        _ops.sgd_lowbit_step_([q], [g], [buf], [torch.tensor(0.0)], [], 0, LR, None, 0.0, 0.0, 0.0,
-                              False, False, None, None, None)
+        ops.sgd_lowbit_step_([q], [g], [buf], [torch.tensor(0.0)], [], 0, LR, None, 0.0, 0.0, 0.0,
+                             False, False, None, None, None)
     with pytest.raises(RuntimeError, match=r"params\[0\] and grads\[0\] must be contiguous"):
         wide = torch.randn(100, 50).t()
-        _ops.sgd_lowbit_step_([wide], [wide.clone()], [torch.zeros(50, 100, dtype=torch.bfloat16).t()],
-                              [torch.tensor(0.0)], [], 0, LR, None, 0.0, MOMENTUM, 0.0, False, False,
-                              None, None, None)
+        ops.sgd_lowbit_step_([wide], [wide.clone()], [torch.zeros(50, 100, dtype=torch.bfloat16).t()],
+                             [torch.tensor(0.0)], [], 0, LR, None, 0.0, MOMENTUM, 0.0, False, False,
+                             None, None, None)
     assert_bitwise_equal((q, buf), before)
     # Momentum-free SGD keeps no state in any format, as torch.optim.SGD.
     plain = fastamp.optim.SGD([p], lr=0.1, state_dtype=torch.bfloat16)

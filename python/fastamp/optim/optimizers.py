@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from fastamp._devices import to_device
-from fastamp.handoff import AmpFusedOptimizer, take
+from fastamp.handoff import AmpFusedOptimizer, AmpStep, take
 from fastamp.optim import _family as family
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
@@ -79,7 +79,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
 
     _FAMILY: OptimizerFamily  # set by each optimizer class
     # Each optimizer's: the launch of one group's params of one state format, made before any
-    # launch runs: (fmt, g, group, params, places, inv_scale, found_inf, clip_coef) -> _Launch.
+    # launch runs: (fmt, g, group, params, places, amp) -> _Launch, amp the group device's AmpStep.
     _launch: Callable[..., _Launch]
     # fastamp's options (beside PyTorch's, which live in ``defaults`` and the param groups).
     _master_weights: bool
@@ -254,7 +254,8 @@ class _FusedOptimizer(AmpFusedOptimizer):
             if not params:
                 continue
             dev = params[0].device
-            scalars = (to_device(inv_scale, dev), to_device(found_inf, dev), to_device(clip_coef, dev))
+            amp = AmpStep(to_device(inv_scale, dev), to_device(found_inf, dev),
+                          to_device(clip_coef, dev))
             by_format: dict[StateFormat, tuple[list[Tensor], list[int]]] = {}
             group_format = self._group_format(group)
             for p, i in zip(params, places):
@@ -263,7 +264,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 ps.append(p)
                 ix.append(i)
             for fmt, (ps, ix) in sorted(by_format.items(), key=lambda kv: kv[0].lowbit):
-                launches.append(self._launch(fmt, g, group, ps, ix, *scalars))
+                launches.append(self._launch(fmt, g, group, ps, ix, amp))
             if stepped is None:
                 stepped = torch.ones((), dtype=torch.bool, device=dev) if found_inf is None else found_inf == 0
         for k, launch in enumerate(launches):
@@ -313,7 +314,7 @@ class _AdamBase(_FusedOptimizer):
     _FAMILY = family.ADAM
     _decoupled: bool
 
-    def _launch(self, fmt, g, group, params, places, inv_scale, found_inf, clip_coef) -> _Launch:
+    def _launch(self, fmt, g, group, params, places, amp: AmpStep) -> _Launch:
         moments = self._FAMILY.moments
         amsgrad = bool(group["amsgrad"]) and not fmt.lowbit
         kparams, grads, steps, masters = [], [], [], []
@@ -345,21 +346,20 @@ class _AdamBase(_FusedOptimizer):
             news.append(new)
         beta1, beta2 = group["betas"]
         lr, lr_t = self._lr(group, params[0].device)
-        hyper = (lr, lr_t, float(beta1), float(beta2), float(group["weight_decay"]), float(group["eps"]))
-        decoupled = bool(group.get("decoupled_weight_decay", self._decoupled))
-        maximize = bool(group["maximize"])
+        hyper = _ops.AdamHyper(lr, lr_t, float(beta1), float(beta2), float(group["weight_decay"]),
+                               float(group["eps"]),
+                               bool(group.get("decoupled_weight_decay", self._decoupled)),
+                               bool(group["maximize"]), amsgrad)
         ms, vs, ams, avs = fmt.adam_lists(currents)
         if fmt.lowbit:
             seed = int(group.get("state_seed", 0))
 
             def run() -> None:
-                _ops.adam_lowbit_step_(kparams, grads, ms, vs, ams, avs, steps, masters, seed, *hyper,
-                                       decoupled, maximize, inv_scale, found_inf, clip_coef)
+                _ops.adam_lowbit_step_(kparams, grads, ms, vs, ams, avs, steps, masters, seed,
+                                       hyper, amp)
         else:
             def run() -> None:
-                _ops.adam_step_(kparams, grads, ms, vs, max_sqs, steps,
-                                masters, *hyper, amsgrad, decoupled, maximize, inv_scale, found_inf,
-                                clip_coef)
+                _ops.adam_step_(kparams, grads, ms, vs, max_sqs, steps, masters, hyper, amp)
         return _Launch(run, g, params, places, news, moments, staged)
 
 
@@ -453,7 +453,7 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
             n = new_counts[p] = torch.full((), first, dtype=torch.float32, device=p.device)
         return n
 
-    def _launch(self, fmt, g, group, params, places, inv_scale, found_inf, clip_coef) -> _Launch:
+    def _launch(self, fmt, g, group, params, places, amp: AmpStep) -> _Launch:
         moments = self._FAMILY.moments_of(group)
         kparams, grads, bufs, counts, masters = [], [], [], [], []
         news: list[dict[str, Any]] = []
@@ -481,18 +481,17 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
                 masters.append(master)
             news.append(new)
         lr, lr_t = self._lr(group, params[0].device)
-        hyper = (float(group["weight_decay"]), float(group["momentum"]), float(group["dampening"]),
-                 bool(group["nesterov"]), bool(group["maximize"]))
+        hyper = _ops.SgdHyper(lr, lr_t, float(group["weight_decay"]), float(group["momentum"]),
+                              float(group["dampening"]), bool(group["nesterov"]),
+                              bool(group["maximize"]))
         if fmt.lowbit:
             seed = int(group.get("state_seed", 0))
 
             def run() -> None:
-                _ops.sgd_lowbit_step_(kparams, grads, bufs, counts, masters, seed, lr, lr_t, *hyper,
-                                      inv_scale, found_inf, clip_coef)
+                _ops.sgd_lowbit_step_(kparams, grads, bufs, counts, masters, seed, hyper, amp)
         else:
             def run() -> None:
-                _ops.sgd_step_(kparams, grads, bufs, counts, masters, lr, lr_t, *hyper, inv_scale,
-                               found_inf, clip_coef)
+                _ops.sgd_step_(kparams, grads, bufs, counts, masters, hyper, amp)
         return _Launch(run, g, params, places, news, moments, staged, new_counts)
 
     def _commit(self, launch: _Launch) -> None:

@@ -1,0 +1,152 @@
+/// @file optim_args.h
+/// The arguments of the fused optimizer ops, each op's written out once: the op functions that the
+/// dispatcher calls (adam_step_op, ...) pack their schema's arguments into one struct
+/// (AdamArgs, ...) and hand it to the kernel they wrap, so the checks, the CPU and CUDA launchers
+/// and the no-kernel fallback each take one parameter. The schemas are in ops.cpp.
+#pragma once
+
+#include "optim/optim_math.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+
+namespace fastamp {
+namespace optim {
+
+/// The optional device scalars of every step op (lr_tensor overrides the float lr).
+struct StepTensors {
+  c10::optional<at::Tensor> lr_tensor;
+  c10::optional<at::Tensor> inv_scale;
+  c10::optional<at::Tensor> found_inf;
+  c10::optional<at::Tensor> clip_coef;
+};
+
+/// The float and bool hyper-parameters of adam_step_ and adam_lowbit_step_ (amsgrad: false for
+/// the latter, whose schema has none).
+struct AdamOptions {
+  double lr;
+  double beta1;
+  double beta2;
+  double weight_decay;
+  double eps;
+  bool amsgrad;
+  bool decoupled_weight_decay;
+  bool maximize;
+
+  AdamHyper hyper() const {
+    return adam_hyper(beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize);
+  }
+};
+
+/// The float and bool hyper-parameters of sgd_step_ and sgd_lowbit_step_.
+struct SgdOptions {
+  double lr;
+  double weight_decay;
+  double momentum;
+  double dampening;
+  bool nesterov;
+  bool maximize;
+
+  SgdHyper hyper() const { return sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize); }
+};
+
+/// fastamp::adam_step_'s arguments.
+struct AdamArgs {
+  static constexpr const char* kOp = "fastamp::adam_step_";
+  at::TensorList params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params;
+  AdamOptions opt;
+  StepTensors tensors;
+};
+
+/// fastamp::adam_lowbit_step_'s arguments.
+struct AdamLowbitArgs {
+  static constexpr const char* kOp = "fastamp::adam_lowbit_step_";
+  at::TensorList params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
+      state_steps, master_params;
+  int64_t seed;
+  AdamOptions opt;
+  StepTensors tensors;
+};
+
+/// fastamp::sgd_step_'s arguments.
+struct SgdArgs {
+  static constexpr const char* kOp = "fastamp::sgd_step_";
+  at::TensorList params, grads, momentum_buffers, state_steps, master_params;
+  SgdOptions opt;
+  StepTensors tensors;
+};
+
+/// fastamp::sgd_lowbit_step_'s arguments.
+struct SgdLowbitArgs {
+  static constexpr const char* kOp = "fastamp::sgd_lowbit_step_";
+  at::TensorList params, grads, momentum_buffers, state_steps, master_params;
+  int64_t seed;
+  SgdOptions opt;
+  StepTensors tensors;
+};
+
+// --- the op functions, one per schema (ops.cpp), each wrapping a kernel of one struct --------------
+// Registered as e.g. `m.impl("adam_step_", &adam_step_op<adam_step_cpu>)`.
+
+template <void (*Kernel)(const AdamArgs&)>
+void adam_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                  at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                  at::TensorList state_steps, at::TensorList master_params, double lr,
+                  const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                  double weight_decay, double eps, bool amsgrad, bool decoupled_weight_decay,
+                  bool maximize, const c10::optional<at::Tensor>& inv_scale,
+                  const c10::optional<at::Tensor>& found_inf,
+                  const c10::optional<at::Tensor>& clip_coef) {
+  Kernel(AdamArgs{params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
+                  {lr, beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize},
+                  {lr_tensor, inv_scale, found_inf, clip_coef}});
+}
+
+template <void (*Kernel)(const AdamLowbitArgs&)>
+void adam_lowbit_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList exp_avg_sqs, at::TensorList exp_avg_absmax,
+                         at::TensorList exp_avg_sq_absmax, at::TensorList state_steps,
+                         at::TensorList master_params, int64_t seed, double lr,
+                         const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                         double weight_decay, double eps, bool decoupled_weight_decay,
+                         bool maximize, const c10::optional<at::Tensor>& inv_scale,
+                         const c10::optional<at::Tensor>& found_inf,
+                         const c10::optional<at::Tensor>& clip_coef) {
+  Kernel(AdamLowbitArgs{params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
+                        state_steps, master_params, seed,
+                        {lr, beta1, beta2, weight_decay, eps, false, decoupled_weight_decay,
+                         maximize},
+                        {lr_tensor, inv_scale, found_inf, clip_coef}});
+}
+
+template <void (*Kernel)(const SgdArgs&)>
+void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                 at::TensorList state_steps, at::TensorList master_params, double lr,
+                 const c10::optional<at::Tensor>& lr_tensor, double weight_decay, double momentum,
+                 double dampening, bool nesterov, bool maximize,
+                 const c10::optional<at::Tensor>& inv_scale,
+                 const c10::optional<at::Tensor>& found_inf,
+                 const c10::optional<at::Tensor>& clip_coef) {
+  Kernel(SgdArgs{params, grads, momentum_buffers, state_steps, master_params,
+                 {lr, weight_decay, momentum, dampening, nesterov, maximize},
+                 {lr_tensor, inv_scale, found_inf, clip_coef}});
+}
+
+template <void (*Kernel)(const SgdLowbitArgs&)>
+void sgd_lowbit_step_op(at::TensorList params, at::TensorList grads,
+                        at::TensorList momentum_buffers, at::TensorList state_steps,
+                        at::TensorList master_params, int64_t seed, double lr,
+                        const c10::optional<at::Tensor>& lr_tensor, double weight_decay,
+                        double momentum, double dampening, bool nesterov, bool maximize,
+                        const c10::optional<at::Tensor>& inv_scale,
+                        const c10::optional<at::Tensor>& found_inf,
+                        const c10::optional<at::Tensor>& clip_coef) {
+  Kernel(SgdLowbitArgs{params, grads, momentum_buffers, state_steps, master_params, seed,
+                       {lr, weight_decay, momentum, dampening, nesterov, maximize},
+                       {lr_tensor, inv_scale, found_inf, clip_coef}});
+}
+
+}  // namespace optim
+}  // namespace fastamp
