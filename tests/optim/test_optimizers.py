@@ -143,6 +143,41 @@ def test_no_host_sync_and_no_scheduler_warning_when_steps_skip():
     assert float(opt.state_dict()["state"][0]["step"]) == 3.0  # the skipped step did not count
 
 
+@pytest.mark.parametrize("kind", ["SGD", "Adam", "AdamW"])
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_zero_grad_matches_torch(kind, set_to_none):
+    """Same grads afterwards (the same tensor objects, zeros, detached and not requiring grad) as
+    torch's zero_grad, with mixed dtypes, a grad left None, a grad with a grad_fn (create_graph)
+    and a sparse grad."""
+    def world():
+        torch.manual_seed(3)
+        ps = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4, dtype=torch.float64)),
+              torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(2, 2)),
+              torch.nn.Parameter(torch.randn(7))]
+        ps[0].grad = torch.randn(5, 3)
+        ps[1].grad = torch.randn(4, dtype=torch.float64)
+        x = torch.randn(6, requires_grad=True)
+        ps[2].grad = x * 2.0  # a grad with a grad_fn, as after backward(create_graph=True)
+        ps[4].grad = torch.sparse_coo_tensor([[1, 5]], [3.0, -2.0], (7,))  # ps[3] keeps None
+        return ps
+
+    fps, tps = world(), world()
+    f = getattr(fastamp.optim, kind)([{"params": fps[:3]}, {"params": fps[3:]}], lr=0.1)
+    t = getattr(torch.optim, kind)([{"params": tps[:3]}, {"params": tps[3:]}], lr=0.1)
+    held_f, held_t = [p.grad for p in fps], [p.grad for p in tps]
+    f.zero_grad(set_to_none=set_to_none)
+    t.zero_grad(set_to_none=set_to_none)
+    for i, (fp, tp) in enumerate(zip(fps, tps)):
+        if tp.grad is None:
+            assert fp.grad is None, i
+            continue
+        assert fp.grad is held_f[i] and tp.grad is held_t[i], i  # zeroed in place, as torch
+        assert fp.grad.grad_fn is None and not fp.grad.requires_grad, i
+        assert fp.grad.dtype == tp.grad.dtype and fp.grad.is_sparse == tp.grad.is_sparse, i
+        torch.testing.assert_close(fp.grad.to_dense(), tp.grad.to_dense(), rtol=0, atol=0)
+        assert not bool(fp.grad.to_dense().any()), i
+
+
 def test_grads_are_never_written_with_clip():
     model = _model()
     opt = fastamp.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

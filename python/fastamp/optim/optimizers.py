@@ -126,6 +126,32 @@ class _FusedOptimizer(AmpFusedOptimizer):
         """The format of ``group``'s moments (its params' when :meth:`StateFormat.applies_to`)."""
         return self._FAMILY.group_format(group, f"fastamp.optim.{type(self).__name__}")
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; with ``set_to_none=False`` the grads are zeroed by one
+        ``torch._foreach_zero_`` per device and dtype, as torch does for its fused and foreach
+        optimizers (a fastamp optimizer is fused, but its ``defaults`` keep torch's
+        ``fused=None``, which would make torch's method zero them one by one)."""
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+            return
+        grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        with torch.autograd.profiler.record_function(f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    g = p.grad
+                    if g is None:
+                        continue
+                    if g.grad_fn is not None:
+                        g.detach_()
+                    else:
+                        g.requires_grad_(False)
+                    if g.is_sparse:
+                        g.zero_()
+                    else:
+                        grads.setdefault((g.device, g.dtype), []).append(g)
+            for same in grads.values():
+                torch._foreach_zero_(same)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """PyTorch's ``add_param_group``, with fastamp's options (``state_dtype``, ``state_seed``)
         checked and normalised, and every option checked against them, before the group is added."""
