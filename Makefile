@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: demo test test-clients bench cuda-build emu emu-faults sanitize lint clean
+.PHONY: demo test test-clients bench cuda-build emu emu-faults sanitize lint format clean
 
 # A requirements file passed in EXTRA_DEPS (-r FILE) is a prerequisite: changed pins reinstall.
 $(VENV)/.deps: $(filter-out -r,$(EXTRA_DEPS))
@@ -103,9 +103,23 @@ $(ASAN_VENV)/.built: $(ASAN_VENV)/.deps Makefile pyproject.toml CMakeLists.txt $
 sanitize: $(ASAN_VENV)/.built
 	tests/sanitize/run.sh $(ASAN_PY)
 
-lint:
-	$(PY) -m pip install -q ruff
-	$(PY) -m ruff check python tests benchmarks examples
+# Style held by CI: ruff's formatter (100 columns) and linter (E501 at 120 for the strings and
+# comments a formatter cannot wrap), clang-format (.clang-format) over csrc/. `make format` applies both.
+LINT_PY_DIRS := python tests benchmarks examples
+CSRC_FILES = $(shell find csrc -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.inc' \))
+
+$(VENV)/.lint: requirements/lint.txt | $(VENV)/.deps
+	$(PIP) install -q -r requirements/lint.txt
+	touch $@
+
+lint: $(VENV)/.lint
+	$(VENV)/bin/ruff format --check $(LINT_PY_DIRS)
+	$(VENV)/bin/ruff check $(LINT_PY_DIRS)
+	$(VENV)/bin/clang-format --dry-run -Werror $(CSRC_FILES)
+
+format: $(VENV)/.lint
+	$(VENV)/bin/ruff format $(LINT_PY_DIRS)
+	$(VENV)/bin/clang-format -i $(CSRC_FILES)
 
 clean:
 	rm -rf build $(VENV) $(VENV)-cuda $(VENV)-asan
