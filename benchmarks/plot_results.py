@@ -1,6 +1,6 @@
 """Draws benchmarks/results/speedups_cpu.png from the JSON results of the benchmarks (for the README).
 
-    python benchmarks/plot_results.py
+python benchmarks/plot_results.py
 """
 
 from __future__ import annotations
@@ -23,14 +23,20 @@ def load(name):
 
 def main():
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for name, label in (("scaler_cpu_float32.json", "GradScaler step, fp32 grads"),
-                        ("scaler_cpu_bfloat16.json", "GradScaler step, bf16 grads"),
-                        ("optim_cpu_adamw.json", "whole step with AdamW vs AdamW(fused=True)")):
+    for name, label in (
+        ("scaler_cpu_float32.json", "GradScaler step, fp32 grads"),
+        ("scaler_cpu_bfloat16.json", "GradScaler step, bf16 grads"),
+        ("optim_cpu_adamw.json", "whole step with AdamW vs AdamW(fused=True)"),
+    ):
         rows = load(name)["rows"]
         key = "speedup" if "speedup" in rows[0] else "speedup_vs_fused"
         ax1.plot([r["params"] / 1e6 for r in rows], [r[key] for r in rows], "o-", label=label)
     ax1.axhline(1.3, color="grey", ls="--", lw=1, label="target 1.3x")
-    ax1.set(title="fastamp speed-up over PyTorch (CPU, 2 cores)", xlabel="parameters (M)", ylabel="x faster")
+    ax1.set(
+        title="fastamp speed-up over PyTorch (CPU, 2 cores)",
+        xlabel="parameters (M)",
+        ylabel="x faster",
+    )
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
     ck = load("checkpoint_cpu.json")["rows"]

@@ -5,8 +5,9 @@
     torchrun --standalone --nproc_per_node=2 examples/ddp_train.py --accum-steps 4 --checkpoint
 
     # two "nodes" on one machine: two torchrun processes, one rendezvous on 127.0.0.1
-    torchrun --nnodes=2 --nproc_per_node=2 --node_rank=0 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29511 --rdzv-id=demo examples/ddp_train.py &
-    torchrun --nnodes=2 --nproc_per_node=2 --node_rank=1 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29511 --rdzv-id=demo examples/ddp_train.py
+    RDZV="--rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29511 --rdzv-id=demo"
+    torchrun --nnodes=2 --nproc_per_node=2 --node_rank=0 $RDZV examples/ddp_train.py &
+    torchrun --nnodes=2 --nproc_per_node=2 --node_rank=1 $RDZV examples/ddp_train.py
 
 A small causal transformer learns a synthetic language with structure: each sequence follows a
 hidden rule (next token = 3 * the token two places back + 1, mod vocab), so the next-token loss
@@ -36,7 +37,9 @@ import fastamp
 class Block(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
-        self.layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True, norm_first=True)
+        self.layer = nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.1, batch_first=True, norm_first=True
+        )
 
     def forward(self, x, mask):
         return self.layer(x, src_mask=mask, is_causal=True)
@@ -72,7 +75,9 @@ class Model(nn.Module):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=16, help="per rank, per optimizer step")
     ap.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
@@ -124,8 +129,11 @@ def main(argv=None):
         if step == 0:
             first = loss.item()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step:>4}  loss {loss.item():.4f} (chance {chance:.2f})  grad norm {float(norm):.3f}  "
-                  f"scale {scaler.get_scale():g}", flush=True)
+            print(
+                f"step {step:>4}  loss {loss.item():.4f} (chance {chance:.2f})  grad norm {float(norm):.3f}  "
+                f"scale {scaler.get_scale():g}",
+                flush=True,
+            )
     elapsed = time.perf_counter() - t0
 
     # Every rank must hold the same parameters: compare a checksum.
@@ -139,11 +147,16 @@ def main(argv=None):
     # run (the tests' 3 steps) is judged on identical parameters alone.
     judge = args.steps >= 20
     learned = final < 0.5 * chance
-    verdict = ("learned the rule" if learned else "did NOT learn") if judge else \
-        f"too few steps ({args.steps} < 20) to judge learning"
+    verdict = (
+        ("learned the rule" if learned else "did NOT learn")
+        if judge
+        else f"too few steps ({args.steps} < 20) to judge learning"
+    )
     if rank == 0:
-        print(f"{world} ranks ({dist.get_backend()}), {args.steps} steps in {elapsed:.1f}s; loss {first:.3f} -> "
-              f"{final:.3f} (chance {chance:.3f}): {verdict}; parameters identical on every rank: {same}")
+        print(
+            f"{world} ranks ({dist.get_backend()}), {args.steps} steps in {elapsed:.1f}s; loss {first:.3f} -> "
+            f"{final:.3f} (chance {chance:.3f}): {verdict}; parameters identical on every rank: {same}"
+        )
     # Leave together: drop what holds the process group, wait for every rank, then tear down
     # (a rank that exits while a peer is still finishing its last collective can abort the peer).
     del model, opt, scaler

@@ -46,7 +46,9 @@ class TinyTransformer(nn.Module):
         self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)
         # causal: position i sees tokens 0..i only, so predicting token i+1 needs the stride
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
+        )
 
     def forward(self, tokens):
         n = tokens.shape[1]
@@ -63,7 +65,11 @@ def train(scaler_kind: str, args, device: str, amp_dtype: torch.dtype):
     else:
         scaler = fastamp.GradScaler(device, init_scale=2.0**12, growth_interval=20)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    bad_steps = {args.steps // 3: math.inf, args.steps // 3 + 1: math.nan, 2 * args.steps // 3: math.inf}
+    bad_steps = {
+        args.steps // 3: math.inf,
+        args.steps // 3 + 1: math.nan,
+        2 * args.steps // 3: math.inf,
+    }
     rows, times = [], []
     print(f"training with {type(scaler).__module__.split('.')[0]}.GradScaler ...", flush=True)
     for step in range(args.steps):
@@ -89,34 +95,54 @@ def train(scaler_kind: str, args, device: str, amp_dtype: torch.dtype):
         times.append(time.perf_counter() - t0)
         rows.append((float(loss.detach()), scaler.get_scale(), float(norm)))
         if step % args.every == 0 or step == args.steps - 1:
-            print(f"  step {step + 1:>4}/{args.steps}  loss {rows[-1][0]:.3f}  scale {rows[-1][1]:g}", flush=True)
+            print(
+                f"  step {step + 1:>4}/{args.steps}  loss {rows[-1][0]:.3f}  scale {rows[-1][1]:g}",
+                flush=True,
+            )
     return rows, times, scaler, model
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--every", type=int, default=5, help="print every N-th step")
-    ap.add_argument("--amp", choices=["fp16", "bf16"], default="fp16",
-                    help="autocast dtype (default fp16, on CPU too: the one that needs loss scaling)")
-    ap.add_argument("--plot", default="fastamp_demo.png", help="PNG of both runs (needs matplotlib)")
+    ap.add_argument(
+        "--amp",
+        choices=["fp16", "bf16"],
+        default="fp16",
+        help="autocast dtype (default fp16, on CPU too: the one that needs loss scaling)",
+    )
+    ap.add_argument(
+        "--plot", default="fastamp_demo.png", help="PNG of both runs (needs matplotlib)"
+    )
     args = ap.parse_args(argv)
     if args.steps < 3:
-        ap.error(f"--steps must be at least 3 (the inf/NaN storms go at steps/3 and 2*steps/3), got {args.steps}")
+        ap.error(
+            f"--steps must be at least 3 (the inf/NaN storms go at steps/3 and 2*steps/3), got {args.steps}"
+        )
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.amp]
-    print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | device {args.device} | autocast {amp_dtype}")
+    print(
+        f"fastamp {fastamp.__version__} | torch {torch.__version__} | device {args.device} | autocast {amp_dtype}"
+    )
     t_rows, t_times, _, _ = train("torch", args, args.device, amp_dtype)
     f_rows, f_times, f_scaler, f_model = train("fastamp", args, args.device, amp_dtype)
 
-    print(f"{'step':>5} | {'loss torch':>10} {'loss fastamp':>12} | {'scale torch':>11} {'scale fastamp':>13} | {'grad norm torch':>15} {'grad norm fastamp':>17}")
+    print(
+        f"{'step':>5} | {'loss torch':>10} {'loss fastamp':>12} | {'scale torch':>11} "
+        f"{'scale fastamp':>13} | {'grad norm torch':>15} {'grad norm fastamp':>17}"
+    )
     for i, (t, f) in enumerate(zip(t_rows, f_rows)):
         skipped = not math.isfinite(f[2])
         if i % args.every == 0 or skipped or i == len(t_rows) - 1:
             mark = "  <- skipped (inf/NaN grads)" if skipped else ""
-            print(f"{i:>5} | {t[0]:>10.4f} {f[0]:>12.4f} | {t[1]:>11g} {f[1]:>13g} | {t[2]:>15.4g} {f[2]:>17.4g}{mark}")
+            print(
+                f"{i:>5} | {t[0]:>10.4f} {f[0]:>12.4f} | {t[1]:>11g} {f[1]:>13g} | {t[2]:>15.4g} {f[2]:>17.4g}{mark}"
+            )
     same_scale = [r[1] for r in t_rows] == [r[1] for r in f_rows]
     max_loss_diff = max(abs(a[0] - b[0]) for a, b in zip(t_rows, f_rows))
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
@@ -127,8 +153,10 @@ def main(argv=None):
     tail = min(5, len(f_rows))
     final = sum(r[0] for r in f_rows[-tail:]) / tail
     learned = final < chance - 0.5
-    print(f"loss: chance level ln({VOCAB}) = {chance:.3f}, first {f_rows[0][0]:.3f}, "
-          f"last {tail} steps {final:.3f} (learned: {learned})")
+    print(
+        f"loss: chance level ln({VOCAB}) = {chance:.3f}, first {f_rows[0][0]:.3f}, "
+        f"last {tail} steps {final:.3f} (learned: {learned})"
+    )
     print(f"last overflow: {f_scaler.overflow_report(f_model)}")
     print(
         f"median unscale+clip+step+update time: torch {med(t_times) * 1e3:.3f} ms, "
@@ -155,7 +183,9 @@ def _plot(t_rows, f_rows, chance, path):
         ax2.plot([r[1] for r in rows], style, label=name)
     ax1.axhline(chance, color="grey", lw=0.8, ls=":", label="chance")
     ax1.set(title="loss", xlabel="step")
-    ax2.set(title="loss scale (x2 after 20 clean steps, /2 at inf/NaN)", xlabel="step", yscale="log")
+    ax2.set(
+        title="loss scale (x2 after 20 clean steps, /2 at inf/NaN)", xlabel="step", yscale="log"
+    )
     for ax in (ax1, ax2):
         ax.legend()
         ax.grid(alpha=0.3)

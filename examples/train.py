@@ -37,7 +37,9 @@ except ImportError:  # the bar is a nicety; training does not need it
 class Block(nn.Module):
     def __init__(self, dim, heads):
         super().__init__()
-        self.layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True, norm_first=True)
+        self.layer = nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.1, batch_first=True, norm_first=True
+        )
 
     def forward(self, x):
         return self.layer(x)
@@ -75,7 +77,9 @@ def synthetic(n_batches, batch, seq, vocab, seed):
 
 def train(impl, args, device, amp_dtype):
     torch.manual_seed(args.seed)
-    model = TinyLM(args.vocab, args.dim, args.heads, args.layers, args.seq, args.checkpoint, impl).to(device)
+    model = TinyLM(
+        args.vocab, args.dim, args.heads, args.layers, args.seq, args.checkpoint, impl
+    ).to(device)
     scaling = amp_dtype == torch.float16
     if impl == "fastamp":
         opt = fastamp.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -88,12 +92,22 @@ def train(impl, args, device, amp_dtype):
     micro = args.batch_size // args.accum_steps
     losses, step_times = [], []
     total = args.epochs * args.batches_per_epoch
-    bar = tqdm(total=total, desc=f"{impl:>7}", leave=False) if tqdm is not None and not args.no_progress else None
+    bar = (
+        tqdm(total=total, desc=f"{impl:>7}", leave=False)
+        if tqdm is not None and not args.no_progress
+        else None
+    )
     group_loss = 0.0
     skipped, last_scale = 0, scaler.get_scale()  # a skipped (inf/NaN) step backs the scale off
     t0 = time.perf_counter()
     for epoch in range(args.epochs):
-        data = synthetic(args.batches_per_epoch * args.accum_steps, micro, args.seq, args.vocab, args.seed + epoch)
+        data = synthetic(
+            args.batches_per_epoch * args.accum_steps,
+            micro,
+            args.seq,
+            args.vocab,
+            args.seed + epoch,
+        )
         for (tokens, target), m in acc.iterate(data):
             tokens, target = tokens.to(device), target.to(device)
             with m:
@@ -118,21 +132,34 @@ def train(impl, args, device, amp_dtype):
                     bar.update(1)
     if bar is not None:
         bar.close()
-    return {"losses": losses, "step_times": step_times, "scale": scaler.get_scale(), "model": model,
-            "skipped": skipped}
+    return {
+        "losses": losses,
+        "step_times": step_times,
+        "scale": scaler.get_scale(),
+        "model": model,
+        "skipped": skipped,
+    }
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--amp", choices=["fp16", "bf16", "off"], default="fp16",
-                    help="autocast dtype (default fp16, on CPU too: the one that needs loss scaling)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--amp",
+        choices=["fp16", "bf16", "off"],
+        default="fp16",
+        help="autocast dtype (default fp16, on CPU too: the one that needs loss scaling)",
+    )
     ap.add_argument("--accum-steps", type=int, default=1)
     ap.add_argument("--checkpoint", action="store_true", help="checkpoint every transformer block")
     ap.add_argument("--batch-size", type=int, default=32, help="samples per optimizer step")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batches-per-epoch", type=int, default=20, help="optimizer steps per epoch")
     ap.add_argument("--compare-torch", action="store_true")
-    ap.add_argument("--plot", default="fastamp_vs_torch.png", help="PNG written with --compare-torch")
+    ap.add_argument(
+        "--plot", default="fastamp_vs_torch.png", help="PNG written with --compare-torch"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--heads", type=int, default=4)
@@ -148,8 +175,10 @@ def main(argv=None):
     device = torch.device(args.device)
     amp = args.amp
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[amp]
-    print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | {device} | amp {amp} | "
-          f"accum {args.accum_steps} | checkpoint {args.checkpoint}")
+    print(
+        f"fastamp {fastamp.__version__} | torch {torch.__version__} | {device} | amp {amp} | "
+        f"accum {args.accum_steps} | checkpoint {args.checkpoint}"
+    )
 
     runs = {"fastamp": train("fastamp", args, device, amp_dtype)}
     if args.compare_torch:
@@ -167,8 +196,10 @@ def main(argv=None):
         diff = max(abs(a - b) for a, b in zip(runs["fastamp"]["losses"], runs["torch"]["losses"]))
         print(f"{'max |loss difference|':<22} {diff:>13.2e}")
         if amp_dtype != torch.float16:
-            print(f"(amp {amp}: both GradScalers are disabled; only the optimizer step and the "
-                  "clipping are compared. --amp fp16 compares the scalers too)")
+            print(
+                f"(amp {amp}: both GradScalers are disabled; only the optimizer step and the "
+                "clipping are compared. --amp fp16 compares the scalers too)"
+            )
         _plot(runs, args.plot)
     print()
     fastamp.memory.summary()

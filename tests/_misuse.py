@@ -43,7 +43,58 @@ import fastamp
 from fastamp.checkpoint import checkpoint, checkpoint_sequential, offload_activations, selective
 from fastamp.parallel import DistributedDataParallel as FDDP
 
-__all__ = ["Any", "Callable", "Case", "FASTAMP", "FDDP", "Mapping", "TORCH", "_F", "_Flattener", "_batch", "_bn_net", "_bytes", "_check_message", "_ckpt_world", "_diff", "_enter", "_grads", "_loss", "_net", "_opt", "_optim_load", "_params", "_scalar", "_scaler_load", "_snapshot", "_tensor_leaf", "_trained", "_world", "check_misuse", "checkpoint", "checkpoint_sequential", "copy", "dataclass", "datetime", "dist", "enum", "fastamp", "functools", "json", "make_case", "math", "mp", "nn", "np", "offload_activations", "pytest", "re", "selective", "torch", "types"]  # for the test files' star import
+__all__ = [
+    "Any",
+    "Callable",
+    "Case",
+    "FASTAMP",
+    "FDDP",
+    "Mapping",
+    "TORCH",
+    "_F",
+    "_Flattener",
+    "_batch",
+    "_bn_net",
+    "_bytes",
+    "_check_message",
+    "_ckpt_world",
+    "_diff",
+    "_enter",
+    "_grads",
+    "_loss",
+    "_net",
+    "_opt",
+    "_optim_load",
+    "_params",
+    "_scalar",
+    "_scaler_load",
+    "_snapshot",
+    "_tensor_leaf",
+    "_trained",
+    "_world",
+    "check_misuse",
+    "checkpoint",
+    "checkpoint_sequential",
+    "copy",
+    "dataclass",
+    "datetime",
+    "dist",
+    "enum",
+    "fastamp",
+    "functools",
+    "json",
+    "make_case",
+    "math",
+    "mp",
+    "nn",
+    "np",
+    "offload_activations",
+    "pytest",
+    "re",
+    "selective",
+    "torch",
+    "types",
+]  # for the test files' star import
 
 # ================================================================== snapshots
 
@@ -56,8 +107,15 @@ def _bytes(t: torch.Tensor) -> bytes:
 def _tensor_leaf(t: torch.Tensor) -> tuple:
     """Everything that identifies a tensor's contents: metadata, version counter, storage
     address and the bytes themselves (so NaN == NaN and -0.0 != 0.0)."""
-    head = (type(t).__name__, str(t.layout), str(t.dtype), str(t.device), tuple(t.shape),
-            t.requires_grad, t._version)
+    head = (
+        type(t).__name__,
+        str(t.layout),
+        str(t.dtype),
+        str(t.device),
+        tuple(t.shape),
+        t.requires_grad,
+        t._version,
+    )
     if t.layout == torch.strided:
         head += (t.stride(), t.storage_offset())
         if t.device.type == "meta":
@@ -97,8 +155,10 @@ class _Flattener:
         if isinstance(obj, (torch.device, torch.dtype, enum.Enum, type)):
             out[path] = ("value", repr(obj))
             return
-        if isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-                            functools.partial)):
+        if isinstance(
+            obj,
+            (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial),
+        ):
             out[path] = ("callable", id(obj))
             return
         if id(obj) in self.seen:
@@ -140,8 +200,13 @@ class _Flattener:
         for n, sub in m.named_modules():
             where = f"{path}.{n}" if n else path
             self.out[where + ".<module>"] = (
-                type(sub).__name__, sub.training, id(sub.__dict__.get("forward")),
-                len(sub._forward_hooks), len(sub._forward_pre_hooks), len(sub._backward_hooks))
+                type(sub).__name__,
+                sub.training,
+                id(sub.__dict__.get("forward")),
+                len(sub._forward_hooks),
+                len(sub._forward_pre_hooks),
+                len(sub._backward_hooks),
+            )
 
     def scaler(self, s: torch.amp.GradScaler, path: str) -> None:
         # Every attribute: _scale, _growth_tracker, _hysteresis_tracker, _per_optimizer_states
@@ -170,7 +235,9 @@ def _snapshot(world: Mapping[str, Any]) -> dict[str, Any]:
 
 def _diff(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     """Paths that differ (appeared, disappeared or changed); empty when byte-identical."""
-    out = [f"+ {k}" for k in after if k not in before] + [f"- {k}" for k in before if k not in after]
+    out = [f"+ {k}" for k in after if k not in before] + [
+        f"- {k}" for k in before if k not in after
+    ]
     out += [f"~ {k}" for k in before if k in after and before[k] != after[k]]
     return out
 
@@ -178,11 +245,19 @@ def _diff(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 # ================================================================== worlds
 
 FASTAMP = types.SimpleNamespace(
-    name="fastamp", GradScaler=fastamp.GradScaler, SGD=fastamp.optim.SGD, Adam=fastamp.optim.Adam,
-    AdamW=fastamp.optim.AdamW)
+    name="fastamp",
+    GradScaler=fastamp.GradScaler,
+    SGD=fastamp.optim.SGD,
+    Adam=fastamp.optim.Adam,
+    AdamW=fastamp.optim.AdamW,
+)
 TORCH = types.SimpleNamespace(
-    name="torch", GradScaler=torch.amp.GradScaler, SGD=torch.optim.SGD, Adam=torch.optim.Adam,
-    AdamW=torch.optim.AdamW)
+    name="torch",
+    GradScaler=torch.amp.GradScaler,
+    SGD=torch.optim.SGD,
+    Adam=torch.optim.Adam,
+    AdamW=torch.optim.AdamW,
+)
 
 
 def _net(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Sequential:
@@ -191,8 +266,10 @@ def _net(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Sequential:
 
 
 def _opt(lib: Any, kind: str, model: nn.Module, **kw: Any) -> torch.optim.Optimizer:
-    groups = [{"params": list(model[0].parameters())},
-              {"params": list(model[2].parameters()), "lr": 2e-3}]
+    groups = [
+        {"params": list(model[0].parameters())},
+        {"params": list(model[2].parameters()), "lr": 2e-3},
+    ]
     if kind == "SGD":
         kw.setdefault("momentum", 0.9)
     return getattr(lib, kind)(groups, lr=1e-2, **kw)
@@ -208,8 +285,16 @@ def _loss(model: nn.Module, seed: int = 1) -> torch.Tensor:
     return nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
 
 
-def _trained(lib: Any = FASTAMP, kind: str = "AdamW", *, steps: int = 2, backward: bool = True,
-             dtype: torch.dtype = torch.float32, opt_kw: dict | None = None, **scaler_kw: Any):
+def _trained(
+    lib: Any = FASTAMP,
+    kind: str = "AdamW",
+    *,
+    steps: int = 2,
+    backward: bool = True,
+    dtype: torch.dtype = torch.float32,
+    opt_kw: dict | None = None,
+    **scaler_kw: Any,
+):
     """A model, its optimizer (with state) and a scaler after ``steps`` scaled steps (the scale has
     grown: growth_interval=1), then -- with ``backward`` -- one more scaled backward: the middle of
     an iteration, where a misuse happens."""
@@ -253,8 +338,13 @@ class Case:
 def make_case(registry: list[Case]) -> Callable[..., Callable[[Any], Any]]:
     """``case = make_case(CASES)``: a decorator registering a misuse builder into ``registry``."""
 
-    def case(id: str, exc: type[BaseException], arg: str, fix: str | None = None,
-             like_torch: str | None = None):
+    def case(
+        id: str,
+        exc: type[BaseException],
+        arg: str,
+        fix: str | None = None,
+        like_torch: str | None = None,
+    ):
         def register(build):
             registry.append(Case(id, build, exc, arg, fix, like_torch))
             return build
@@ -270,9 +360,11 @@ def _scaler_load(lib, **changes):
     sd.update(changes)
     return _world(model, opt, sc), lambda: sc.load_state_dict(sd)
 
+
 def _params():
     model = _net()
     return model, list(model.parameters())
+
 
 def _optim_load(lib, mutate: Callable[[dict], Any], kind: str = "AdamW"):
     model, opt, sc = _trained(lib, kind, backward=False)
@@ -280,24 +372,32 @@ def _optim_load(lib, mutate: Callable[[dict], Any], kind: str = "AdamW"):
     mutate(sd)
     return _world(model, opt, sc), lambda: opt.load_state_dict(sd)
 
+
 def _ckpt_world():
     model, opt, sc = _trained(FASTAMP)
     x = torch.randn(5, 6, requires_grad=True)
     return _world(model, opt, sc), model, x
 
+
 def _bn_net():
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU()) for _ in range(3)])
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU()) for _ in range(3)]
+    )
+
 
 def _enter(cm):
     with cm:
         pass
 
+
 _F = torch.ops.fastamp
+
 
 def _grads(n=3, seed=3):
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(4 + i, generator=g) * 64 for i in range(n)]
+
 
 def _scalar(v, dtype=torch.float32):
     return torch.full((), v, dtype=dtype)
@@ -305,9 +405,13 @@ def _scalar(v, dtype=torch.float32):
 
 def _check_message(c: Case, err: BaseException) -> None:
     msg = str(err)
-    assert re.search(c.arg, msg), f"{c.id}: the message does not name the argument ({c.arg!r}): {msg}"
+    assert re.search(c.arg, msg), (
+        f"{c.id}: the message does not name the argument ({c.arg!r}): {msg}"
+    )
     if c.fix is not None:
-        assert re.search(c.fix, msg), f"{c.id}: the message does not say what to do ({c.fix!r}): {msg}"
+        assert re.search(c.fix, msg), (
+            f"{c.id}: the message does not say what to do ({c.fix!r}): {msg}"
+        )
 
 
 def check_misuse(c: Case) -> None:
@@ -325,6 +429,7 @@ def check_misuse(c: Case) -> None:
         with pytest.raises(BaseException) as t_info:
             t_misuse()
         assert type(info.value) is c.exc and isinstance(t_info.value, c.exc), (
-            f"{c.id}: PyTorch raises {type(t_info.value).__name__}: {t_info.value}")
+            f"{c.id}: PyTorch raises {type(t_info.value).__name__}: {t_info.value}"
+        )
         if c.like_torch == "message":
             assert str(info.value) == str(t_info.value)

@@ -104,7 +104,7 @@ def _skip_reason(report) -> str:
         reason = report.longrepr[2]
     else:
         reason = str(report.longrepr)
-    return reason[len("Skipped: "):] if reason.startswith("Skipped: ") else reason
+    return reason[len("Skipped: ") :] if reason.startswith("Skipped: ") else reason
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

@@ -64,16 +64,27 @@ def private_accesses(source: str) -> list[tuple[int, str]]:
     modules = _imported_modules(tree)
     found = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id in ("getattr", "setattr", "hasattr", "delattr") and len(node.args) >= 2
-                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-                and node.args[1].value.startswith("_") and not node.args[1].value.startswith("__")):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "hasattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and node.args[1].value.startswith("_")
+            and not node.args[1].value.startswith("__")
+        ):
             target = node.args[0]
-            if not (isinstance(target, ast.Name) and target.id in ("self", "cls")) and not _noted(lines, node.lineno - 1):
+            if not (isinstance(target, ast.Name) and target.id in ("self", "cls")) and not _noted(
+                lines, node.lineno - 1
+            ):
                 found.append((node.lineno, ast.unparse(node)))
             continue
-        if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")
-                and not (node.attr.startswith("__") and node.attr.endswith("__"))):
+        if not (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not (node.attr.startswith("__") and node.attr.endswith("__"))
+        ):
             continue
         base = node.value
         root = base
@@ -81,11 +92,18 @@ def private_accesses(source: str) -> list[tuple[int, str]]:
             root = root.value
         if isinstance(base, ast.Name) and base.id in ("self", "cls"):
             continue
-        if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+        if (
+            isinstance(base, ast.Call)
+            and isinstance(base.func, ast.Name)
+            and base.func.id == "super"
+        ):
             continue
-        if isinstance(root, ast.Name) and root.id in modules and all(
-            not isinstance(n, ast.Call) for n in ast.walk(base)
-        ) and _looks_like_module_path(base, modules):
+        if (
+            isinstance(root, ast.Name)
+            and root.id in modules
+            and all(not isinstance(n, ast.Call) for n in ast.walk(base))
+            and _looks_like_module_path(base, modules)
+        ):
             continue
         if not _noted(lines, node.lineno - 1):
             found.append((node.lineno, ast.unparse(node)))
@@ -132,7 +150,10 @@ def test_private_access_scanner_catches_and_allows():
         "        getattr(self, '_u', None)\n"
     )
     assert [e for _, e in private_accesses(src)] == [
-        "other._z", "torch.autograd.Variable._engine", "getattr(other, '_v', None)"]
+        "other._z",
+        "torch.autograd.Variable._engine",
+        "getattr(other, '_v', None)",
+    ]
 
 
 def capability_private_imports(source: str, capability: str) -> list[tuple[int, str]]:
@@ -149,8 +170,13 @@ def capability_private_imports(source: str, capability: str) -> list[tuple[int, 
             continue
         for mod in mods:
             parts = mod.split(".")
-            if (len(parts) >= 3 and parts[0] == "fastamp" and not parts[1].startswith("_")
-                    and parts[1] != capability and parts[2].startswith("_")):
+            if (
+                len(parts) >= 3
+                and parts[0] == "fastamp"
+                and not parts[1].startswith("_")
+                and parts[1] != capability
+                and parts[2].startswith("_")
+            ):
                 found.append((node.lineno, mod))
                 break
     return found
@@ -166,7 +192,10 @@ def test_capability_private_import_scanner_catches_and_allows():
         "from fastamp.checkpoint._ops import x\n"
     )
     assert [m for _, m in capability_private_imports(src, "checkpoint")] == [
-        "fastamp.optim._ops", "fastamp.scaler._validation", "fastamp.parallel._backward"]
+        "fastamp.optim._ops",
+        "fastamp.scaler._validation",
+        "fastamp.parallel._backward",
+    ]
 
 
 @pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
@@ -181,8 +210,10 @@ def test_no_import_of_another_capabilitys_private_modules(path):
     )
 
 
-def undeclared_self_reads(source: str, provided: Callable[[str, str], bool] = lambda c, a: False,
-                          ) -> list[tuple[str, str]]:
+def undeclared_self_reads(
+    source: str,
+    provided: Callable[[str, str], bool] = lambda c, a: False,
+) -> list[tuple[str, str]]:
     """``(class, attribute)`` for each ``self.<attribute>`` a class of ``source`` reads that the
     class neither assigns (``self.x = ...`` in its methods) nor declares in its body (an
     annotation, an assignment, a method), unless ``provided(class, attribute)``: its base classes
@@ -200,9 +231,15 @@ def undeclared_self_reads(source: str, provided: Callable[[str, str], bool] = la
         reads, assigned = set(), set()
         for fn in (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             for node in ast.walk(fn):
-                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                if (
+                    isinstance(node, ast.Attribute)
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id == "self"
+                ):
                     (assigned if isinstance(node.ctx, ast.Store) else reads).add(node.attr)
-        found += [(cls.name, a) for a in sorted(reads - declared - assigned) if not provided(cls.name, a)]
+        found += [
+            (cls.name, a) for a in sorted(reads - declared - assigned) if not provided(cls.name, a)
+        ]
     return found
 
 
@@ -234,7 +271,9 @@ def _provided_by_bases(module_name: str) -> Callable[[str, str], bool]:
         cls = getattr(module, cls_name, None)
         if not isinstance(cls, type):
             return False
-        return any(attr in vars(b) or attr in getattr(b, "__annotations__", {}) for b in cls.__mro__[1:])
+        return any(
+            attr in vars(b) or attr in getattr(b, "__annotations__", {}) for b in cls.__mro__[1:]
+        )
 
     return provided
 
@@ -277,7 +316,10 @@ def _import_graph() -> dict[str, set[str]]:
                     for _ in range(node.level - 1):
                         pkg = pkg.rpartition(".")[0]
                     base = f"{pkg}.{base}" if base else pkg
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                    for a in node.names
+                ]
             for t in targets:
                 if t in modules and t != mod and not mod.startswith(t + "."):
                     # a submodule importing its own package's __init__ is Python's import order,
@@ -347,7 +389,8 @@ def header_problems(source: str) -> list[str]:
     return [
         f"class {n.name} is not named in the module docstring"
         for n in tree.body
-        if isinstance(n, ast.ClassDef) and not n.name.startswith("_")
+        if isinstance(n, ast.ClassDef)
+        and not n.name.startswith("_")
         and not re.search(rf"\b{re.escape(n.name)}\b", doc)
     ]
 

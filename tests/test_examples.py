@@ -18,7 +18,9 @@ def _run(cmd, timeout=300):
 
 def test_demo_prints_matching_runs_progress_and_writes_a_plot(tmp_path):
     png = tmp_path / "demo.png"
-    out = _run([sys.executable, "examples/demo.py", "--steps", "12", "--every", "4", "--plot", str(png)])
+    out = _run(
+        [sys.executable, "examples/demo.py", "--steps", "12", "--every", "4", "--plot", str(png)]
+    )
     assert "scale trajectories identical: True" in out
     assert "training with torch.GradScaler" in out and "step   12/12" in out  # progress as it runs
     assert "autocast torch.float16" in out  # fp16 on CPU too: the scalers are really at work
@@ -50,28 +52,64 @@ def test_pip_build_isolation_is_named_as_the_cause(tmp_path):
         f"sys.argv = ['torch_info.py', {str(tmp_path / 'out.cmake')!r}]; "
         "runpy.run_path('cmake/torch_info.py', run_name='__main__')"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 1
     assert out.stderr.startswith("fastamp: build isolation is on"), out.stderr
     assert "--no-build-isolation" in out.stderr.splitlines()[2], out.stderr
     # without the isolation markers: torch is simply missing
     code = code.replace("pip-build-env-x", "plain")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 1 and out.stderr.startswith("fastamp: cannot import torch"), out.stderr
 
 
-@pytest.mark.parametrize("flags", [["--accum-steps", "2", "--checkpoint"], ["--amp", "bf16", "--bucket-view"]])
+@pytest.mark.parametrize(
+    "flags", [["--accum-steps", "2", "--checkpoint"], ["--amp", "bf16", "--bucket-view"]]
+)
 def test_ddp_example_with_torchrun_two_processes(flags):
-    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "examples/ddp_train.py", "--steps", "3", *flags])
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "examples/ddp_train.py",
+            "--steps",
+            "3",
+            *flags,
+        ]
+    )
     assert "parameters identical on every rank: True" in out
 
 
 def test_train_example_compare_torch_writes_a_plot(tmp_path):
     png = tmp_path / "curves.png"
-    out = _run([sys.executable, "examples/train.py", "--compare-torch", "--epochs", "1",
-                "--batches-per-epoch", "4", "--accum-steps", "2", "--checkpoint", "--dim", "64",
-                "--layers", "2", "--seq", "32", "--plot", str(png)])
+    out = _run(
+        [
+            sys.executable,
+            "examples/train.py",
+            "--compare-torch",
+            "--epochs",
+            "1",
+            "--batches-per-epoch",
+            "4",
+            "--accum-steps",
+            "2",
+            "--checkpoint",
+            "--dim",
+            "64",
+            "--layers",
+            "2",
+            "--seq",
+            "32",
+            "--plot",
+            str(png),
+        ]
+    )
     assert "step time torch/fastamp" in out and "final loss" in out
     assert "amp fp16" in out  # the default, on CPU too: fastamp.GradScaler is exercised
     scales = next(ln for ln in out.splitlines() if ln.startswith("final scale")).split()[2:]

@@ -39,7 +39,9 @@ from common import device_name, sync, timed  # noqa: E402
 def make_model(layers, dim, heads, device):
     torch.manual_seed(0)
     blocks = nn.ModuleList(
-        nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.1, batch_first=True, norm_first=True)
+        nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.1, batch_first=True, norm_first=True
+        )
         for _ in range(layers)
     )
     return blocks.to(device)
@@ -99,7 +101,9 @@ def activation_bytes(fn, model, x, device):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--dim", type=int, default=256)
@@ -140,9 +144,11 @@ def main(argv=None):
     med = {k: statistics.median(v) for k, v in times.items()}
 
     mb = 2.0**20
-    print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | {dev} ({device_name(dev)}) | "
-          f"threads {torch.get_num_threads()} | {args.layers} x TransformerEncoderLayer(d={args.dim}, "
-          f"heads={args.heads}), batch {args.batch} x seq {args.seq}, dropout 0.1")
+    print(
+        f"fastamp {fastamp.__version__} | torch {torch.__version__} | {dev} ({device_name(dev)}) | "
+        f"threads {torch.get_num_threads()} | {args.layers} x TransformerEncoderLayer(d={args.dim}, "
+        f"heads={args.heads}), batch {args.batch} x seq {args.seq}, dropout 0.1"
+    )
     cuda_col = f" {'CUDA peak MiB':>13}" if dev == "cuda" else ""
     header = f"{'strategy':<22} {'activations MiB':>15} {'vs none':>8}{cuda_col} {'step ms':>9} {'vs torch ckpt':>13}"
     print(header)
@@ -150,25 +156,46 @@ def main(argv=None):
     rows = []
     for name in fns:
         saved, peak = mem[name]
-        row = {"strategy": name, "activation_bytes": saved, "cuda_peak_bytes": peak, "step_s": med[name],
-               "time_vs_torch_checkpoint": med[name] / med["torch every block"]}
+        row = {
+            "strategy": name,
+            "activation_bytes": saved,
+            "cuda_peak_bytes": peak,
+            "step_s": med[name],
+            "time_vs_torch_checkpoint": med[name] / med["torch every block"],
+        }
         rows.append(row)
         cuda = f" {peak / mb:>13.1f}" if dev == "cuda" else ""
-        print(f"{name:<22} {saved / mb:>15.1f} {saved / mem['none'][0]:>7.0%}{cuda} {med[name] * 1e3:>9.1f} "
-              f"{row['time_vs_torch_checkpoint']:>12.2f}x")
+        print(
+            f"{name:<22} {saved / mb:>15.1f} {saved / mem['none'][0]:>7.0%}{cuda} {med[name] * 1e3:>9.1f} "
+            f"{row['time_vs_torch_checkpoint']:>12.2f}x"
+        )
     planned = mem["planner @ 50%"][0]
-    print(f"\nplanner: budget {budget / mb:.1f} MiB, measured {planned / mb:.1f} MiB "
-          f"({planned / budget - 1:+.1%} of budget), {len(plan.chosen)}/{len(plan.blocks)} blocks checkpointed"
-          f" + {len(plan.selective)} selectively")
+    print(
+        f"\nplanner: budget {budget / mb:.1f} MiB, measured {planned / mb:.1f} MiB "
+        f"({planned / budget - 1:+.1%} of budget), {len(plan.chosen)}/{len(plan.blocks)} blocks checkpointed"
+        f" + {len(plan.selective)} selectively"
+    )
     pool = strategies.offload_ctx.pool
-    print(f"offload: {pool.allocated_bytes / mb:.1f} MiB of host buffers allocated once, reused "
-          f"{pool.reuses} times over the run (the 0 above is what stays on the device)")
+    print(
+        f"offload: {pool.allocated_bytes / mb:.1f} MiB of host buffers allocated once, reused "
+        f"{pool.reuses} times over the run (the 0 above is what stays on the device)"
+    )
     ratio = med["fastamp every block"] / med["torch every block"]
     print(f"fastamp every block vs torch every block at equal memory: {ratio:.3f}x the time")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": dev, "device_name": device_name(dev), "torch": torch.__version__,
-                       "config": vars(args), "budget_bytes": budget, "rows": rows}, fh, indent=2)
+            json.dump(
+                {
+                    "device": dev,
+                    "device_name": device_name(dev),
+                    "torch": torch.__version__,
+                    "config": vars(args),
+                    "budget_bytes": budget,
+                    "rows": rows,
+                },
+                fh,
+                indent=2,
+            )
     return 0
 
 

@@ -48,16 +48,36 @@ def torch_checkpoint(fn, *args):
 def blocks(device: str):
     torch.manual_seed(0)
     tiny = nn.Linear(8, 8).to(device)
-    mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 64)).to(device)
-    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.1, batch_first=True, norm_first=True).to(device)
+    mlp = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 64)).to(
+        device
+    )
+    layer = nn.TransformerEncoderLayer(
+        128, 4, 512, dropout=0.1, batch_first=True, norm_first=True
+    ).to(device)
     bf16 = torch.autocast(device_type=device, dtype=torch.bfloat16)
     return [
         # (name, module, input, context, regions per rep)
-        ("Linear(8, 8)", tiny, torch.randn(4, 8, device=device, requires_grad=True), contextlib.nullcontext, 200),
-        ("MLP 64-256-64 + dropout", mlp, torch.randn(32, 64, device=device, requires_grad=True),
-         contextlib.nullcontext, 100),
-        ("TransformerEncoderLayer(128), bf16 autocast", layer,
-         torch.randn(8, 32, 128, device=device, requires_grad=True), lambda: bf16, 20),
+        (
+            "Linear(8, 8)",
+            tiny,
+            torch.randn(4, 8, device=device, requires_grad=True),
+            contextlib.nullcontext,
+            200,
+        ),
+        (
+            "MLP 64-256-64 + dropout",
+            mlp,
+            torch.randn(32, 64, device=device, requires_grad=True),
+            contextlib.nullcontext,
+            100,
+        ),
+        (
+            "TransformerEncoderLayer(128), bf16 autocast",
+            layer,
+            torch.randn(8, 32, 128, device=device, requires_grad=True),
+            lambda: bf16,
+            20,
+        ),
     ]
 
 
@@ -100,21 +120,33 @@ def run_once(device: str, reps: int, warmup: int) -> list[dict]:
                 pair_ratios.append(pair["fastamp"] / pair["torch"])
         t_med = statistics.median(times["torch"])
         f_med = statistics.median(times["fastamp"])
-        rows.append({"block": name, "regions_per_rep": regions, "reps": reps,
-                     "torch_us": t_med * 1e6, "fastamp_us": f_med * 1e6,
-                     "diff_us": (f_med - t_med) * 1e6,
-                     # the median of the per-rep ratios (each rep times both back to back, so
-                     # slow drifts of the machine cancel); the ratio of the medians is kept too
-                     "ratio": statistics.median(pair_ratios), "ratio_of_medians": f_med / t_med})
+        rows.append(
+            {
+                "block": name,
+                "regions_per_rep": regions,
+                "reps": reps,
+                "torch_us": t_med * 1e6,
+                "fastamp_us": f_med * 1e6,
+                "diff_us": (f_med - t_med) * 1e6,
+                # the median of the per-rep ratios (each rep times both back to back, so
+                # slow drifts of the machine cancel); the ratio of the medians is kept too
+                "ratio": statistics.median(pair_ratios),
+                "ratio_of_medians": f_med / t_med,
+            }
+        )
     return rows
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=1, help="independent runs; the summary is their median")
+    ap.add_argument(
+        "--runs", type=int, default=1, help="independent runs; the summary is their median"
+    )
     ap.add_argument("--clock", choices=("thread", "wall"), default="thread")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
@@ -124,30 +156,47 @@ def main(argv=None) -> int:
         args.clock = "wall"
         CLOCK = time.perf_counter
     torch.set_num_threads(args.threads)
-    print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | {args.device} "
-          f"({device_name(args.device)}) | threads {torch.get_num_threads()} | clock {args.clock} | "
-          f"{args.reps} interleaved reps per run after {args.warmup} warm-ups")
+    print(
+        f"fastamp {fastamp.__version__} | torch {torch.__version__} | {args.device} "
+        f"({device_name(args.device)}) | threads {torch.get_num_threads()} | clock {args.clock} | "
+        f"{args.reps} interleaved reps per run after {args.warmup} warm-ups"
+    )
     all_runs = []
     for r in range(args.runs):
         rows = run_once(args.device, args.reps, args.warmup)
         all_runs.append(rows)
         print(f"\nrun {r + 1}/{args.runs}")
-        header = (f"{'block':<46} {'torch us/region':>15} {'fastamp us/region':>17} {'diff us':>8} "
-                  f"{'fastamp/torch':>13}")
+        header = (
+            f"{'block':<46} {'torch us/region':>15} {'fastamp us/region':>17} {'diff us':>8} "
+            f"{'fastamp/torch':>13}"
+        )
         print(header)
         print("-" * len(header))
         for row in rows:
-            print(f"{row['block']:<46} {row['torch_us']:>15.1f} {row['fastamp_us']:>17.1f} "
-                  f"{row['diff_us']:>+8.1f} {row['ratio']:>12.3f}x")
+            print(
+                f"{row['block']:<46} {row['torch_us']:>15.1f} {row['fastamp_us']:>17.1f} "
+                f"{row['diff_us']:>+8.1f} {row['ratio']:>12.3f}x"
+            )
     if args.runs > 1:
         print(f"\nsummary over {args.runs} runs: median ratio (min - max)")
         for k, row in enumerate(all_runs[0]):
             ratios = [run[k]["ratio"] for run in all_runs]
-            print(f"{row['block']:<46} {statistics.median(ratios):.3f}x ({min(ratios):.3f} - {max(ratios):.3f})")
+            print(
+                f"{row['block']:<46} {statistics.median(ratios):.3f}x ({min(ratios):.3f} - {max(ratios):.3f})"
+            )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": args.device, "device_name": device_name(args.device),
-                       "torch": torch.__version__, "config": vars(args), "runs": all_runs}, fh, indent=2)
+            json.dump(
+                {
+                    "device": args.device,
+                    "device_name": device_name(args.device),
+                    "torch": torch.__version__,
+                    "config": vars(args),
+                    "runs": all_runs,
+                },
+                fh,
+                indent=2,
+            )
     return 0
 
 

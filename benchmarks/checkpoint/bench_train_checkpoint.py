@@ -31,7 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _train_module():
-    spec = importlib.util.spec_from_file_location("fastamp_example_train", os.path.join(ROOT, "examples", "train.py"))
+    spec = importlib.util.spec_from_file_location(
+        "fastamp_example_train", os.path.join(ROOT, "examples", "train.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -69,7 +71,9 @@ def step(model, opt, scaler, tokens, target):
 
 def run_once(ex, args):
     runs = {impl: setup(ex, impl, args) for impl in ("fastamp", "torch")}
-    data = list(ex.synthetic(args.steps + args.warmup, args.batch_size, args.seq, args.vocab, args.seed))
+    data = list(
+        ex.synthetic(args.steps + args.warmup, args.batch_size, args.seq, args.vocab, args.seed)
+    )
     times = {"fastamp": [], "torch": []}
     ratios, max_diff = [], 0.0
     for i, (tokens, target) in enumerate(data):
@@ -80,11 +84,17 @@ def run_once(ex, args):
             for impl in order:
                 times[impl].append(out[impl][0])
             ratios.append(out["torch"][0] / out["fastamp"][0])
-    return {impl: statistics.median(v) for impl, v in times.items()}, statistics.median(ratios), max_diff
+    return (
+        {impl: statistics.median(v) for impl, v in times.items()},
+        statistics.median(ratios),
+        max_diff,
+    )
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--runs", type=int, default=1)
@@ -97,18 +107,24 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     ex = _train_module()
-    print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | cpu | threads {torch.get_num_threads()} | "
-          f"examples/train.py TinyLM(dim={args.dim}, layers={args.layers}, seq={args.seq}) batch "
-          f"{args.batch_size}, every block checkpointed, bf16 autocast | {args.steps} interleaved steps")
+    print(
+        f"fastamp {fastamp.__version__} | torch {torch.__version__} | cpu | threads {torch.get_num_threads()} | "
+        f"examples/train.py TinyLM(dim={args.dim}, layers={args.layers}, seq={args.seq}) batch "
+        f"{args.batch_size}, every block checkpointed, bf16 autocast | {args.steps} interleaved steps"
+    )
     ratios = []
     for r in range(args.runs):
         med, ratio, diff = run_once(ex, args)
         ratios.append(ratio)
-        print(f"run {r + 1}: median step ms fastamp {med['fastamp'] * 1e3:.1f}, torch {med['torch'] * 1e3:.1f}; "
-              f"step time torch/fastamp (median of per-step ratios) {ratio:.3f}x; max |loss difference| {diff:.2e}")
+        print(
+            f"run {r + 1}: median step ms fastamp {med['fastamp'] * 1e3:.1f}, torch {med['torch'] * 1e3:.1f}; "
+            f"step time torch/fastamp (median of per-step ratios) {ratio:.3f}x; max |loss difference| {diff:.2e}"
+        )
     if args.runs > 1:
-        print(f"median over {args.runs} runs: {statistics.median(ratios):.3f}x (min {min(ratios):.3f}, "
-              f"max {max(ratios):.3f})")
+        print(
+            f"median over {args.runs} runs: {statistics.median(ratios):.3f}x (min {min(ratios):.3f}, "
+            f"max {max(ratios):.3f})"
+        )
     return 0
 
 

@@ -65,9 +65,17 @@ class LM(nn.Module):
         self.emb = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, activation="gelu",
-                                       batch_first=True, norm_first=True)
-            for _ in range(layers))
+            nn.TransformerEncoderLayer(
+                dim,
+                heads,
+                4 * dim,
+                dropout=0.0,
+                activation="gelu",
+                batch_first=True,
+                norm_first=True,
+            )
+            for _ in range(layers)
+        )
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
 
@@ -94,16 +102,21 @@ def load_baseline(ref):
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    files = subprocess.run(["git", "-C", root, "ls-tree", "--name-only", ref, "python/fastamp/parallel/"],
-                           check=True, capture_output=True, text=True).stdout.split()
+    files = subprocess.run(
+        ["git", "-C", root, "ls-tree", "--name-only", ref, "python/fastamp/parallel/"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     top = tempfile.mkdtemp()
     pkg = os.path.join(top, "fastamp_baseline_parallel")
     os.makedirs(pkg)
     for f in files:
         if not f.endswith(".py"):
             continue
-        src = subprocess.run(["git", "-C", root, "show", f"{ref}:{f}"], check=True, capture_output=True,
-                             text=True).stdout
+        src = subprocess.run(
+            ["git", "-C", root, "show", f"{ref}:{f}"], check=True, capture_output=True, text=True
+        ).stdout
         with open(os.path.join(pkg, os.path.basename(f)), "w") as fh:
             fh.write(src.replace("fastamp.parallel", "fastamp_baseline_parallel"))
     sys.path.insert(0, top)
@@ -118,13 +131,15 @@ def make_variant(kind, view, base, args):
         scaler = fastamp.GradScaler("cpu", init_scale=2.0**16)
         ddp.register_grad_scaler(scaler)
     elif kind == "torch":
-        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
-                                                  gradient_as_bucket_view=view)
+        ddp = nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=view
+        )
         opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01, foreach=True)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     else:
-        ddp = fastamp.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb,
-                                                       gradient_as_bucket_view=view)
+        ddp = fastamp.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=view
+        )
         opt = fastamp.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
         scaler = fastamp.GradScaler("cpu", init_scale=2.0**16)
         ddp.register_grad_scaler(scaler)
@@ -138,16 +153,19 @@ def make_variant(kind, view, base, args):
         scaler.scale(loss).backward()
 
     if kind == "torch":
+
         def step():
             scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(params, args.max_norm, foreach=True)
             scaler.step(opt)
             scaler.update()
     else:
+
         def step():
             scaler.clip_grad_norm_(opt, args.max_norm)
             scaler.step(opt)
             scaler.update()
+
     return ddp, fwd_bwd, step
 
 
@@ -161,16 +179,22 @@ def memory(kind, ddp):
         storages[s.data_ptr()] = s.nbytes()
     held = sum(storages.values())  # what the grads actually keep alive
     if kind in ("fastamp", "today"):
-        buckets = ddp._sync.layout.buckets if hasattr(ddp, "_sync") else ddp._buckets  # an older baseline's
+        buckets = (
+            ddp._sync.layout.buckets if hasattr(ddp, "_sync") else ddp._buckets
+        )  # an older baseline's
         bufs = [(b.buffer.data_ptr(), b.buffer.numel() * b.buffer.element_size()) for b in buckets]
         comm = sum(n for _, n in bufs)
 
         def inside(p):
             a = p.grad.data_ptr()
-            return any(s <= a and a + p.grad.numel() * p.grad.element_size() <= s + n for s, n in bufs)
+            return any(
+                s <= a and a + p.grad.numel() * p.grad.element_size() <= s + n for s, n in bufs
+            )
 
         if all(inside(p) for p in params):
-            extra = comm - grad_bytes  # the buffers are the grads' storage; only padding could be extra
+            extra = (
+                comm - grad_bytes
+            )  # the buffers are the grads' storage; only padding could be extra
             note = "every p.grad lies inside a bucket buffer (by address)"
         else:
             shared = sum(n for s, n in bufs if s in storages)
@@ -180,7 +204,11 @@ def memory(kind, ddp):
     # torch keeps its buckets in the C++ reducer; its logging data lists their bytes (the rebuilt
     # ones once the buckets were rebuilt after the first iteration).
     data = ddp._get_ddp_logging_data()
-    sizes = data.get("rebuilt_bucket_sizes") if data.get("has_rebuilt_buckets") else data.get("bucket_sizes")
+    sizes = (
+        data.get("rebuilt_bucket_sizes")
+        if data.get("has_rebuilt_buckets")
+        else data.get("bucket_sizes")
+    )
     if not sizes:
         return None, grad_bytes, held, None, "torch: reducer bucket sizes unavailable", None
     sizes = [int(s) for s in str(sizes).split(",") if s.strip()]
@@ -205,8 +233,13 @@ def worker(rank, world, init_method, args):
     if init_method is None:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     else:
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo",
+            init_method=init_method,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=600),
+        )
     threads = args.threads or max(1, (os.cpu_count() or 1) // world)
     torch.set_num_threads(threads)
 
@@ -215,9 +248,17 @@ def worker(rank, world, init_method, args):
     n_params = sum(p.numel() for p in base.parameters())
     steps = args.warmup + args.reps
     g = torch.Generator().manual_seed(1234)
-    full = [torch.randint(0, args.vocab, (args.batch * world, args.seq + 1), generator=g) for _ in range(steps)]
-    mine = [(t[rank * args.batch:(rank + 1) * args.batch, :-1], t[rank * args.batch:(rank + 1) * args.batch, 1:])
-            for t in full]
+    full = [
+        torch.randint(0, args.vocab, (args.batch * world, args.seq + 1), generator=g)
+        for _ in range(steps)
+    ]
+    mine = [
+        (
+            t[rank * args.batch : (rank + 1) * args.batch, :-1],
+            t[rank * args.batch : (rank + 1) * args.batch, 1:],
+        )
+        for t in full
+    ]
 
     setups = {name(k, v): (k, v, *make_variant(k, v, base, args)) for k, v in VARIANTS}
     times = {n: {"fwd+bwd": [], "step": [], "total": []} for n in setups}
@@ -225,7 +266,7 @@ def worker(rank, world, init_method, args):
     t_run = time.perf_counter()
     for i in range(steps):
         x, y = mine[i]
-        rot = order[i % len(order):] + order[:i % len(order)]
+        rot = order[i % len(order) :] + order[: i % len(order)]
         for n in rot:
             _, _, ddp, fwd_bwd, step = setups[n]
             dist.barrier()  # every rank starts the step together
@@ -241,12 +282,19 @@ def worker(rank, world, init_method, args):
     run_s = time.perf_counter() - t_run
 
     # The comparison is honest only if both reached the same parameters.
-    for view, other in [(v, k) for v in (False, True) for k in ("fastamp", "today") if name(k, v) in setups]:
+    for view, other in [
+        (v, k) for v in (False, True) for k in ("fastamp", "today") if name(k, v) in setups
+    ]:
         a = setups[name("torch", view)][2].module
         b = setups[name(other, view)][2].module
         for (pn, p), q in zip(a.named_parameters(), b.parameters()):
-            torch.testing.assert_close(q, p, rtol=args.rtol, atol=args.atol,
-                                       msg=lambda m, pn=pn, view=view: f"view={view} {pn}: {m}")
+            torch.testing.assert_close(
+                q,
+                p,
+                rtol=args.rtol,
+                atol=args.atol,
+                msg=lambda m, pn=pn, view=view: f"view={view} {pn}: {m}",
+            )
 
     med = {n: {ph: statistics.median(v) for ph, v in d.items()} for n, d in times.items()}
     mem = {n: memory(s[0], s[2]) for n, s in setups.items()}
@@ -260,14 +308,20 @@ def worker(rank, world, init_method, args):
 
 def report(args, world, threads, n_params, med, gathered, mem, run_s):
     spread = max(abs(g[n]["total"] / med[n]["total"] - 1) for g in gathered for n in med)
-    print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | cpu ({device_name('cpu')}) | "
-          f"gloo, {world} ranks x {threads} thread(s) | fp32 + GradScaler, AdamW, clip {args.max_norm}")
-    print(f"model: transformer LM {n_params / 1e6:.1f}M params (dim {args.dim}, {args.layers} layers, vocab "
-          f"{args.vocab}), {args.batch}x{args.seq} tokens per rank | bucket_cap_mb {args.bucket_cap_mb} | "
-          f"zero_grad(set_to_none={args.set_to_none}) | {args.reps} reps after {args.warmup} warm-up, "
-          f"interleaved | run {run_s:.0f}s")
-    hdr = (f"{'variant':<14} | {'fwd+bwd ms':>10} {'step ms':>8} {'total ms':>9} | {'fastamp/torch':>13} | "
-           f"{'buckets':>7} {'comm buf MiB':>12} {'grads MiB':>9} {'extra beyond grads MiB':>22}")
+    print(
+        f"fastamp {fastamp.__version__} | torch {torch.__version__} | cpu ({device_name('cpu')}) | "
+        f"gloo, {world} ranks x {threads} thread(s) | fp32 + GradScaler, AdamW, clip {args.max_norm}"
+    )
+    print(
+        f"model: transformer LM {n_params / 1e6:.1f}M params (dim {args.dim}, {args.layers} layers, vocab "
+        f"{args.vocab}), {args.batch}x{args.seq} tokens per rank | bucket_cap_mb {args.bucket_cap_mb} | "
+        f"zero_grad(set_to_none={args.set_to_none}) | {args.reps} reps after {args.warmup} warm-up, "
+        f"interleaved | run {run_s:.0f}s"
+    )
+    hdr = (
+        f"{'variant':<14} | {'fwd+bwd ms':>10} {'step ms':>8} {'total ms':>9} | {'fastamp/torch':>13} | "
+        f"{'buckets':>7} {'comm buf MiB':>12} {'grads MiB':>9} {'extra beyond grads MiB':>22}"
+    )
     print(hdr)
     print("-" * len(hdr))
     rows = []
@@ -277,44 +331,85 @@ def report(args, world, threads, n_params, med, gathered, mem, run_s):
         ratio = m["total"] / ref["total"]
         comm, grads, held, extra, note, nb = mem[n]
         fmt = lambda v: "n/a" if v is None else f"{v / MiB:.1f}"  # noqa: E731
-        print(f"{n:<14} | {m['fwd+bwd'] * 1e3:>10.1f} {m['step'] * 1e3:>8.1f} {m['total'] * 1e3:>9.1f} | "
-              f"{ratio:>12.2f}x | {nb if nb is not None else 'n/a':>7} {fmt(comm):>12} {fmt(grads):>9} "
-              f"{fmt(extra):>22}")
-        rows.append({"variant": n, "kind": kind, "gradient_as_bucket_view": view,
-                     **{f"{ph}_s": v for ph, v in m.items()},
-                     "ratio_total_vs_torch": ratio,
-                     "ratio_fwd_bwd_vs_torch": m["fwd+bwd"] / ref["fwd+bwd"],
-                     "ratio_step_vs_torch": m["step"] / ref["step"],
-                     "per_rank_total_s": [g[n]["total"] for g in gathered],
-                     "buckets": nb, "comm_buffer_bytes": comm, "grad_bytes": grads,
-                     "grad_storage_bytes": held, "extra_beyond_grads_bytes": extra, "memory_note": note})
+        print(
+            f"{n:<14} | {m['fwd+bwd'] * 1e3:>10.1f} {m['step'] * 1e3:>8.1f} {m['total'] * 1e3:>9.1f} | "
+            f"{ratio:>12.2f}x | {nb if nb is not None else 'n/a':>7} {fmt(comm):>12} {fmt(grads):>9} "
+            f"{fmt(extra):>22}"
+        )
+        rows.append(
+            {
+                "variant": n,
+                "kind": kind,
+                "gradient_as_bucket_view": view,
+                **{f"{ph}_s": v for ph, v in m.items()},
+                "ratio_total_vs_torch": ratio,
+                "ratio_fwd_bwd_vs_torch": m["fwd+bwd"] / ref["fwd+bwd"],
+                "ratio_step_vs_torch": m["step"] / ref["step"],
+                "per_rank_total_s": [g[n]["total"] for g in gathered],
+                "buckets": nb,
+                "comm_buffer_bytes": comm,
+                "grad_bytes": grads,
+                "grad_storage_bytes": held,
+                "extra_beyond_grads_bytes": extra,
+                "memory_note": note,
+            }
+        )
     fa = [r for r in rows if r["kind"] in ("fastamp", "today")]
-    print("ratio = total step time / torch's with the same gradient_as_bucket_view (< 1: fastamp faster)")
-    print("  fwd+bwd (DDP) ratios: " + ", ".join(f"{r['variant']} {r['ratio_fwd_bwd_vs_torch']:.2f}x" for r in fa)
-          + " | step (clip+optimizer) ratios: "
-          + ", ".join(f"{r['variant']} {r['ratio_step_vs_torch']:.2f}x" for r in fa))
+    print(
+        "ratio = total step time / torch's with the same gradient_as_bucket_view (< 1: fastamp faster)"
+    )
+    print(
+        "  fwd+bwd (DDP) ratios: "
+        + ", ".join(f"{r['variant']} {r['ratio_fwd_bwd_vs_torch']:.2f}x" for r in fa)
+        + " | step (clip+optimizer) ratios: "
+        + ", ".join(f"{r['variant']} {r['ratio_step_vs_torch']:.2f}x" for r in fa)
+    )
     by = {r["variant"]: r for r in rows}
     for view in (False, True):
         new, old = by.get(name("fastamp", view)), by.get(name("today", view))
         if new and old:
-            print(f"  fastamp{' +view' if view else ''} now / at {args.baseline}: total "
-                  f"{new['total_s'] / old['total_s']:.2f}x, fwd+bwd {new['fwd+bwd_s'] / old['fwd+bwd_s']:.2f}x, "
-                  f"step {new['step_s'] / old['step_s']:.2f}x")
-    print(f"ranks agree: largest per-rank deviation of a median total from rank 0's: {100 * spread:.1f}%")
+            print(
+                f"  fastamp{' +view' if view else ''} now / at {args.baseline}: total "
+                f"{new['total_s'] / old['total_s']:.2f}x, fwd+bwd {new['fwd+bwd_s'] / old['fwd+bwd_s']:.2f}x, "
+                f"step {new['step_s'] / old['step_s']:.2f}x"
+            )
+    print(
+        f"ranks agree: largest per-rank deviation of a median total from rank 0's: {100 * spread:.1f}%"
+    )
     for r in rows:
         print(f"  memory {r['variant']}: {r['memory_note']}")
-    print(f"final parameters: fastamp == torch (rtol {args.rtol}, atol {args.atol}) with and without bucket views")
+    print(
+        f"final parameters: fastamp == torch (rtol {args.rtol}, atol {args.atol}) with and without bucket views"
+    )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": "cpu", "device_name": device_name("cpu"), "torch": torch.__version__,
-                       "fastamp": fastamp.__version__, "world_size": world, "threads_per_rank": threads,
-                       "params": n_params, "args": vars(args), "rows": rows}, fh, indent=2)
+            json.dump(
+                {
+                    "device": "cpu",
+                    "device_name": device_name("cpu"),
+                    "torch": torch.__version__,
+                    "fastamp": fastamp.__version__,
+                    "world_size": world,
+                    "threads_per_rank": threads,
+                    "params": n_params,
+                    "args": vars(args),
+                    "rows": rows,
+                },
+                fh,
+                indent=2,
+            )
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)"
+    )
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--heads", type=int, default=6)
@@ -324,26 +419,41 @@ def main(argv=None):
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--max-norm", type=float, default=1.0)
-    ap.add_argument("--set-to-none", type=int, choices=[0, 1], default=0,
-                    help="zero_grad(set_to_none=...); 0 keeps the grads as bucket views across steps")
+    ap.add_argument(
+        "--set-to-none",
+        type=int,
+        choices=[0, 1],
+        default=0,
+        help="zero_grad(set_to_none=...); 0 keeps the grads as bucket views across steps",
+    )
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--rtol", type=float, default=1e-4)
     ap.add_argument("--atol", type=float, default=1e-5)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--baseline", default=None, metavar="REF",
-                    help="also time fastamp's DDP as of this git commit (e.g. main), interleaved")
+    ap.add_argument(
+        "--baseline",
+        default=None,
+        metavar="REF",
+        help="also time fastamp's DDP as of this git commit (e.g. main), interleaved",
+    )
     args = ap.parse_args(argv)
     args.set_to_none = bool(args.set_to_none)
-    if args.warmup < 2:  # both rebuild their buckets after the first iteration (torch: in the second forward)
+    if (
+        args.warmup < 2
+    ):  # both rebuild their buckets after the first iteration (torch: in the second forward)
         ap.error("--warmup must be >= 2 so that no timed repetition includes a bucket rebuild")
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None, args)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(args.world_size, f"file://{os.path.join(tmp, 'init')}", args),
-                 nprocs=args.world_size, join=True)
+        mp.spawn(
+            worker,
+            args=(args.world_size, f"file://{os.path.join(tmp, 'init')}", args),
+            nprocs=args.world_size,
+            join=True,
+        )
     return 0
 
 

@@ -38,8 +38,13 @@ from fastamp.testing import transformer_like_shapes
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import copy_bandwidth, device_name, timed  # noqa: E402
 
-BYTES = {"torch fused fp32": 28.0, "fastamp fp32": 28.0, "fastamp bf16": 20.0,
-         "fastamp int8": 16.0 + 16.0 / 256, "torchao 8-bit": 16.0 + 16.0 / 256}
+BYTES = {
+    "torch fused fp32": 28.0,
+    "fastamp fp32": 28.0,
+    "fastamp bf16": 20.0,
+    "fastamp int8": 16.0 + 16.0 / 256,
+    "torchao 8-bit": 16.0 + 16.0 / 256,
+}
 
 
 def make_params(n: float, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -67,7 +72,9 @@ def build(name: str, params):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--params", type=float, default=50e6)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
@@ -106,13 +113,17 @@ def main() -> None:
     for name, opt in opts.items():
         if name.startswith("fastamp"):
             state_bpp[name] = fastamp.memory.optimizer_state_bytes(opt)["state_bytes_per_param"]
-    print(f"fastamp {fastamp.__version__} | CPU kernels {fastamp.build_info()['cpu_capability']} | "
-          f"torch {torch.__version__} | {device_name('cpu')} | "
-          f"threads {torch.get_num_threads()} | {n / 1e6:.1f}M fp32 params | {args.reps} interleaved reps, "
-          f"median (best/best: fastest rep over torch's fastest) | copy bandwidth "
-          f"{bw / 1e9:.1f} GB/s")
-    print(f"{'optimizer':<18} {'ms/step':>9} {'vs torch':>9} {'best/best':>9} {'B/param':>8} {'GB/s':>6} "
-          f"{'% of copy bw':>12} {'state B/param':>13}")
+    print(
+        f"fastamp {fastamp.__version__} | CPU kernels {fastamp.build_info()['cpu_capability']} | "
+        f"torch {torch.__version__} | {device_name('cpu')} | "
+        f"threads {torch.get_num_threads()} | {n / 1e6:.1f}M fp32 params | {args.reps} interleaved reps, "
+        f"median (best/best: fastest rep over torch's fastest) | copy bandwidth "
+        f"{bw / 1e9:.1f} GB/s"
+    )
+    print(
+        f"{'optimizer':<18} {'ms/step':>9} {'vs torch':>9} {'best/best':>9} {'B/param':>8} {'GB/s':>6} "
+        f"{'% of copy bw':>12} {'state B/param':>13}"
+    )
     rows = []
     for name in names:
         if name in skipped:
@@ -121,25 +132,48 @@ def main() -> None:
             continue
         t = med[name]
         eff = BYTES[name] * n / t
-        row = {"name": name, "ms": t * 1e3, "ratio_vs_torch_fused": t / base,
-               "best_ratio_vs_torch_fused": best[name] / best["torch fused fp32"], "bytes_per_param": BYTES[name],
-               "effective_GBps": eff / 1e9, "reps": len(times[name]),
-               "state_bytes_per_param": state_bpp.get(name)}
+        row = {
+            "name": name,
+            "ms": t * 1e3,
+            "ratio_vs_torch_fused": t / base,
+            "best_ratio_vs_torch_fused": best[name] / best["torch fused fp32"],
+            "bytes_per_param": BYTES[name],
+            "effective_GBps": eff / 1e9,
+            "reps": len(times[name]),
+            "state_bytes_per_param": state_bpp.get(name),
+        }
         rows.append(row)
         sbpp = f"{state_bpp[name]:.3f}" if name in state_bpp else "-"
-        print(f"{name:<18} {t * 1e3:9.1f} {t / base:8.2f}x {best[name] / best['torch fused fp32']:8.2f}x "
-              f"{BYTES[name]:8.1f} {eff / 1e9:6.1f} "
-              f"{100 * eff / bw:11.0f}% {sbpp:>13}")
+        print(
+            f"{name:<18} {t * 1e3:9.1f} {t / base:8.2f}x {best[name] / best['torch fused fp32']:8.2f}x "
+            f"{BYTES[name]:8.1f} {eff / 1e9:6.1f} "
+            f"{100 * eff / bw:11.0f}% {sbpp:>13}"
+        )
     if "torchao 8-bit" in med:
-        print(f"torchao 8-bit: first step (torch.compile) {compile_s:.1f} s, not timed; "
-              f"fastamp int8 is {med['torchao 8-bit'] / med['fastamp int8']:.0f}x faster per step")
-    print("GPU expectation (bandwidth-bound, from the bytes above): bf16 state "
-          f"{BYTES['fastamp bf16'] / 28:.2f}x, int8 {BYTES['fastamp int8'] / 28:.2f}x of the fp32 step")
+        print(
+            f"torchao 8-bit: first step (torch.compile) {compile_s:.1f} s, not timed; "
+            f"fastamp int8 is {med['torchao 8-bit'] / med['fastamp int8']:.0f}x faster per step"
+        )
+    print(
+        "GPU expectation (bandwidth-bound, from the bytes above): bf16 state "
+        f"{BYTES['fastamp bf16'] / 28:.2f}x, int8 {BYTES['fastamp int8'] / 28:.2f}x of the fp32 step"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"params": n, "copy_GBps": bw / 1e9, "threads": torch.get_num_threads(),
-                       "cpu_capability": fastamp.build_info()["cpu_capability"], "reps": args.reps,
-                       "torch": torch.__version__, "torchao_compile_s": compile_s, "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "params": n,
+                    "copy_GBps": bw / 1e9,
+                    "threads": torch.get_num_threads(),
+                    "cpu_capability": fastamp.build_info()["cpu_capability"],
+                    "reps": args.reps,
+                    "torch": torch.__version__,
+                    "torchao_compile_s": compile_s,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -64,16 +64,19 @@ def bench_size(n_params, device, reps, warmup, max_norm):
     def step_fn(kind):
         params, opt, scaler = setups[kind]
         if kind == "fastamp":
+
             def fn():
                 scaler.clip_grad_norm_(opt, max_norm)
                 scaler.step(opt)
                 scaler.update()
         else:
+
             def fn():
                 scaler.unscale_(opt)
                 torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
                 scaler.step(opt)
                 scaler.update()
+
         return fn
 
     fns = {k: step_fn(k) for k in setups}
@@ -95,7 +98,9 @@ def bench_size(n_params, device, reps, warmup, max_norm):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sizes", nargs="+", type=float, default=[10e6, 50e6, 100e6])
     ap.add_argument("--reps", type=int, default=10)
@@ -106,30 +111,52 @@ def main(argv=None):
 
     bw = copy_bandwidth(args.device)
     dev_name = device_name(args.device)
-    print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | {args.device} ({dev_name}) | "
-          f"threads {torch.get_num_threads()} | fp32 | copy bandwidth {bw / 1e9:.1f} GB/s")
-    header = (f"{'params':>8} | {'torch fused':>11} {'torch foreach':>13} {'fastamp':>9} | "
-              f"{'vs fused':>8} {'vs foreach':>10} | {'B/param torch fused / fastamp':>29} | "
-              f"{'fastamp floor':>13} {'% of floor':>10}")
+    print(
+        f"fastamp {fastamp.__version__} | torch {torch.__version__} | {args.device} ({dev_name}) | "
+        f"threads {torch.get_num_threads()} | fp32 | copy bandwidth {bw / 1e9:.1f} GB/s"
+    )
+    header = (
+        f"{'params':>8} | {'torch fused':>11} {'torch foreach':>13} {'fastamp':>9} | "
+        f"{'vs fused':>8} {'vs foreach':>10} | {'B/param torch fused / fastamp':>29} | "
+        f"{'fastamp floor':>13} {'% of floor':>10}"
+    )
     print(header)
     print("-" * len(header))
     rows = []
     for n in args.sizes:
         numel, med = bench_size(n, args.device, args.reps, args.warmup, args.max_norm)
         floor = numel * FASTAMP_BYTES / bw
-        row = {"params": numel, **{f"{k}_s": v for k, v in med.items()},
-               "speedup_vs_fused": med["torch fused"] / med["fastamp"],
-               "speedup_vs_foreach": med["torch foreach"] / med["fastamp"],
-               "fastamp_bytes_per_param": FASTAMP_BYTES, "torch_fused_bytes_per_param": TORCH_FUSED_BYTES,
-               "fastamp_floor_s": floor, "fastamp_fraction_of_floor": floor / med["fastamp"]}
+        row = {
+            "params": numel,
+            **{f"{k}_s": v for k, v in med.items()},
+            "speedup_vs_fused": med["torch fused"] / med["fastamp"],
+            "speedup_vs_foreach": med["torch foreach"] / med["fastamp"],
+            "fastamp_bytes_per_param": FASTAMP_BYTES,
+            "torch_fused_bytes_per_param": TORCH_FUSED_BYTES,
+            "fastamp_floor_s": floor,
+            "fastamp_fraction_of_floor": floor / med["fastamp"],
+        }
         rows.append(row)
-        print(f"{numel / 1e6:>7.1f}M | {med['torch fused'] * 1e3:>9.1f}ms {med['torch foreach'] * 1e3:>11.1f}ms "
-              f"{med['fastamp'] * 1e3:>7.1f}ms | {row['speedup_vs_fused']:>7.2f}x {row['speedup_vs_foreach']:>9.2f}x | "
-              f"{TORCH_FUSED_BYTES:>18} / {FASTAMP_BYTES:<8} | {floor * 1e3:>11.1f}ms {100 * row['fastamp_fraction_of_floor']:>9.0f}%")
+        print(
+            f"{numel / 1e6:>7.1f}M | {med['torch fused'] * 1e3:>9.1f}ms {med['torch foreach'] * 1e3:>11.1f}ms "
+            f"{med['fastamp'] * 1e3:>7.1f}ms | {row['speedup_vs_fused']:>7.2f}x {row['speedup_vs_foreach']:>9.2f}x | "
+            f"{TORCH_FUSED_BYTES:>18} / {FASTAMP_BYTES:<8} | {floor * 1e3:>11.1f}ms "
+            f"{100 * row['fastamp_fraction_of_floor']:>9.0f}%"
+        )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": args.device, "device_name": dev_name, "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "copy_bandwidth_Bps": bw, "rows": rows}, fh, indent=2)
+            json.dump(
+                {
+                    "device": args.device,
+                    "device_name": dev_name,
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                    "copy_bandwidth_Bps": bw,
+                    "rows": rows,
+                },
+                fh,
+                indent=2,
+            )
     return 0
 
 

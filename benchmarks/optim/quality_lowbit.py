@@ -37,10 +37,15 @@ class LM(nn.Module):
         self.emb = nn.Embedding(VOCAB, DIM)
         self.pos = nn.Parameter(torch.randn(SEQ, DIM) * 0.02)
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(DIM, HEADS, 4 * DIM, dropout=0.0, batch_first=True, norm_first=True)
-            for _ in range(LAYERS))
+            nn.TransformerEncoderLayer(
+                DIM, HEADS, 4 * DIM, dropout=0.0, batch_first=True, norm_first=True
+            )
+            for _ in range(LAYERS)
+        )
         self.head = nn.Linear(DIM, VOCAB)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False
+        )
 
     def forward(self, tokens):
         x = self.emb(tokens) + self.pos[: tokens.shape[1]]
@@ -93,7 +98,13 @@ def run(fmt, P, args):
     model = LM()
     opt = fastamp.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, state_dtype=fmt)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 100) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / 100)
+            * 0.5
+            * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+        ),
+    )
     losses = []
     t0 = time.perf_counter()
     for x, y in batches(P, args.steps, args.batch, seed=1, task=args.task):
@@ -105,15 +116,23 @@ def run(fmt, P, args):
         losses.append(loss.item())
     elapsed = time.perf_counter() - t0
     with torch.no_grad():
-        ev = [nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
-              for x, y in batches(P, 64, args.batch, seed=2, task=args.task)]
+        ev = [
+            nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+            for x, y in batches(P, 64, args.batch, seed=2, task=args.task)
+        ]
     state = fastamp.memory.optimizer_state_bytes(opt)
-    return {"losses": losses, "final_eval_loss": sum(ev) / len(ev), "seconds": elapsed,
-            "state_bytes_per_param": state["state_bytes_per_param"]}
+    return {
+        "losses": losses,
+        "final_eval_loss": sum(ev) / len(ev),
+        "seconds": elapsed,
+        "state_bytes_per_param": state["state_bytes_per_param"],
+    }
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
@@ -127,19 +146,36 @@ def main():
     for name, fmt in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("int8", "int8")):
         results[name] = run(fmt, P, args)
         r = results[name]
-        print(f"{name:9} final eval loss {r['final_eval_loss']:.4f}  ({r['seconds']:.0f} s, "
-              f"{r['state_bytes_per_param']:.2f} state bytes/param)", flush=True)
+        print(
+            f"{name:9} final eval loss {r['final_eval_loss']:.4f}  ({r['seconds']:.0f} s, "
+            f"{r['state_bytes_per_param']:.2f} state bytes/param)",
+            flush=True,
+        )
     base = results["float32"]["final_eval_loss"]
-    print(f"task {args.task}: loss floor {floor:.4f}; first-step loss {results['float32']['losses'][0]:.3f}")
+    print(
+        f"task {args.task}: loss floor {floor:.4f}; first-step loss {results['float32']['losses'][0]:.3f}"
+    )
     for name in ("bfloat16", "int8"):
         d = results[name]["final_eval_loss"] / base - 1
         print(f"{name:9} vs float32: {100 * d:+.2f}% (target within 1%)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"task": args.task, "steps": args.steps, "batch": args.batch, "lr": args.lr, "loss_floor": floor,
-                       "final_eval_loss": {k: v["final_eval_loss"] for k, v in results.items()},
-                       "state_bytes_per_param": {k: v["state_bytes_per_param"] for k, v in results.items()},
-                       "seconds": {k: v["seconds"] for k, v in results.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "task": args.task,
+                    "steps": args.steps,
+                    "batch": args.batch,
+                    "lr": args.lr,
+                    "loss_floor": floor,
+                    "final_eval_loss": {k: v["final_eval_loss"] for k, v in results.items()},
+                    "state_bytes_per_param": {
+                        k: v["state_bytes_per_param"] for k, v in results.items()
+                    },
+                    "seconds": {k: v["seconds"] for k, v in results.items()},
+                },
+                f,
+                indent=1,
+            )
     if args.png:
         import matplotlib
 
@@ -151,8 +187,11 @@ def main():
         for name, r in results.items():
             ls = torch.tensor(r["losses"])
             sm = ls.unfold(0, k, 1).mean(1) if len(ls) >= k else ls
-            ax.plot(range(k - 1, k - 1 + len(sm)), sm.tolist(),
-                    label=f"{name} state (eval {r['final_eval_loss']:.3f})")
+            ax.plot(
+                range(k - 1, k - 1 + len(sm)),
+                sm.tolist(),
+                label=f"{name} state (eval {r['final_eval_loss']:.3f})",
+            )
         ax.axhline(floor, color="gray", ls=":", label=f"loss floor {floor:.3f}")
         ax.set_xlabel("step")
         ax.set_ylabel(f"training loss ({k}-step mean)")

@@ -108,7 +108,9 @@ def bench_size(n_params, dtype, device, reps, warmup, max_norm):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--sizes", nargs="+", type=float, default=[10e6, 50e6, 100e6])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -127,32 +129,59 @@ def main(argv=None):
     bw = copy_bandwidth(args.device)
     esize = torch.tensor([], dtype=dtype).element_size()
     dev_name = device_name(args.device)
-    print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | {args.device} ({dev_name}) | "
-          f"threads {torch.get_num_threads()} | grads {args.dtype} | copy bandwidth {bw / 1e9:.1f} GB/s")
-    header = (f"{'params':>8} | {'torch ms':>9} {'fastamp ms':>10} {'speedup':>8} | "
-              f"{'torch B/el':>10} {'fastamp B/el':>12} | {'torch floor':>11} {'fastamp floor':>13} {'fastamp % of floor':>18} | {'norm rel err torch / fastamp':>28}")
+    print(
+        f"fastamp {fastamp.__version__} | torch {torch.__version__} | {args.device} ({dev_name}) | "
+        f"threads {torch.get_num_threads()} | grads {args.dtype} | copy bandwidth {bw / 1e9:.1f} GB/s"
+    )
+    header = (
+        f"{'params':>8} | {'torch ms':>9} {'fastamp ms':>10} {'speedup':>8} | "
+        f"{'torch B/el':>10} {'fastamp B/el':>12} | {'torch floor':>11} {'fastamp floor':>13} "
+        f"{'fastamp % of floor':>18} | {'norm rel err torch / fastamp':>28}"
+    )
     print(header)
     print("-" * len(header))
     rows = []
     for n in args.sizes:
-        numel, med, errors = bench_size(n, dtype, args.device, args.reps, args.warmup, args.max_norm)
+        numel, med, errors = bench_size(
+            n, dtype, args.device, args.reps, args.warmup, args.max_norm
+        )
         t_bytes, f_bytes = 5 * esize, 3 * esize
         t_floor, f_floor = numel * t_bytes / bw, numel * f_bytes / bw
         row = {
-            "params": numel, "torch_s": med["torch"], "fastamp_s": med["fastamp"],
-            "speedup": med["torch"] / med["fastamp"], "torch_bytes_per_elem": t_bytes,
-            "fastamp_bytes_per_elem": f_bytes, "torch_floor_s": t_floor, "fastamp_floor_s": f_floor,
+            "params": numel,
+            "torch_s": med["torch"],
+            "fastamp_s": med["fastamp"],
+            "speedup": med["torch"] / med["fastamp"],
+            "torch_bytes_per_elem": t_bytes,
+            "fastamp_bytes_per_elem": f_bytes,
+            "torch_floor_s": t_floor,
+            "fastamp_floor_s": f_floor,
             "fastamp_fraction_of_floor": f_floor / med["fastamp"],
-            "torch_norm_rel_error": errors["torch"], "fastamp_norm_rel_error": errors["fastamp"],
+            "torch_norm_rel_error": errors["torch"],
+            "fastamp_norm_rel_error": errors["fastamp"],
         }
         rows.append(row)
-        print(f"{numel / 1e6:>7.1f}M | {med['torch'] * 1e3:>9.2f} {med['fastamp'] * 1e3:>10.2f} {row['speedup']:>7.2f}x | "
-              f"{t_bytes:>10} {f_bytes:>12} | {t_floor * 1e3:>9.2f}ms {f_floor * 1e3:>11.2f}ms {100 * row['fastamp_fraction_of_floor']:>17.0f}% | {errors['torch']:>13.1e} / {errors['fastamp']:.1e}")
+        print(
+            f"{numel / 1e6:>7.1f}M | {med['torch'] * 1e3:>9.2f} {med['fastamp'] * 1e3:>10.2f} "
+            f"{row['speedup']:>7.2f}x | {t_bytes:>10} {f_bytes:>12} | {t_floor * 1e3:>9.2f}ms "
+            f"{f_floor * 1e3:>11.2f}ms {100 * row['fastamp_fraction_of_floor']:>17.0f}% | "
+            f"{errors['torch']:>13.1e} / {errors['fastamp']:.1e}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"device": args.device, "device_name": dev_name, "torch": torch.__version__,
-                       "dtype": args.dtype, "threads": torch.get_num_threads(),
-                       "copy_bandwidth_Bps": bw, "rows": rows}, fh, indent=2)
+            json.dump(
+                {
+                    "device": args.device,
+                    "device_name": dev_name,
+                    "torch": torch.__version__,
+                    "dtype": args.dtype,
+                    "threads": torch.get_num_threads(),
+                    "copy_bandwidth_Bps": bw,
+                    "rows": rows,
+                },
+                fh,
+                indent=2,
+            )
     return 0
 
 

@@ -62,7 +62,8 @@ at::Tensor tensor_digest_cuda(at::TensorList tensors) {
     sizes[static_cast<size_t>(i)] = static_cast<int64_t>(t.nbytes());
     if (t.nbytes() == 0) continue;
     const int64_t nwords = (static_cast<int64_t>(t.nbytes()) + 7) / 8;
-    const int blocks = static_cast<int>(std::min<int64_t>((nwords + kThreads - 1) / kThreads, 1024));
+    const int blocks =
+        static_cast<int>(std::min<int64_t>((nwords + kThreads - 1) / kThreads, 1024));
     gpu::launch("digest_kernel", &digest_kernel, dim3(static_cast<unsigned>(blocks)),
                 dim3(kThreads), stream, static_cast<const uint8_t*>(t.data_ptr()),
                 static_cast<int64_t>(t.nbytes()),

@@ -43,7 +43,8 @@ std::vector<at::Tensor> rng_get_state() {
 
 void rng_set_state(at::TensorList states) {
   constexpr const char* op = "fastamp::rng_set_state";
-  TORCH_CHECK_VALUE(!states.empty(), op, ": states is empty; expected the list returned by "
+  TORCH_CHECK_VALUE(!states.empty(), op,
+                    ": states is empty; expected the list returned by "
                     "fastamp::rng_get_state (CPU state first, then one entry per CUDA device)");
   const int64_t n = num_cuda_devices();
   TORCH_CHECK_VALUE(static_cast<int64_t>(states.size()) <= n + 1, op, ": states has ",
@@ -63,8 +64,8 @@ void rng_set_state(at::TensorList states) {
       states.size() > 1 ? rng_get_state() : std::vector<at::Tensor>();
   const auto restore = [](at::TensorList s, size_t i) {
     at::Generator gen = i == 0 ? at::detail::getDefaultCPUGenerator()
-                               : at::globalContext().defaultGenerator(c10::Device(
-                                     c10::kCUDA, static_cast<c10::DeviceIndex>(i - 1)));
+                               : at::globalContext().defaultGenerator(
+                                     c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i - 1)));
     // A fresh copy, not the caller's tensor, unless it already is plain bytes: the CPU generator
     // misreads a state that is a view at a storage offset (torch 2.13 rejects offsets 1-7 as
     // "Invalid mt19937 state" and crashes on offset 8), and a strided one is not raw bytes at all.
@@ -82,9 +83,8 @@ void rng_set_state(at::TensorList states) {
       for (size_t j = 0; j < i; ++j) {
         if (j == 0 || previous[j].numel() > 0) restore(previous, j);
       }
-      TORCH_CHECK_VALUE(false, op, ": states[", i, "] is not a valid ",
-                        i == 0 ? "CPU" : "CUDA", " generator state (", e.msg(),
-                        "); no generator was changed");
+      TORCH_CHECK_VALUE(false, op, ": states[", i, "] is not a valid ", i == 0 ? "CPU" : "CUDA",
+                        " generator state (", e.msg(), "); no generator was changed");
     }
   }
 }

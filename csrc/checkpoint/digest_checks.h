@@ -17,10 +17,10 @@ inline std::vector<at::Tensor> check_digest(at::TensorList tensors, const c10::D
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     TORCH_CHECK(t.defined(), "fastamp::tensor_digest: tensors[", i, "] is undefined (None)");
-    TORCH_CHECK(t.layout() == at::kStrided, "fastamp::tensor_digest: tensors[", i,
-                "] has layout ", t.layout(), "; expected a dense tensor");
-    TORCH_CHECK(t.device() == device, "fastamp::tensor_digest: tensors[", i, "] is on ",
-                t.device(), " but tensors[0] is on ", device, "; digest one device at a time");
+    TORCH_CHECK(t.layout() == at::kStrided, "fastamp::tensor_digest: tensors[", i, "] has layout ",
+                t.layout(), "; expected a dense tensor");
+    TORCH_CHECK(t.device() == device, "fastamp::tensor_digest: tensors[", i, "] is on ", t.device(),
+                " but tensors[0] is on ", device, "; digest one device at a time");
   }
   for (const auto& t : tensors) out.push_back(t.contiguous());
   return out;

@@ -63,8 +63,8 @@ inline T store(opmath_t<T> v) {
     // Round to nearest even, NaN kept quiet: the rounding of c10::BFloat16(float).
     const uint32_t b = float_to_bits(v);
     c10::BFloat16 out;
-    out.x = v != v ? uint16_t{0x7fc0}
-                   : static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    out.x =
+        v != v ? uint16_t{0x7fc0} : static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
     return out;
   } else if constexpr (std::is_same_v<T, c10::Half>) {
 #if defined(__F16C__)
@@ -83,11 +83,20 @@ inline T store(opmath_t<T> v) {
 template <typename F>
 inline void dispatch_float_types(c10::ScalarType dtype, const F& f) {
   switch (dtype) {
-    case c10::ScalarType::Float: f(static_cast<float*>(nullptr)); break;
-    case c10::ScalarType::Double: f(static_cast<double*>(nullptr)); break;
-    case c10::ScalarType::Half: f(static_cast<c10::Half*>(nullptr)); break;
-    case c10::ScalarType::BFloat16: f(static_cast<c10::BFloat16*>(nullptr)); break;
-    default: TORCH_INTERNAL_ASSERT(false, "fastamp: unexpected dtype ", dtype);
+    case c10::ScalarType::Float:
+      f(static_cast<float*>(nullptr));
+      break;
+    case c10::ScalarType::Double:
+      f(static_cast<double*>(nullptr));
+      break;
+    case c10::ScalarType::Half:
+      f(static_cast<c10::Half*>(nullptr));
+      break;
+    case c10::ScalarType::BFloat16:
+      f(static_cast<c10::BFloat16*>(nullptr));
+      break;
+    default:
+      TORCH_INTERNAL_ASSERT(false, "fastamp: unexpected dtype ", dtype);
   }
 }
 

@@ -1,10 +1,10 @@
 /// @file cpu_simd.h
 /// SIMD vectors for the CPU kernels that the compiler does not vectorise by itself: GCC/Clang
 /// vector extensions sized for the instruction set the translation unit is built for (16 float
-/// lanes with AVX-512, 8 with AVX2, 4 otherwise). Arithmetic on them is plain C++ operators, lane by
-/// lane with the usual IEEE rounding (-ffp-contract=off fuses nothing), so a kernel written on them
-/// runs the same shared element math (optim_math.h, lowbit_math.h) as the scalar code and gives
-/// the same bits. Only what the operators cannot say is here: loads and stores, widening and
+/// lanes with AVX-512, 8 with AVX2, 4 otherwise). Arithmetic on them is plain C++ operators, lane
+/// by lane with the usual IEEE rounding (-ffp-contract=off fuses nothing), so a kernel written on
+/// them runs the same shared element math (optim_math.h, lowbit_math.h) as the scalar code and
+/// gives the same bits. Only what the operators cannot say is here: loads and stores, widening and
 /// narrowing conversions, and taking the high 16-bit halves of two vectors of 32-bit lanes.
 #pragma once
 
@@ -49,7 +49,8 @@ typedef uint8_t u8 __attribute__((vector_size(2 * kLanes)));
 
 #if FASTAMP_SIMD_X86 && defined(__AVX512F__)
 // The all-lanes mask: GCC 12's unmasked AVX-512 conversions start from _mm512_undefined_epi32()
-// and trip -Wmaybe-uninitialized; the zero-masked forms with every lane set are the same instruction.
+// and trip -Wmaybe-uninitialized; the zero-masked forms with every lane set are the same
+// instruction.
 constexpr __mmask16 kAll = 0xFFFF;
 #endif
 
@@ -69,7 +70,8 @@ inline void store(P* p, const V& v) {
 /// bytes into one insert per lane, hence the intrinsics.)
 inline u32 widen_bytes(const uint8_t* p) {
 #if FASTAMP_SIMD_X86 && defined(__AVX512F__)
-  return (u32)_mm512_maskz_cvtepu8_epi32(kAll, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (u32)_mm512_maskz_cvtepu8_epi32(kAll,
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #elif FASTAMP_SIMD_X86 && defined(__AVX2__)
   return (u32)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
 #else
@@ -80,7 +82,8 @@ inline u32 widen_bytes(const uint8_t* p) {
 /// kLanes 16-bit values at p, zero-extended to 32-bit lanes.
 inline u32 widen_halves(const uint16_t* p) {
 #if FASTAMP_SIMD_X86 && defined(__AVX512F__)
-  return (u32)_mm512_maskz_cvtepu16_epi32(kAll, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (u32)_mm512_maskz_cvtepu16_epi32(kAll,
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif FASTAMP_SIMD_X86 && defined(__AVX2__)
   return (u32)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
@@ -108,7 +111,9 @@ inline u16 high_halves(u32 a, u32 b) {
 }
 
 /// 16-bit lanes holding values below 256, narrowed to bytes.
-inline u8 narrow(u16 x) { return __builtin_convertvector(x, u8); }
+inline u8 narrow(u16 x) {
+  return __builtin_convertvector(x, u8);
+}
 
 /// A hint to fetch the cache line `bytes` past p for a coming read (kWrite 0) or write (1). A
 /// prefetch never faults, and the address is formed as an integer, so asking past the end of an

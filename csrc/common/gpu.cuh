@@ -37,10 +37,14 @@ struct DeviceGuard {
 /// The emulator runs each launch to completion before returning: one implicit, ordered stream.
 struct Stream {};
 
-inline Stream current_stream(const c10::Device& /*device*/) { return Stream{}; }
+inline Stream current_stream(const c10::Device& /*device*/) {
+  return Stream{};
+}
 
 /// Options of a host staging buffer for a small host-to-device copy.
-inline at::TensorOptions staging_options() { return at::TensorOptions().dtype(at::kByte); }
+inline at::TensorOptions staging_options() {
+  return at::TensorOptions().dtype(at::kByte);
+}
 #else
 constexpr c10::DeviceType kDeviceType = c10::DeviceType::CUDA;
 constexpr const char* kDeviceName = "CUDA";

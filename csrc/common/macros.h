@@ -7,4 +7,3 @@
 #else
 #define FASTAMP_HOST_DEVICE
 #endif
-

@@ -40,7 +40,8 @@ namespace fastamp {
 constexpr int kMtaThreads = 512;
 
 /// Elements of list 0 per element of a side list (see mta_pack): the 8-bit optimizer state keeps
-/// one float32 scale per block of 256. kChunkElems is a multiple, so a block never straddles chunks.
+/// one float32 scale per block of 256. kChunkElems is a multiple, so a block never straddles
+/// chunks.
 constexpr int kMtaSideBlock = 256;
 static_assert(kChunkElems % kMtaSideBlock == 0, "a side block must not straddle two chunks");
 
@@ -166,7 +167,8 @@ void mta_pack(const std::array<const std::vector<FlatTensor>*, Depth>& lists, Em
                           l.size(), " non-empty tensors, list 0 has ", items.size());
     const bool side = d >= Depth - Side;
     for (size_t i = 0; i < l.size(); ++i) {
-      const int64_t want = side ? (items[i].numel + kMtaSideBlock - 1) / kMtaSideBlock : items[i].numel;
+      const int64_t want =
+          side ? (items[i].numel + kMtaSideBlock - 1) / kMtaSideBlock : items[i].numel;
       TORCH_INTERNAL_ASSERT(l[i].numel == want,
                             "multi_tensor_apply: numel mismatch between lists at item ", i);
       TORCH_INTERNAL_ASSERT(mta_supported_dtype(l[i].dtype, d == 0),

@@ -50,8 +50,10 @@ void sanitizer_selftest(c10::string_view kind_view) {
     (void)sink;
     return;
   }
-  TORCH_CHECK_VALUE(false, "fastamp::_sanitizer_selftest: kind must be 'none', 'address', "
-                    "'undefined' or 'misaligned'; got '", kind, "'");
+  TORCH_CHECK_VALUE(false,
+                    "fastamp::_sanitizer_selftest: kind must be 'none', 'address', "
+                    "'undefined' or 'misaligned'; got '",
+                    kind, "'");
 }
 
 }  // namespace

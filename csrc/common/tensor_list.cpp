@@ -27,7 +27,8 @@ at::Tensor element_offsets(const at::Tensor& t) {
   at::Tensor offsets = at::full({1}, t.storage_offset(), at::kLong);
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (t.size(d) == 1) continue;
-    offsets = (offsets.unsqueeze(1) + at::arange(t.size(d), at::kLong).mul_(t.stride(d))).reshape(-1);
+    offsets =
+        (offsets.unsqueeze(1) + at::arange(t.size(d), at::kLong).mul_(t.stride(d))).reshape(-1);
   }
   return offsets;
 }
@@ -35,9 +36,12 @@ at::Tensor element_offsets(const at::Tensor& t) {
 bool elements_overlap(const at::Tensor& t) {
   if (t.numel() <= 1) return false;
   switch (at::has_internal_overlap(t)) {
-    case at::MemOverlap::No: return false;
-    case at::MemOverlap::Yes: return true;
-    case at::MemOverlap::TooHard: break;
+    case at::MemOverlap::No:
+      return false;
+    case at::MemOverlap::Yes:
+      return true;
+    case at::MemOverlap::TooHard:
+      break;
   }
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims with size > 1
   for (int64_t d = 0; d < t.dim(); ++d) {
@@ -92,8 +96,7 @@ FlatTensorList FlatTensorList::prepare(at::TensorList tensors, const char* op, c
     // NotImplementedError (a RuntimeError), as PyTorch's own dtype dispatch raises for a dtype
     // its kernel lacks ("... not implemented for 'ComplexFloat'").
     TORCH_CHECK_NOT_IMPLEMENTED(ok, op, ": ", arg, "[", i, "] has dtype ", t.scalar_type(),
-                                " (not implemented for it); expected one of ",
-                                dtype_list(allowed));
+                                " (not implemented for it); expected one of ", dtype_list(allowed));
     if (writable) {
       TORCH_CHECK(!elements_overlap(t), op, ": ", arg, "[", i,
                   "] is a view whose elements overlap in memory (e.g. from expand() or "
@@ -111,8 +114,8 @@ FlatTensorList FlatTensorList::prepare(at::TensorList tensors, const char* op, c
       // Read-only lists keep the temporary alive only; writable ones also copy it back.
       out.staged_.emplace_back(writable ? t : at::Tensor(), src);
     }
-    out.items_.push_back(FlatTensor{src.data_ptr(), src.numel(), src.scalar_type(),
-                                    static_cast<int64_t>(i)});
+    out.items_.push_back(
+        FlatTensor{src.data_ptr(), src.numel(), src.scalar_type(), static_cast<int64_t>(i)});
   }
   return out;
 }
@@ -214,8 +217,7 @@ std::vector<int64_t> find_shared_memory(at::TensorList tensors) {
 }
 
 void check_scalar_tensor(const at::Tensor& t, const char* op, const char* arg,
-                         const c10::Device& device, c10::ScalarType dtype,
-                         bool as_runtime_error) {
+                         const c10::Device& device, c10::ScalarType dtype, bool as_runtime_error) {
   TORCH_CHECK(t.defined(), op, ": ", arg, " is undefined; expected a one-element ",
               c10::toString(dtype), " tensor");
   TORCH_CHECK(t.device() == device, op, ": ", arg, " is on ", t.device(), "; expected ", device);

@@ -15,8 +15,8 @@
 namespace fastamp {
 
 /// One tensor of a list as the kernels see it: a dense span of `numel` elements at `data`.
-/// Elementwise kernels and order-independent reductions do not care about the logical layout, so any
-/// non-overlapping dense tensor (contiguous, channels_last, transposed...) is used in place.
+/// Elementwise kernels and order-independent reductions do not care about the logical layout, so
+/// any non-overlapping dense tensor (contiguous, channels_last, transposed...) is used in place.
 struct FlatTensor {
   void* data;
   int64_t numel;

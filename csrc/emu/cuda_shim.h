@@ -36,7 +36,9 @@ using uint3 = ::fastamp::emu::uint3;
 
 // Names with two leading underscores are reserved for the implementation; here we *are* the CUDA
 // implementation, so the reserved spellings are the point.
-inline void __syncthreads() { ::fastamp::emu::syncthreads(); }
+inline void __syncthreads() {
+  ::fastamp::emu::syncthreads();
+}
 
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   ::fastamp::emu::warp_collective(::fastamp::emu::WarpOp::kSync, mask, 0, 0, 32);
@@ -86,10 +88,18 @@ T fastamp_emu_atomic_add(T* address, T val) {
   }
 }
 
-inline int atomicAdd(int* a, int v) { return fastamp_emu_atomic_add(a, v); }
-inline unsigned atomicAdd(unsigned* a, unsigned v) { return fastamp_emu_atomic_add(a, v); }
+inline int atomicAdd(int* a, int v) {
+  return fastamp_emu_atomic_add(a, v);
+}
+inline unsigned atomicAdd(unsigned* a, unsigned v) {
+  return fastamp_emu_atomic_add(a, v);
+}
 inline unsigned long long atomicAdd(unsigned long long* a, unsigned long long v) {
   return fastamp_emu_atomic_add(a, v);
 }
-inline float atomicAdd(float* a, float v) { return fastamp_emu_atomic_add(a, v); }
-inline double atomicAdd(double* a, double v) { return fastamp_emu_atomic_add(a, v); }
+inline float atomicAdd(float* a, float v) {
+  return fastamp_emu_atomic_add(a, v);
+}
+inline double atomicAdd(double* a, double v) {
+  return fastamp_emu_atomic_add(a, v);
+}

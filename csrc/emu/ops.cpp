@@ -32,7 +32,9 @@ std::tuple<int64_t, int64_t, int64_t, int64_t> stats_op() {
   return {s.launches, s.blocks, s.threads, s.switches};
 }
 
-std::vector<std::string> launched_kernels_op() { return launched_kernels(); }
+std::vector<std::string> launched_kernels_op() {
+  return launched_kernels();
+}
 
 }  // namespace
 }  // namespace emu

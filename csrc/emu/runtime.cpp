@@ -120,9 +120,9 @@ void init_context(Context& ctx, char* stack, size_t size, void (*entry)()) {
   ctx.size = size;
   auto top = reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t{15};
   auto* w = reinterpret_cast<uint64_t*>(top);
-  w[-1] = 0;                                     // entry's return address: it never returns
-  w[-2] = reinterpret_cast<uint64_t>(entry);     // popped by `ret`
-  for (int r = 3; r <= 8; ++r) w[-r] = 0;        // rbp rbx r12 r13 r14 r15
+  w[-1] = 0;                                  // entry's return address: it never returns
+  w[-2] = reinterpret_cast<uint64_t>(entry);  // popped by `ret`
+  for (int r = 3; r <= 8; ++r) w[-r] = 0;     // rbp rbx r12 r13 r14 r15
   uint32_t mxcsr;
   uint16_t fcw;
   asm volatile("stmxcsr %0" : "=m"(mxcsr));
@@ -133,7 +133,9 @@ void init_context(Context& ctx, char* stack, size_t size, void (*entry)()) {
   ctx.sp = cw;
 }
 
-inline void switch_to(Context& from, Context& to) { fastamp_emu_switch(&from.sp, to.sp); }
+inline void switch_to(Context& from, Context& to) {
+  fastamp_emu_switch(&from.sp, to.sp);
+}
 #else
 struct Context {
   ucontext_t uc;
@@ -160,18 +162,25 @@ void init_context(Context& ctx, char* stack, size_t size, void (*entry)()) {
   makecontext(&ctx.uc, entry, 0);
 }
 
-inline void switch_to(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+inline void switch_to(Context& from, Context& to) {
+  swapcontext(&from.uc, &to.uc);
+}
 #endif
 
 enum class State : uint8_t { kReady, kBarrier, kWarp, kDone };
 
 const char* warp_op_name(WarpOp op) {
   switch (op) {
-    case WarpOp::kSync: return "__syncwarp";
-    case WarpOp::kShflIdx: return "__shfl_sync";
-    case WarpOp::kShflUp: return "__shfl_up_sync";
-    case WarpOp::kShflDown: return "__shfl_down_sync";
-    case WarpOp::kShflXor: return "__shfl_xor_sync";
+    case WarpOp::kSync:
+      return "__syncwarp";
+    case WarpOp::kShflIdx:
+      return "__shfl_sync";
+    case WarpOp::kShflUp:
+      return "__shfl_up_sync";
+    case WarpOp::kShflDown:
+      return "__shfl_down_sync";
+    case WarpOp::kShflXor:
+      return "__shfl_xor_sync";
   }
   return "?";
 }
@@ -224,8 +233,8 @@ thread_local StackPool tl_stacks;
 std::string where(const Fiber& f) {
   std::ostringstream s;
   s << "block (" << f.ctx.block_idx.x << "," << f.ctx.block_idx.y << "," << f.ctx.block_idx.z
-    << ") thread (" << f.ctx.thread_idx.x << "," << f.ctx.thread_idx.y << ","
-    << f.ctx.thread_idx.z << ")";
+    << ") thread (" << f.ctx.thread_idx.x << "," << f.ctx.thread_idx.y << "," << f.ctx.thread_idx.z
+    << ")";
   return s.str();
 }
 
@@ -287,12 +296,15 @@ void fiber_main() {
       if (t >= run.fibers.size()) break;
       const Fiber& o = run.fibers[t];
       if (o.state == State::kWarp && (o.mask >> lane & 1u)) {
-        record_error(run, where(f) + " exited while " + where(o) + " waits for it in " +
-                              warp_op_name(o.op) + "(mask=0x" + [&] {
-                                std::ostringstream h;
-                                h << std::hex << o.mask;
-                                return h.str();
-                              }() + ")");
+        record_error(
+            run, where(f) + " exited while " + where(o) + " waits for it in " + warp_op_name(o.op) +
+                     "(mask=0x" +
+                     [&] {
+                       std::ostringstream h;
+                       h << std::hex << o.mask;
+                       return h.str();
+                     }() +
+                     ")");
       }
     }
   }
@@ -341,8 +353,8 @@ std::vector<unsigned> make_order(unsigned n, Order order, std::mt19937_64& rng) 
   return v;
 }
 
-void run_block(BlockRun& run, const dim3& block, const uint3& bidx, const dim3& grid,
-               Order order, std::mt19937_64& rng) {
+void run_block(BlockRun& run, const dim3& block, const uint3& bidx, const dim3& grid, Order order,
+               std::mt19937_64& rng) {
   const unsigned n = block.x * block.y * block.z;
   run.fibers.resize(n);
   run.live = n;
@@ -386,7 +398,9 @@ void set_order(Order order, uint64_t seed) {
   g_launch_counter.store(0);  // the same launches after the same set_order: the same schedules
 }
 
-Order order() { return static_cast<Order>(g_order.load()); }
+Order order() {
+  return static_cast<Order>(g_order.load());
+}
 
 Stats stats() {
   std::lock_guard<std::mutex> lock(g_stats_mu);
@@ -404,8 +418,9 @@ std::vector<std::string> launched_kernels() {
 }
 
 void fail_outside_kernel() {
-  TORCH_CHECK(false, "CUDA emulator: a CUDA built-in (threadIdx, __syncthreads, ...) was used "
-                     "outside a kernel launch");
+  TORCH_CHECK(false,
+              "CUDA emulator: a CUDA built-in (threadIdx, __syncthreads, ...) was used "
+              "outside a kernel launch");
   std::abort();
 }
 
@@ -426,8 +441,10 @@ void syncthreads() {
     if (t >= run->fibers.size()) break;
     const Fiber& o = run->fibers[t];
     if (o.state == State::kWarp && (o.mask >> lane & 1u)) {
-      abandon(*run, std::string("__syncthreads() reached while ") + where(o) + " waits for this "
-                    "lane in " + warp_op_name(o.op) + " (divergent warp collective)");
+      abandon(*run, std::string("__syncthreads() reached while ") + where(o) +
+                        " waits for this "
+                        "lane in " +
+                        warp_op_name(o.op) + " (divergent warp collective)");
     }
   }
   if (run->exited > 0) {
@@ -458,8 +475,10 @@ uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int 
     return h.str();
   };
   if (!(mask >> lane & 1u)) {
-    abandon(*run, std::string(name) + " with mask " + hex(mask) + " that does not name the "
-                                      "calling lane " + std::to_string(lane));
+    abandon(*run, std::string(name) + " with mask " + hex(mask) +
+                      " that does not name the "
+                      "calling lane " +
+                      std::to_string(lane));
   }
   if (op != WarpOp::kSync && (width <= 0 || width > kWarp || (width & (width - 1)) != 0)) {
     abandon(*run, std::string(name) + " with width " + std::to_string(width) +
@@ -495,8 +514,8 @@ uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int 
       continue;
     }
     if (o.op != op || o.mask != mask || (op != WarpOp::kSync && o.width != width)) {
-      abandon(*run, std::string(name) + "(mask=" + hex(mask) + ") meets lane " +
-                        std::to_string(l) + " in " + warp_op_name(o.op) + "(mask=" + hex(o.mask) +
+      abandon(*run, std::string(name) + "(mask=" + hex(mask) + ") meets lane " + std::to_string(l) +
+                        " in " + warp_op_name(o.op) + "(mask=" + hex(o.mask) +
                         ") (divergent warp collectives)");
     }
   }
@@ -510,7 +529,9 @@ uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int 
         const int seg = static_cast<int>(l) & ~(w - 1);  // first lane of this lane's segment
         int src = static_cast<int>(l);
         switch (op) {
-          case WarpOp::kShflIdx: src = seg + (o.arg & (w - 1)); break;
+          case WarpOp::kShflIdx:
+            src = seg + (o.arg & (w - 1));
+            break;
           case WarpOp::kShflUp:
             if (static_cast<int>(l) - seg >= o.arg) src = static_cast<int>(l) - o.arg;
             break;
@@ -522,7 +543,8 @@ uint64_t warp_collective(WarpOp op, unsigned mask, uint64_t value, int arg, int 
             if (x < seg + w) src = x;  // a lane past the segment reads its own value
             break;
           }
-          case WarpOp::kSync: break;
+          case WarpOp::kSync:
+            break;
         }
         if (src < 0 || src >= kWarp || !(mask >> src & 1u)) {
           abandon(*run, std::string(name) + "(mask=" + hex(mask) + "): lane " + std::to_string(l) +
@@ -554,17 +576,19 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, size_t param_size,
                 kMaxBlockDim[d], " (cudaErrorInvalidConfiguration)");
   }
   const uint64_t nthreads = uint64_t{block.x} * block.y * block.z;
-  TORCH_CHECK(nthreads <= kMaxThreadsPerBlock, "CUDA emulator: launch of ", kernel, " refused: ",
-              nthreads, " threads per block; CUDA allows at most ", kMaxThreadsPerBlock);
-  TORCH_CHECK(param_size <= kMaxParamBytes, "CUDA emulator: launch of ", kernel, " refused: ",
-              param_size, " bytes of kernel parameters; at most ", kMaxParamBytes,
+  TORCH_CHECK(nthreads <= kMaxThreadsPerBlock, "CUDA emulator: launch of ", kernel,
+              " refused: ", nthreads, " threads per block; CUDA allows at most ",
+              kMaxThreadsPerBlock);
+  TORCH_CHECK(param_size <= kMaxParamBytes, "CUDA emulator: launch of ", kernel,
+              " refused: ", param_size, " bytes of kernel parameters; at most ", kMaxParamBytes,
               " are portable (CUDA < 12.1 drivers)");
   TORCH_CHECK(tl_run == nullptr, "CUDA emulator: launch of ", kernel,
               " from inside a kernel (dynamic parallelism is not supported)");
 
   const Order ord = order();
   // A fresh stream per launch, reproducible from the seed and the launch's ordinal since set_order.
-  std::mt19937_64 rng(g_seed.load() ^ (0x9e3779b97f4a7c15ull * (g_launch_counter.fetch_add(1) + 1)));
+  std::mt19937_64 rng(g_seed.load() ^
+                      (0x9e3779b97f4a7c15ull * (g_launch_counter.fetch_add(1) + 1)));
   const uint64_t nblocks = uint64_t{grid.x} * grid.y * grid.z;
   // Block order: the same three orders as the threads within a block.
   std::vector<uint64_t> blocks(nblocks);

@@ -147,7 +147,8 @@ void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, A&&..
 /// Bit-casts a trivially copyable value of up to 8 bytes to and from the collective's payload.
 template <typename T>
 uint64_t to_bits(const T& v) {
-  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "shuffle of a type over 8 bytes");
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8,
+                "shuffle of a type over 8 bytes");
   uint64_t u = 0;
   std::memcpy(&u, &v, sizeof(T));
   return u;

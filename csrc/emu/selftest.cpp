@@ -33,8 +33,10 @@ __global__ void shuffle_kernel(int* out) {
   out[4 * 32 + lane] = __shfl_down_sync(0xffffffffu, v, 16);
   __syncwarp();
   // A partial mask: lanes 0-15 among themselves.
-  if (lane < 16) out[5 * 32 + lane] = __shfl_xor_sync(0x0000ffffu, v, 1, 16);
-  else out[5 * 32 + lane] = -1;
+  if (lane < 16)
+    out[5 * 32 + lane] = __shfl_xor_sync(0x0000ffffu, v, 1, 16);
+  else
+    out[5 * 32 + lane] = -1;
 }
 
 // Shared memory written by thread i, read by thread (i + 1) % n after the barrier.
@@ -98,9 +100,13 @@ struct Big {
   char bytes[4100];
 };
 
-__global__ void big_params_kernel(Big b, int* out) { out[0] = b.bytes[0]; }
+__global__ void big_params_kernel(Big b, int* out) {
+  out[0] = b.bytes[0];
+}
 
-__global__ void write_kernel(int* out) { out[threadIdx.x] = 1; }
+__global__ void write_kernel(int* out) {
+  out[threadIdx.x] = 1;
+}
 
 at::Tensor selftest(const std::string& kind) {
   const gpu::Stream s{};
@@ -138,7 +144,8 @@ at::Tensor selftest(const std::string& kind) {
   at::Tensor out = at::zeros({kThreads}, i32);
   int* o = out.data_ptr<int>();
   if (kind == "divergent_barrier") {
-    gpu::launch("divergent_barrier_kernel", &divergent_barrier_kernel, dim3(1), dim3(kThreads), s, o);
+    gpu::launch("divergent_barrier_kernel", &divergent_barrier_kernel, dim3(1), dim3(kThreads), s,
+                o);
   } else if (kind == "exit_before_barrier") {
     gpu::launch("exit_before_barrier_kernel", &exit_before_barrier_kernel, dim3(1), dim3(64), s, o);
   } else if (kind == "lane_outside_mask") {

@@ -35,7 +35,7 @@ static_assert(kMtaThreads % kQuantBlock == 0, "whole quantization blocks per ite
 
 template <bool kInt8, bool kMaster>
 struct AdamLowbitOp {
-  static constexpr int kCodes = 4;                                  // lists before master/side
+  static constexpr int kCodes = 4;  // lists before master/side
   static constexpr int kMasterList = kCodes;
   static constexpr int kSide = kInt8 ? 2 : 0;
   static constexpr int kDepth = kCodes + (kMaster ? 1 : 0) + kSide;
@@ -57,7 +57,8 @@ struct AdamLowbitOp {
         const double lr_v = s.lr != nullptr ? static_cast<double>(*s.lr) : lr;
         const float old = steps[blk.index];
         coefs_shared = adam_coefs(h, lr_v, static_cast<double>(old) + 1.0);
-        key_shared = sr_key(seed, static_cast<uint32_t>(old + 1.0f), static_cast<uint32_t>(blk.index));
+        key_shared =
+            sr_key(seed, static_cast<uint32_t>(old + 1.0f), static_cast<uint32_t>(blk.index));
       }
       __syncthreads();
       const AdamCoefs c = coefs_shared;
@@ -119,8 +120,8 @@ struct AdamLowbitOp {
         vi = decode_v8(vq[e]) * av[qb];
         float pi = kMaster ? mp[e] : static_cast<float>(p[e]);
         float unused = 0.0f;
-        adam_update(pi, prep_grad(static_cast<float>(g[e]), inv, coef, h.maximize), mi, vi,
-                    unused, h, c);
+        adam_update(pi, prep_grad(static_cast<float>(g[e]), inv, coef, h.maximize), mi, vi, unused,
+                    h, c);
         if constexpr (kMaster) mp[e] = pi;
         p[e] = static_cast<T>(pi);
       }
@@ -181,8 +182,7 @@ struct SgdLowbitOp {
       // Every thread computes the same key (a few integer operations; no barrier needed).
       const uint32_t key =
           sr_key(seed, static_cast<uint32_t>(old + 1.0f), static_cast<uint32_t>(blk.index));
-      const float neg_lr =
-          static_cast<float>(-(s.lr != nullptr ? static_cast<double>(*s.lr) : lr));
+      const float neg_lr = static_cast<float>(-(s.lr != nullptr ? static_cast<double>(*s.lr) : lr));
       const float inv = s.inv_scale != nullptr ? *s.inv_scale : 1.0f;
       const float coef = s.clip_coef != nullptr ? *s.clip_coef : 1.0f;
       T* const p = blk.template ptr<T>(0);

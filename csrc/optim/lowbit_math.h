@@ -108,7 +108,7 @@ FASTAMP_HOST_DEVICE inline V lane_min(V a, V b) {
 template <class H>
 FASTAMP_HOST_DEVICE inline H m8_code(H h) {
   const H a = h & 0x7FFFu;
-  const H t = (a + 7u + ((a >> 4) & 1u)) >> 4;  // float exponent << 3 | 3-bit mantissa, rounded
+  const H t = (a + 7u + ((a >> 4) & 1u)) >> 4;      // float exponent << 3 | 3-bit mantissa, rounded
   const H lo = lane_max(t, splat<H>(896u)) - 896u;  // exponent field e + 15 (0 below 2^-14)
   const H mag = lane_min(lo, splat<H>(127u));
   return mag | ((h >> 8) & 0x80u);

@@ -49,7 +49,9 @@ struct SgdOptions {
   bool nesterov;
   bool maximize;
 
-  SgdHyper hyper() const { return sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize); }
+  SgdHyper hyper() const {
+    return sgd_hyper(weight_decay, momentum, dampening, nesterov, maximize);
+  }
 };
 
 /// fastamp::adam_step_'s arguments.
@@ -87,8 +89,8 @@ struct SgdLowbitArgs {
   StepTensors tensors;
 };
 
-// --- the op functions, one per schema (ops.cpp), each wrapping a kernel of one struct --------------
-// Registered as e.g. `m.impl("adam_step_", &adam_step_op<adam_step_cpu>)`.
+// --- the op functions, one per schema (ops.cpp), each wrapping a kernel of one struct
+// -------------- Registered as e.g. `m.impl("adam_step_", &adam_step_op<adam_step_cpu>)`.
 
 template <void (*Kernel)(const AdamArgs&)>
 void adam_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -99,7 +101,13 @@ void adam_step_op(at::TensorList params, at::TensorList grads, at::TensorList ex
                   bool maximize, const c10::optional<at::Tensor>& inv_scale,
                   const c10::optional<at::Tensor>& found_inf,
                   const c10::optional<at::Tensor>& clip_coef) {
-  Kernel(AdamArgs{params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
+  Kernel(AdamArgs{params,
+                  grads,
+                  exp_avgs,
+                  exp_avg_sqs,
+                  max_exp_avg_sqs,
+                  state_steps,
+                  master_params,
                   {lr, beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize},
                   {lr_tensor, inv_scale, found_inf, clip_coef}});
 }
@@ -114,11 +122,18 @@ void adam_lowbit_step_op(at::TensorList params, at::TensorList grads, at::Tensor
                          bool maximize, const c10::optional<at::Tensor>& inv_scale,
                          const c10::optional<at::Tensor>& found_inf,
                          const c10::optional<at::Tensor>& clip_coef) {
-  Kernel(AdamLowbitArgs{params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
-                        state_steps, master_params, seed,
-                        {lr, beta1, beta2, weight_decay, eps, false, decoupled_weight_decay,
-                         maximize},
-                        {lr_tensor, inv_scale, found_inf, clip_coef}});
+  Kernel(
+      AdamLowbitArgs{params,
+                     grads,
+                     exp_avgs,
+                     exp_avg_sqs,
+                     exp_avg_absmax,
+                     exp_avg_sq_absmax,
+                     state_steps,
+                     master_params,
+                     seed,
+                     {lr, beta1, beta2, weight_decay, eps, false, decoupled_weight_decay, maximize},
+                     {lr_tensor, inv_scale, found_inf, clip_coef}});
 }
 
 template <void (*Kernel)(const SgdArgs&)>
@@ -129,7 +144,11 @@ void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList mom
                  const c10::optional<at::Tensor>& inv_scale,
                  const c10::optional<at::Tensor>& found_inf,
                  const c10::optional<at::Tensor>& clip_coef) {
-  Kernel(SgdArgs{params, grads, momentum_buffers, state_steps, master_params,
+  Kernel(SgdArgs{params,
+                 grads,
+                 momentum_buffers,
+                 state_steps,
+                 master_params,
                  {lr, weight_decay, momentum, dampening, nesterov, maximize},
                  {lr_tensor, inv_scale, found_inf, clip_coef}});
 }
@@ -143,7 +162,12 @@ void sgd_lowbit_step_op(at::TensorList params, at::TensorList grads,
                         const c10::optional<at::Tensor>& inv_scale,
                         const c10::optional<at::Tensor>& found_inf,
                         const c10::optional<at::Tensor>& clip_coef) {
-  Kernel(SgdLowbitArgs{params, grads, momentum_buffers, state_steps, master_params, seed,
+  Kernel(SgdLowbitArgs{params,
+                       grads,
+                       momentum_buffers,
+                       state_steps,
+                       master_params,
+                       seed,
                        {lr, weight_decay, momentum, dampening, nesterov, maximize},
                        {lr_tensor, inv_scale, found_inf, clip_coef}});
 }

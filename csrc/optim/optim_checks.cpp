@@ -1,5 +1,6 @@
 // The argument checks of the fused optimizer ops (declared in optim_checks.h), shared by their CPU
-// and CUDA kernels and by the CUDA emulator build: everything is checked before anything is written.
+// and CUDA kernels and by the CUDA emulator build: everything is checked before anything is
+// written.
 #include "optim/optim_checks.h"
 
 #include <string>
@@ -42,9 +43,9 @@ StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
     const at::Tensor& g = grads[i];
     TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
     TORCH_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(),
-                      " but params[", i, "] has shape ", p.sizes());
+                " but params[", i, "] has shape ", p.sizes());
     TORCH_CHECK(g.scalar_type() == p.scalar_type(), op, ": grads[", i, "] has dtype ",
-                     g.scalar_type(), " but params[", i, "] has dtype ", p.scalar_type());
+                g.scalar_type(), " but params[", i, "] has dtype ", p.scalar_type());
     // Elementwise over flat memory: every tensor of param i must be dense with the param's strides
     // (contiguous or e.g. channels_last alike), so element k of each span is the same element.
     TORCH_CHECK(p.is_non_overlapping_and_dense(), op, ": params[", i,
@@ -55,16 +56,16 @@ StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
     for (const auto& [name, list] : state) {
       const at::Tensor& s = list[i];
       TORCH_CHECK(s.defined() && s.device() == dev, op, ": ", name, "[", i, "] must be on ", dev);
-      TORCH_CHECK(s.sizes() == p.sizes() && s.strides() == p.strides(), op, ": ", name,
-                        "[", i, "] must have the shape ", p.sizes(), " and strides ", p.strides(),
-                        " of params[", i, "]");
+      TORCH_CHECK(s.sizes() == p.sizes() && s.strides() == p.strides(), op, ": ", name, "[", i,
+                  "] must have the shape ", p.sizes(), " and strides ", p.strides(), " of params[",
+                  i, "]");
       TORCH_CHECK(s.scalar_type() == state_dtype, op, ": ", name, "[", i, "] has dtype ",
-                       s.scalar_type(), "; expected ", c10::toString(state_dtype));
+                  s.scalar_type(), "; expected ", c10::toString(state_dtype));
     }
     const at::Tensor& st = state_steps[i];
-    TORCH_CHECK(st.defined() && st.device() == dev && st.numel() == 1 &&
-                    st.scalar_type() == at::kFloat,
-                op, ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
+    TORCH_CHECK(
+        st.defined() && st.device() == dev && st.numel() == 1 && st.scalar_type() == at::kFloat, op,
+        ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
     if (has_master) {
       const at::Tensor& mp = master_params[i];
       TORCH_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == at::kFloat &&
@@ -87,7 +88,8 @@ StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
     plan.state.push_back(FlatTensorList::prepare(list, op, name, dev, true, dtypes));
   }
   if (has_master) {
-    plan.master = FlatTensorList::prepare(master_params, op, "master_params", dev, true, {at::kFloat});
+    plan.master =
+        FlatTensorList::prepare(master_params, op, "master_params", dev, true, {at::kFloat});
   }
   return plan;
 }
@@ -122,7 +124,7 @@ StepPlan check_args(const SgdArgs& a) {
   constexpr const char* op = SgdArgs::kOp;
   const bool momentum = a.opt.momentum != 0.0;
   TORCH_CHECK(momentum || a.momentum_buffers.empty(), op,
-                    ": momentum_buffers must be empty when momentum == 0");
+              ": momentum_buffers must be empty when momentum == 0");
   std::vector<std::pair<const char*, at::TensorList>> state;
   if (momentum) state.emplace_back("momentum_buffers", a.momentum_buffers);
   StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params);
@@ -138,9 +140,8 @@ using NamedLists = std::vector<std::pair<const char*, at::TensorList>>;
 // counters are in memory order), each state tensor of `state` (dtype code_t, the param's shape),
 // its step counter and master copy; then that nothing written aliases, and the flat lists.
 void check_lowbit_lists(const char* op, StepPlan& plan, at::TensorList params, at::TensorList grads,
-                        const NamedLists& state, c10::ScalarType code_t,
-                        at::TensorList state_steps, at::TensorList master_params,
-                        NamedLists written) {
+                        const NamedLists& state, c10::ScalarType code_t, at::TensorList state_steps,
+                        at::TensorList master_params, NamedLists written) {
   const c10::Device dev = plan.device;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
@@ -161,15 +162,17 @@ void check_lowbit_lists(const char* op, StepPlan& plan, at::TensorList params, a
                   " (every state tensor of one call in the same format)");
     }
     const at::Tensor& st = state_steps[i];
-    TORCH_CHECK(st.defined() && st.device() == dev && st.numel() == 1 &&
-                    st.scalar_type() == at::kFloat,
-                op, ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
+    TORCH_CHECK(
+        st.defined() && st.device() == dev && st.numel() == 1 && st.scalar_type() == at::kFloat, op,
+        ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
     if (plan.has_master) {
       const at::Tensor& mp = master_params[i];
       TORCH_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == at::kFloat &&
                       mp.sizes() == p.sizes() && mp.is_contiguous(),
-                  op, ": master_params[", i, "] must be a contiguous float32 tensor of the shape of "
-                  "params[", i, "] on ", dev);
+                  op, ": master_params[", i,
+                  "] must be a contiguous float32 tensor of the shape of "
+                  "params[",
+                  i, "] on ", dev);
     }
   }
   written.emplace_back("params", params);
@@ -184,7 +187,8 @@ void check_lowbit_lists(const char* op, StepPlan& plan, at::TensorList params, a
     plan.state.push_back(FlatTensorList::prepare(list, op, name, dev, true, {code_t}));
   }
   if (plan.has_master) {
-    plan.master = FlatTensorList::prepare(master_params, op, "master_params", dev, true, {at::kFloat});
+    plan.master =
+        FlatTensorList::prepare(master_params, op, "master_params", dev, true, {at::kFloat});
   }
 }
 
@@ -195,18 +199,17 @@ LowbitPlan check_args(const AdamLowbitArgs& a) {
   constexpr int64_t kBlock = 256;  // lowbit_math.h's kQuantBlock
   const at::TensorList params = a.params;
   const size_t n = params.size();
-  const bool has_master = check_lengths(
-      op, params, a.grads, {{"exp_avgs", a.exp_avgs}, {"exp_avg_sqs", a.exp_avg_sqs}},
-      a.state_steps, a.master_params);
+  const bool has_master =
+      check_lengths(op, params, a.grads, {{"exp_avgs", a.exp_avgs}, {"exp_avg_sqs", a.exp_avg_sqs}},
+                    a.state_steps, a.master_params);
   LowbitPlan plan;
   plan.has_master = has_master;
   if (n == 0) return plan;
   const c10::Device dev = params[0].device();
   plan.device = dev;
   const c10::ScalarType code_t = a.exp_avgs[0].scalar_type();
-  TORCH_CHECK(code_t == at::kBFloat16 || code_t == at::kByte, op,
-              ": exp_avgs[0] has dtype ", code_t,
-              "; expected bfloat16 (16-bit state) or uint8 (8-bit codes)");
+  TORCH_CHECK(code_t == at::kBFloat16 || code_t == at::kByte, op, ": exp_avgs[0] has dtype ",
+              code_t, "; expected bfloat16 (16-bit state) or uint8 (8-bit codes)");
   plan.int8 = code_t == at::kByte;
   NamedLists written;
   if (plan.int8) {
@@ -236,8 +239,8 @@ LowbitPlan check_args(const AdamLowbitArgs& a) {
   if (plan.int8) {
     plan.absmax.push_back(
         FlatTensorList::prepare(a.exp_avg_absmax, op, "exp_avg_absmax", dev, true, {at::kFloat}));
-    plan.absmax.push_back(FlatTensorList::prepare(a.exp_avg_sq_absmax, op, "exp_avg_sq_absmax",
-                                                  dev, true, {at::kFloat}));
+    plan.absmax.push_back(FlatTensorList::prepare(a.exp_avg_sq_absmax, op, "exp_avg_sq_absmax", dev,
+                                                  true, {at::kFloat}));
   }
   plan.scalars = check_scalars(op, dev, a.tensors);
   return plan;
@@ -245,7 +248,8 @@ LowbitPlan check_args(const AdamLowbitArgs& a) {
 
 StepPlan check_args(const SgdLowbitArgs& a) {
   constexpr const char* op = SgdLowbitArgs::kOp;
-  TORCH_CHECK(a.opt.momentum != 0.0, op, ": momentum is 0; without momentum SGD keeps no state (use "
+  TORCH_CHECK(a.opt.momentum != 0.0, op,
+              ": momentum is 0; without momentum SGD keeps no state (use "
               "fastamp::sgd_step_)");
   StepPlan plan;
   plan.has_master = check_lengths(op, a.params, a.grads, {{"momentum_buffers", a.momentum_buffers}},

@@ -16,7 +16,7 @@ namespace optim {
 
 /// Scalars that change every step, as optional device tensors (all on the params' device).
 struct StepScalars {
-  const float* lr = nullptr;         ///< overrides the float lr when given
+  const float* lr = nullptr;  ///< overrides the float lr when given
   const float* inv_scale = nullptr;
   const float* found_inf = nullptr;
   const float* clip_coef = nullptr;

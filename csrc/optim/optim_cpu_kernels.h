@@ -54,10 +54,10 @@ struct AdamLowbitChunk {
   void* exp_avg_sq;
   float* m_absmax;  ///< null unless 8-bit
   float* v_absmax;
-  float* master;    ///< null unless master weights
+  float* master;  ///< null unless master weights
   int64_t n;
-  int64_t start;    ///< index of the chunk's first element in its tensor (the rounding's counter)
-  uint32_t key;     ///< sr_key of the tensor at this step (bfloat16 state)
+  int64_t start;  ///< index of the chunk's first element in its tensor (the rounding's counter)
+  uint32_t key;   ///< sr_key of the tensor at this step (bfloat16 state)
   float inv_scale;
   float clip_coef;
 };

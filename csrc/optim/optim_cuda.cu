@@ -77,8 +77,9 @@ __device__ __forceinline__ void store_pack(T* p, int e, int valid, bool vec,
   }
 }
 
-// --- update ops -------------------------------------------------------------------------------------
-// List layout (Depth = number of lists): 0 params (T), 1 grads (T), then the state lists (S), then
+// --- update ops
+// ------------------------------------------------------------------------------------- List layout
+// (Depth = number of lists): 0 params (T), 1 grads (T), then the state lists (S), then
 // master_params (float32) when kMaster. S = float with master weights, else T. The flags are
 // template parameters so the element loop has no per-element branch on them.
 
@@ -170,8 +171,7 @@ struct SgdOp {
     if constexpr (!std::is_same_v<T, double>) {
       using S = std::conditional_t<kMaster, float, T>;
       if (step_skipped(s.found_inf)) return;
-      const float neg_lr =
-          static_cast<float>(-(s.lr != nullptr ? static_cast<double>(*s.lr) : lr));
+      const float neg_lr = static_cast<float>(-(s.lr != nullptr ? static_cast<double>(*s.lr) : lr));
       const bool first = steps[blk.index] == 0.0f;
       const float inv = s.inv_scale != nullptr ? *s.inv_scale : 1.0f;
       const float coef = s.clip_coef != nullptr ? *s.clip_coef : 1.0f;

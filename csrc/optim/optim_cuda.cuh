@@ -22,9 +22,10 @@ __device__ __forceinline__ bool step_skipped(const float* found_inf) {
   return found_inf != nullptr && *found_inf != 0.0f;
 }
 
-// --- step counters --------------------------------------------------------------------------------
-// Both ops run over state_steps as a one-list MTA (one-element float32 tensors, so one block each;
-// only thread 0 works). Other dtypes cannot reach them (check_step), so only float is compiled.
+// --- step counters
+// -------------------------------------------------------------------------------- Both ops run
+// over state_steps as a one-list MTA (one-element float32 tensors, so one block each; only thread 0
+// works). Other dtypes cannot reach them (check_step), so only float is compiled.
 
 struct SnapshotStepsOp {
   float* out;  // out[i] = state_steps[i]
@@ -62,10 +63,10 @@ void run_update(const StepPlan& plan, const Op& op, const std::vector<FlatTensor
   for (const FlatTensorList& s : plan.state) l.push_back(&s.items());
   if (plan.has_master) l.push_back(&plan.master.items());
   for (const FlatTensorList& s : side) l.push_back(&s.items());
-  TORCH_INTERNAL_ASSERT(l.size() == static_cast<size_t>(kDepth) &&
-                            side.size() == static_cast<size_t>(Side),
-                        "optim: ", l.size(), " lists (", side.size(), " side) for a ", kDepth,
-                        "-list kernel (", Side, " side)");
+  TORCH_INTERNAL_ASSERT(
+      l.size() == static_cast<size_t>(kDepth) && side.size() == static_cast<size_t>(Side),
+      "optim: ", l.size(), " lists (", side.size(), " side) for a ", kDepth, "-list kernel (", Side,
+      " side)");
   std::array<const std::vector<FlatTensor>*, kDepth> lists;
   for (int d = 0; d < kDepth; ++d) lists[static_cast<size_t>(d)] = l[static_cast<size_t>(d)];
   cuda_multi_tensor_apply<kDepth, Op, Side>(lists, plan.device, op);

@@ -66,7 +66,6 @@ FASTAMP_HOST_DEVICE inline F prep_grad(F g, float inv, float coef, bool maximize
   return maximize ? -u : u;
 }
 
-
 inline AdamHyper adam_hyper(double beta1, double beta2, double weight_decay, double eps,
                             bool amsgrad, bool decoupled, bool maximize) {
   AdamHyper h;
@@ -83,7 +82,6 @@ inline AdamHyper adam_hyper(double beta1, double beta2, double weight_decay, dou
   h.weight_decay_d = weight_decay;
   return h;
 }
-
 
 FASTAMP_HOST_DEVICE inline AdamCoefs adam_coefs(const AdamHyper& h, double lr, double step) {
   AdamCoefs c;
@@ -116,7 +114,8 @@ FASTAMP_HOST_DEVICE inline F fsqrt(F x) {
 #if !defined(__CUDACC__)
   if constexpr (!std::is_floating_point_v<F>) {
     F r;
-    for (int i = 0; i < static_cast<int>(sizeof(F) / sizeof(float)); ++i) r[i] = __builtin_sqrtf(x[i]);
+    for (int i = 0; i < static_cast<int>(sizeof(F) / sizeof(float)); ++i)
+      r[i] = __builtin_sqrtf(x[i]);
     return r;
   } else
 #endif
@@ -134,19 +133,19 @@ template <int kDecay, bool kAmsgrad, int kLerp = 0, class F = float>
 FASTAMP_HOST_DEVICE inline void adam_update_fixed(F& p, F g, F& m, F& v, F& vmax,
                                                   const AdamHyper& h, const AdamCoefs& c) {
   if constexpr (kDecay == 2) {
-    p = p * c.decay;                         // param.mul_(1 - lr * weight_decay)
+    p = p * c.decay;  // param.mul_(1 - lr * weight_decay)
   } else if constexpr (kDecay == 1) {
-    g = g + h.weight_decay * p;              // grad.add(param, alpha=weight_decay)
+    g = g + h.weight_decay * p;  // grad.add(param, alpha=weight_decay)
   }
-  m = lerp<kLerp>(m, g, h.one_minus_beta1);  // exp_avg.lerp_(grad, 1 - beta1)
+  m = lerp<kLerp>(m, g, h.one_minus_beta1);       // exp_avg.lerp_(grad, 1 - beta1)
   v = v * h.beta2 + (h.one_minus_beta2 * g) * g;  // mul_(beta2).addcmul_(g, g, 1 - beta2)
   F vhat = v;
   if constexpr (kAmsgrad) {
-    vmax = vmax > v ? vmax : v;              // torch.maximum (NaN never reaches here: skipped)
+    vmax = vmax > v ? vmax : v;  // torch.maximum (NaN never reaches here: skipped)
     vhat = vmax;
   }
   const F denom = fsqrt(vhat) / c.bc2_sqrt + h.eps;
-  p = p + (c.neg_step_size * m) / denom;     // param.addcdiv_(exp_avg, denom, -step_size)
+  p = p + (c.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, -step_size)
 }
 
 /// The weight-decay mode of adam_update_fixed for these hyperparameters.
@@ -171,7 +170,6 @@ FASTAMP_HOST_DEVICE inline void adam_update(float& p, float g, float& m, float& 
   }
 }
 
-
 inline SgdHyper sgd_hyper(double weight_decay, double momentum, double dampening, bool nesterov,
                           bool maximize) {
   return SgdHyper{static_cast<float>(weight_decay), static_cast<float>(momentum),
@@ -187,7 +185,7 @@ FASTAMP_HOST_DEVICE inline void sgd_update(float& p, float g, float& buf, float 
     buf = first ? g : buf * h.momentum + h.one_minus_dampening * g;
     g = h.nesterov ? g + h.momentum * buf : buf;
   }
-  p = p + neg_lr * g;                        // param.add_(grad, alpha=-lr)
+  p = p + neg_lr * g;  // param.add_(grad, alpha=-lr)
 }
 
 }  // namespace FASTAMP_CPU_NS

@@ -56,9 +56,11 @@ inline std::vector<Slot> check_bucket(const char* op, const at::Tensor& bucket,
       const auto g0 = reinterpret_cast<uintptr_t>(g.data_ptr());
       const auto g1 = g0 + static_cast<uintptr_t>(g.numel()) * item;
       const bool shares = g0 < b1 && b0 < g1;
-      TORCH_CHECK(!shares || g0 == b0 + static_cast<uintptr_t>(offsets[i]) * item, op,
-                  ": grads[", i, "] is a view of the bucket (it shares memory with bucket "
-                  "elements other than its own slot at offset ", offsets[i],
+      TORCH_CHECK(!shares || g0 == b0 + static_cast<uintptr_t>(offsets[i]) * item, op, ": grads[",
+                  i,
+                  "] is a view of the bucket (it shares memory with bucket "
+                  "elements other than its own slot at offset ",
+                  offsets[i],
                   "), so the result would depend on the order of the copies. Expected grads "
                   "with their own storage: pass grad.clone()");
     }

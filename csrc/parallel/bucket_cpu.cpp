@@ -32,17 +32,18 @@ void bucket_pack_cpu(at::Tensor& bucket, at::TensorList grads, at::IntArrayRef o
   const auto slots = check_bucket("fastamp::bucket_pack_", bucket, grads, offsets);
   const auto chunks = slot_chunks(slots);
   const float s = static_cast<float>(scale);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, bucket.scalar_type(), "bucket_pack_", [&] {
-    scalar_t* b = bucket.data_ptr<scalar_t>();
-    cpu_for_each_chunk(chunks, [&](int64_t, const Chunk& ch) {
-      const Slot& sl = slots[static_cast<size_t>(ch.item)];
-      const scalar_t* g = static_cast<const scalar_t*>(sl.grad) + ch.start;
-      scalar_t* dst = b + sl.offset + ch.start;
-      for (int64_t i = 0; i < ch.len; ++i) {
-        dst[i] = static_cast<scalar_t>(static_cast<float>(g[i]) * s);
-      }
-    });
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, bucket.scalar_type(), "bucket_pack_", [&] {
+        scalar_t* b = bucket.data_ptr<scalar_t>();
+        cpu_for_each_chunk(chunks, [&](int64_t, const Chunk& ch) {
+          const Slot& sl = slots[static_cast<size_t>(ch.item)];
+          const scalar_t* g = static_cast<const scalar_t*>(sl.grad) + ch.start;
+          scalar_t* dst = b + sl.offset + ch.start;
+          for (int64_t i = 0; i < ch.len; ++i) {
+            dst[i] = static_cast<scalar_t>(static_cast<float>(g[i]) * s);
+          }
+        });
+      });
 }
 
 // The copy, then the scaler's own stats kernel over the copied chunk (still in cache): the norm and

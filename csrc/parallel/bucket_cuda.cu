@@ -87,8 +87,7 @@ void bucket_pack_cuda(at::Tensor& bucket, at::TensorList grads, at::IntArrayRef 
 }
 
 std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
-                                                      at::TensorList grads,
-                                                      at::IntArrayRef offsets,
+                                                      at::TensorList grads, at::IntArrayRef offsets,
                                                       const at::Tensor& inv_scale) {
   gpu::check_device(bucket.device(), "fastamp::bucket_unpack_", "bucket");
   const auto slots = check_bucket_unpack(bucket, grads, offsets, inv_scale);
@@ -101,9 +100,9 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
   if (n == 0) return {found, pow_sum};
   // Every slot is written by exactly one block before the combining kernel reads it.
   at::Tensor partials = at::empty({n}, opts);
-  cuda_multi_tensor_apply<2>({&l.grads, &l.slices}, bucket.device(),
-                             UnpackOp{inv_scale.data_ptr<float>(), partials.data_ptr<float>(),
-                                      found.data_ptr<float>()});
+  cuda_multi_tensor_apply<2>(
+      {&l.grads, &l.slices}, bucket.device(),
+      UnpackOp{inv_scale.data_ptr<float>(), partials.data_ptr<float>(), found.data_ptr<float>()});
   scaler::launch_combine<NormKind::kL2>(partials.data_ptr<float>(), n, pow_sum.data_ptr<float>(),
                                         bucket.device());
   return {found, pow_sum};

@@ -2,7 +2,6 @@
 // kernels share are in scaler_checks.cpp, the kernels in scaler_cpu.cpp and scaler_cuda.cu.
 #include <torch/library.h>
 
-
 TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   // Fake (meta) kernels live in Python, so torch.compile can trace these ops without running them.
   m.set_python_module("fastamp.scaler._ops");
@@ -10,16 +9,18 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   // Read-only gradient statistics. Reads every element of `grads` (float32/16, bfloat16, float64,
   // mixed; all on inv_scale's device) once and writes nothing into them. Returns, as new tensors on
   // that device: found_inf (float32 [], 1.0 if any element is inf/NaN), norm_pow_sum (float32 [],
-  // sum over elements of |g * inv_scale|^norm_type, or the max of |g * inv_scale| for norm_type=inf,
-  // accumulated in fp32), and tensor_found_inf (bool [len(grads)], which tensors had inf/NaN).
+  // sum over elements of |g * inv_scale|^norm_type, or the max of |g * inv_scale| for
+  // norm_type=inf, accumulated in fp32), and tensor_found_inf (bool [len(grads)], which tensors had
+  // inf/NaN).
   m.def(
       "grad_stats(Tensor[] grads, Tensor inv_scale, float norm_type=2.0) -> "
       "(Tensor found_inf, Tensor norm_pow_sum, Tensor tensor_found_inf)");
 
-  // In-place unscale with non-finite check: the job of torch._amp_foreach_non_finite_check_and_unscale_
-  // for mixed dtypes in one call (bfloat16 included on CUDA). Writes grads[i] *= inv_scale; sets
-  // found_inf to 1.0 and tensor_found_inf[i] to true when grads[i] had an inf/NaN *before*
-  // unscaling; never clears either, so several calls accumulate.
+  // In-place unscale with non-finite check: the job of
+  // torch._amp_foreach_non_finite_check_and_unscale_ for mixed dtypes in one call (bfloat16
+  // included on CUDA). Writes grads[i] *= inv_scale; sets found_inf to 1.0 and tensor_found_inf[i]
+  // to true when grads[i] had an inf/NaN *before* unscaling; never clears either, so several calls
+  // accumulate.
   m.def(
       "non_finite_check_and_unscale_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, "
       "Tensor(c!) tensor_found_inf) -> ()");
@@ -28,7 +29,8 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   // clip_coef = min(max_norm / (total_norm + 1e-6), 1) computed on the device from `total_norm`
   // (the unscaled total norm, e.g. from grad_stats). Reads inv_scale and total_norm; writes grads.
   m.def(
-      "clip_unscale_(Tensor(a!)[] grads, Tensor inv_scale, Tensor total_norm, float max_norm) -> ()");
+      "clip_unscale_(Tensor(a!)[] grads, Tensor inv_scale, Tensor total_norm, float max_norm) -> "
+      "()");
 
   // Device-side dynamic loss-scale update: the job of torch._amp_update_scale_ plus optional
   // hysteresis and [min_scale, max_scale] bounds. Reads found_inf; updates scale (float32 []),

@@ -172,8 +172,8 @@ void update_scale_cuda(at::Tensor& scale, at::Tensor& growth_tracker,
   gpu::launch("update_scale_kernel", &update_scale_kernel, dim3(1), dim3(1),
               gpu::current_stream(device), scale.data_ptr<float>(),
               growth_tracker.data_ptr<int32_t>(), hysteresis_tracker.data_ptr<int32_t>(),
-              static_cast<const float*>(found_inf.data_ptr<float>()), growth_factor,
-              backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+              static_cast<const float*>(found_inf.data_ptr<float>()), growth_factor, backoff_factor,
+              growth_interval, hysteresis, min_scale, max_scale);
 }
 
 }  // namespace

@@ -59,8 +59,8 @@ __global__ void __launch_bounds__(kFinalizeThreads)
   for (int64_t i = threadIdx.x; i < n; i += kFinalizeThreads) {
     acc = norm_combine<K>(acc, partials[i]);
   }
-  acc = mta_block_reduce<kFinalizeThreads>(acc, [](float a, float b) { return norm_combine<K>(a, b); },
-                                           0.0f);
+  acc = mta_block_reduce<kFinalizeThreads>(
+      acc, [](float a, float b) { return norm_combine<K>(a, b); }, 0.0f);
   if (threadIdx.x == 0) *out = acc;
 }
 

@@ -34,10 +34,18 @@ enum class NormKind : int32_t {
 template <typename F>
 inline void visit_norm_kind(NormKind kind, F&& f) {
   switch (kind) {
-    case NormKind::kL2: f(std::integral_constant<NormKind, NormKind::kL2>{}); break;
-    case NormKind::kInf: f(std::integral_constant<NormKind, NormKind::kInf>{}); break;
-    case NormKind::kL1: f(std::integral_constant<NormKind, NormKind::kL1>{}); break;
-    case NormKind::kLp: f(std::integral_constant<NormKind, NormKind::kLp>{}); break;
+    case NormKind::kL2:
+      f(std::integral_constant<NormKind, NormKind::kL2>{});
+      break;
+    case NormKind::kInf:
+      f(std::integral_constant<NormKind, NormKind::kInf>{});
+      break;
+    case NormKind::kL1:
+      f(std::integral_constant<NormKind, NormKind::kL1>{});
+      break;
+    case NormKind::kLp:
+      f(std::integral_constant<NormKind, NormKind::kLp>{});
+      break;
   }
 }
 
@@ -95,9 +103,11 @@ FASTAMP_HOST_DEVICE inline float clip_coef(float total_norm, float max_norm) {
 
 /// Dynamic loss-scale update.
 ///
-/// With hysteresis == 1, min_scale == 0 and max_scale == inf this is exactly torch._amp_update_scale_:
+/// With hysteresis == 1, min_scale == 0 and max_scale == inf this is exactly
+/// torch._amp_update_scale_:
 ///   overflow:    scale *= backoff_factor, growth_tracker = 0
-///   otherwise:   ++growth_tracker; when it reaches growth_interval, scale *= growth_factor unless that
+///   otherwise:   ++growth_tracker; when it reaches growth_interval, scale *= growth_factor unless
+///   that
 ///                overflows fp32, and growth_tracker = 0.
 /// Hysteresis (as in Megatron-LM): each overflow decrements hysteresis_tracker and the scale backs
 /// off only once it is <= 0; a growth resets it to `hysteresis`. The scale is clamped to

@@ -13,8 +13,10 @@ def _doctor_requested() -> bool:
     # `python -m fastamp doctor` (argv[0] is "-m" while the package imports) or the `fastamp`
     # console script: the doctor must run even when the compiled library cannot load, to say why.
     argv = _sys.argv
-    return len(argv) > 1 and argv[1] == "doctor" and (
-        argv[0] == "-m" or _os.path.basename(argv[0]) in ("fastamp", "__main__.py")
+    return (
+        len(argv) > 1
+        and argv[1] == "doctor"
+        and (argv[0] == "-m" or _os.path.basename(argv[0]) in ("fastamp", "__main__.py"))
     )
 
 

@@ -9,7 +9,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastamp", description="fastamp command line")
     sub = ap.add_subparsers(dest="command", required=True)
-    doc = sub.add_parser("doctor", help="check the environment and self-test every op on every device")
+    doc = sub.add_parser(
+        "doctor", help="check the environment and self-test every op on every device"
+    )
     doc.add_argument("--quiet", action="store_true", help="print only problems")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "doctor":

@@ -33,12 +33,16 @@ def real(value: object, where: str, arg: str, expected: str) -> float:
     ``expected`` says what would be accepted (e.g. "a finite number > 0"); it ends the message.
     """
     if not is_real(value):
-        raise TypeError(f"{where}: {arg} must be {expected}, got {value!r} (a {type(value).__name__})")
+        raise TypeError(
+            f"{where}: {arg} must be {expected}, got {value!r} (a {type(value).__name__})"
+        )
     return float(value)
 
 
 def integer(value: object, where: str, arg: str, expected: str) -> int:
     """``int(value)`` when ``value`` is an integer (bools excluded), else a TypeError naming ``arg``."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-        raise TypeError(f"{where}: {arg} must be {expected}, got {value!r} (a {type(value).__name__})")
+        raise TypeError(
+            f"{where}: {arg} must be {expected}, got {value!r} (a {type(value).__name__})"
+        )
     return int(value)

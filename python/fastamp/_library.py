@@ -81,13 +81,20 @@ def op_names() -> list[str]:
     """Every public ``fastamp::`` operator the loaded library defines (read from the dispatcher, so
     the list is the schemas themselves)."""
     prefix = "fastamp::"
-    names = (n[len(prefix):] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix))
+    names = (
+        n[len(prefix) :] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix)
+    )
     # Leading underscore: build-internal ops (the sanitizer build's self-test), not the library's.
     return sorted(n for n in names if not n.startswith("_"))
 
 
-def check_fake_devices(op: str, device: torch.device, lists: Sequence[tuple[str, Sequence[Any]]] = (),
-                       scalars: Mapping[str, Any] | None = None, anchor: str = "") -> None:
+def check_fake_devices(
+    op: str,
+    device: torch.device,
+    lists: Sequence[tuple[str, Sequence[Any]]] = (),
+    scalars: Mapping[str, Any] | None = None,
+    anchor: str = "",
+) -> None:
     """The device check of every fake (meta) kernel: each tensor of ``lists`` (``(name, tensors)``)
     and each non-None tensor of ``scalars`` must be on ``device``.
 

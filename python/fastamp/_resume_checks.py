@@ -25,7 +25,13 @@ def rng_state() -> dict[str, Any]:
         pass
     else:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
+        state["numpy"] = (
+            kind,
+            torch.from_numpy(keys.astype("int64")),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
     return state
 
 
@@ -54,22 +60,46 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
-_DEFAULTED_GROUP_KEYS = frozenset({
-    "foreach", "maximize", "capturable", "differentiable", "fused", "decoupled_weight_decay",
-    "amsgrad", "nesterov", "initial_lr", "params",
-})
+_DEFAULTED_GROUP_KEYS = frozenset(
+    {
+        "foreach",
+        "maximize",
+        "capturable",
+        "differentiable",
+        "fused",
+        "decoupled_weight_decay",
+        "amsgrad",
+        "nesterov",
+        "initial_lr",
+        "params",
+    }
+)
 # Per-element state: one value per parameter element, so of the parameter's shape.
-_ELEMENTWISE_STATE = frozenset({
-    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "master_param", "square_avg",
-    "acc_delta", "sum", "grad_avg",
-})
+_ELEMENTWISE_STATE = frozenset(
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "momentum_buffer",
+        "master_param",
+        "square_avg",
+        "acc_delta",
+        "sum",
+        "grad_avg",
+    }
+)
 
 
 def check_optimizer_state(optimizer: torch.optim.Optimizer, sd: Any, path: str) -> None:
     where = f"load_training_state: the optimizer state in {path!r}"
-    if not isinstance(sd, Mapping) or not isinstance(sd.get("param_groups"), list) or not isinstance(
-            sd.get("state"), Mapping):
-        raise ValueError(f"{where} is not an optimizer.state_dict() (dict with 'state' and 'param_groups')")
+    if (
+        not isinstance(sd, Mapping)
+        or not isinstance(sd.get("param_groups"), list)
+        or not isinstance(sd.get("state"), Mapping)
+    ):
+        raise ValueError(
+            f"{where} is not an optimizer.state_dict() (dict with 'state' and 'param_groups')"
+        )
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups) or any(
         not isinstance(a, Mapping) or len(a.get("params", ())) != len(b["params"])
@@ -92,7 +122,11 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, sd: Any, path: str) 
             )
     ids = [pid for sg in saved_groups for pid in sg["params"]]
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    places = [(g, i) for g, group in enumerate(optimizer.param_groups) for i in range(len(group["params"]))]
+    places = [
+        (g, i)
+        for g, group in enumerate(optimizer.param_groups)
+        for i in range(len(group["params"]))
+    ]
     index = {pid: k for k, pid in enumerate(ids)}
     for pid, st in sd["state"].items():
         k = index.get(pid)
@@ -102,7 +136,11 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, sd: Any, path: str) 
             raise ValueError(f"{where}: state[{pid!r}] is a {type(st).__name__}; expected a dict")
         p = params[k]
         for key, v in st.items():
-            if key in _ELEMENTWISE_STATE and isinstance(v, torch.Tensor) and tuple(v.shape) != tuple(p.shape):
+            if (
+                key in _ELEMENTWISE_STATE
+                and isinstance(v, torch.Tensor)
+                and tuple(v.shape) != tuple(p.shape)
+            ):
                 g, i = places[k]
                 raise ValueError(
                     f"{where}: state[{pid!r}][{key!r}] has shape {tuple(v.shape)} but "
@@ -117,7 +155,9 @@ def check_optimizer_state(optimizer: torch.optim.Optimizer, sd: Any, path: str) 
 def check_scaler_state(scaler: Any, sd: Any, path: str) -> None:
     where = f"load_training_state: the scaler state in {path!r}"
     if not isinstance(sd, Mapping):
-        raise ValueError(f"{where} is a {type(sd).__name__}; expected the dict of scaler.state_dict()")
+        raise ValueError(
+            f"{where} is a {type(sd).__name__}; expected the dict of scaler.state_dict()"
+        )
     if not scaler.is_enabled():
         return  # a disabled scaler ignores what it is given (as PyTorch's)
     if len(sd) == 0:
@@ -125,8 +165,11 @@ def check_scaler_state(scaler: Any, sd: Any, path: str) -> None:
             f"{where} is empty: it was saved from a disabled GradScaler, so there is no loss scale to "
             "resume. Pass a disabled scaler (enabled=False), or scaler=None and start the scale afresh"
         )
-    missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-               if k not in sd]
+    missing = [
+        k
+        for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+        if k not in sd
+    ]
     if missing:
         raise ValueError(f"{where} lacks {missing}; expected the dict of GradScaler.state_dict()")
     if isinstance(scaler, GradScaler):
@@ -148,7 +191,9 @@ def check_rng_state(rng: Any, path: str) -> None:
         )
     for key in ("torch", "python"):
         if key not in rng:
-            raise ValueError(f"{where} lacks its {key!r} entry; pass restore_rng=False to resume without it")
+            raise ValueError(
+                f"{where} lacks its {key!r} entry; pass restore_rng=False to resume without it"
+            )
     try:
         torch.Generator().set_state(rng["torch"])  # a scratch generator validates the bytes
     except Exception as e:
@@ -156,11 +201,14 @@ def check_rng_state(rng: Any, path: str) -> None:
     try:
         random.Random().setstate(rng["python"])
     except Exception as e:
-        raise ValueError(f"{where}: the 'python' entry is not a random.getstate() value ({e})") from None
+        raise ValueError(
+            f"{where}: the 'python' entry is not a random.getstate() value ({e})"
+        ) from None
     if "cuda" in rng:
         saved = rng["cuda"]
         if not isinstance(saved, (list, tuple)) or not all(
-                isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in saved):
+            isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in saved
+        ):
             raise ValueError(f"{where}: the 'cuda' entry is not a list of generator states")
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n < len(saved):
@@ -176,9 +224,13 @@ def check_rng_state(rng: Any, path: str) -> None:
             return
         try:
             kind, keys, pos, has_gauss, cached = rng["numpy"]
-            np.random.RandomState().set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
+            np.random.RandomState().set_state(
+                (kind, keys.numpy().astype("uint32"), pos, has_gauss, cached)
+            )
         except Exception as e:
-            raise ValueError(f"{where}: the 'numpy' entry is not a numpy generator state ({e})") from None
+            raise ValueError(
+                f"{where}: the 'numpy' entry is not a numpy generator state ({e})"
+            ) from None
 
 
 def rng_state_exact() -> dict[str, Any]:

@@ -63,7 +63,9 @@ def atomic_save(obj: Any, path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     # A name of its own per save (threads of one process included), created exclusively, with the
     # permissions torch.save would give the file (mkstemp would make it 0600).
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+    tmp = os.path.join(
+        directory, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    )
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -110,8 +112,12 @@ def encode_extra(value: Any, where: str) -> Any:
                 "torch.load(weights_only=True) cannot read back; expected a numeric array (or "
                 "convert it: arr.tolist())"
             )
-        return {_TAG: "numpy.ndarray", "dtype": value.dtype.str, "shape": list(value.shape),
-                "data": np.ascontiguousarray(value).tobytes()}
+        return {
+            _TAG: "numpy.ndarray",
+            "dtype": value.dtype.str,
+            "shape": list(value.shape),
+            "data": np.ascontiguousarray(value).tobytes(),
+        }
     if np is not None and isinstance(value, np.generic):
         if isinstance(value, (np.bool_, np.number)):
             return {_TAG: "numpy.scalar", "dtype": value.dtype.str, "data": value.tobytes()}
@@ -120,8 +126,11 @@ def encode_extra(value: Any, where: str) -> Any:
             "torch.load(weights_only=True) cannot read back; expected a number (value.item())"
         )
     if isinstance(value, pathlib.PurePath):
-        kind = "pathlib.PureWindowsPath" if isinstance(value, pathlib.PureWindowsPath) and not isinstance(
-            value, pathlib.Path) else "pathlib.Path"
+        kind = (
+            "pathlib.PureWindowsPath"
+            if isinstance(value, pathlib.PureWindowsPath) and not isinstance(value, pathlib.Path)
+            else "pathlib.Path"
+        )
         return {_TAG: kind, "path": str(value)}
     if isinstance(value, argparse.Namespace):
         return {_TAG: "argparse.Namespace", "vars": encode_extra(vars(value), f"vars({where})")}

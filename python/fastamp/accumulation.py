@@ -54,8 +54,13 @@ def scale_lr(base_lr: float, base_batch: int, effective_batch: int, rule: str = 
 class _Micro:
     """One micro-batch: a context manager (no_sync when needed) with ``backward(loss)``."""
 
-    def __init__(self, acc: GradientAccumulator, group_size: int, last_in_group: bool,
-                 step: Callable[[], None]):
+    def __init__(
+        self,
+        acc: GradientAccumulator,
+        group_size: int,
+        last_in_group: bool,
+        step: Callable[[], None],
+    ):
         self.acc = acc
         # The accumulator's optimizer step, run on leaving the group's last micro-batch (handed in,
         # so that a micro-batch calls nothing private of the accumulator; not public here either:
@@ -100,7 +105,9 @@ class _Micro:
         self._stack.close()
         if exc_type is None:
             if not self._backward_done:
-                raise RuntimeError("GradientAccumulator: call micro.backward(loss) inside `with micro:`")
+                raise RuntimeError(
+                    "GradientAccumulator: call micro.backward(loss) inside `with micro:`"
+                )
             if self.last:
                 self._step()
                 self.stepped = True
@@ -118,9 +125,18 @@ class GradientAccumulator:
         max_grad_norm: clip the unscaled grads to this norm before each step (optional).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, accum_steps: int, scaler: Any = None,
-                 model: Any = None, max_grad_norm: float | None = None):
-        if not (isinstance(getattr(optimizer, "param_groups", None), list) and callable(getattr(optimizer, "step", None))):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        accum_steps: int,
+        scaler: Any = None,
+        model: Any = None,
+        max_grad_norm: float | None = None,
+    ):
+        if not (
+            isinstance(getattr(optimizer, "param_groups", None), list)
+            and callable(getattr(optimizer, "step", None))
+        ):
             raise TypeError(
                 "GradientAccumulator: optimizer must be a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}; expected GradientAccumulator(torch.optim.AdamW(model."
@@ -131,7 +147,9 @@ class GradientAccumulator:
                 f"GradientAccumulator: accum_steps must be an int >= 1, got {accum_steps!r} "
                 "(expected the number of micro-batches per optimizer step, e.g. 4)"
             )
-        if scaler is not None and not all(callable(getattr(scaler, m, None)) for m in ("scale", "step", "update")):
+        if scaler is not None and not all(
+            callable(getattr(scaler, m, None)) for m in ("scale", "step", "update")
+        ):
             raise TypeError(
                 f"GradientAccumulator: scaler must be a GradScaler (or None), got {type(scaler).__name__}; "
                 "expected e.g. scaler=fastamp.GradScaler('cuda')"

@@ -113,8 +113,14 @@ class GradStats:
     scale_version: int
 
     @classmethod
-    def measured(cls, found_inf: Tensor, sum_sq: Tensor, params: Sequence[Tensor],
-                 grads: Sequence[Tensor], scale: Tensor | None) -> GradStats:
+    def measured(
+        cls,
+        found_inf: Tensor,
+        sum_sq: Tensor,
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        scale: Tensor | None,
+    ) -> GradStats:
         """The record of ``found_inf`` / ``sum_sq`` just computed from ``grads`` (of ``params``)
         with ``scale``."""
         return cls(
@@ -133,7 +139,9 @@ class GradStats:
         if _version(scale) != self.scale_version:
             return False
         with_grad = [p for p in params if p.grad is not None]
-        if len(with_grad) != len(self.params) or {id(p) for p in with_grad} != {id(p) for p in self.params}:
+        if len(with_grad) != len(self.params) or {id(p) for p in with_grad} != {
+            id(p) for p in self.params
+        }:
             return False
         for p, ref, v in zip(self.params, self.grads, self.versions):
             g = p.grad

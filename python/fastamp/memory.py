@@ -65,7 +65,9 @@ def _cpu() -> DeviceMemory:
     rss = _rss()
     # ru_maxrss (kilobytes on Linux) is updated lazily by the kernel and can trail the current RSS.
     peak = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    total = (
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    )
     return DeviceMemory("cpu", rss, None, peak, total)
 
 
@@ -74,10 +76,15 @@ def summary(print_: bool = True) -> list[DeviceMemory]:
     out = [_cpu()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i in range(torch.cuda.device_count()):
-            out.append(DeviceMemory(
-                f"cuda:{i}", torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i),
-                torch.cuda.max_memory_allocated(i), torch.cuda.get_device_properties(i).total_memory,
-            ))
+            out.append(
+                DeviceMemory(
+                    f"cuda:{i}",
+                    torch.cuda.memory_allocated(i),
+                    torch.cuda.memory_reserved(i),
+                    torch.cuda.max_memory_allocated(i),
+                    torch.cuda.get_device_properties(i).total_memory,
+                )
+            )
     if print_:
         for d in out:
             print(d)
@@ -98,16 +105,24 @@ class Peak:
 
     def __str__(self) -> str:
         what = "RSS (sampled every 1 ms)" if self.device == "cpu" else "allocated"
-        return (f"{self.device}: peak {self.peak / _MB:.1f} MiB {what}, +{self.peak_delta / _MB:.1f} MiB "
-                f"over the block's start, {self.end / _MB:.1f} MiB at its end")
+        return (
+            f"{self.device}: peak {self.peak / _MB:.1f} MiB {what}, +{self.peak_delta / _MB:.1f} MiB "
+            f"over the block's start, {self.end / _MB:.1f} MiB at its end"
+        )
 
 
 @contextlib.contextmanager
 def track(device: str | torch.device | None = None, print_: bool = False) -> Iterator[Peak]:
     """``with fastamp.memory.track() as m: ...`` then ``m.peak`` / ``m.peak_delta`` (bytes)."""
-    dev = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and torch.cuda.is_initialized()
-        else torch.device("cpu"))
+    dev = (
+        torch.device(device)
+        if device is not None
+        else (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else torch.device("cpu")
+        )
+    )
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(
             f"fastamp.memory.track: device={str(dev)!r} has no memory to track; expected 'cpu' or a "
@@ -178,5 +193,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, float]:
                 master_bytes += storage.nbytes()
             else:
                 state_bytes += storage.nbytes()
-    return {"state_bytes": state_bytes, "master_bytes": master_bytes, "params": params,
-            "state_bytes_per_param": state_bytes / params if params else 0.0}
+    return {
+        "state_bytes": state_bytes,
+        "master_bytes": master_bytes,
+        "params": params,
+        "state_bytes_per_param": state_bytes / params if params else 0.0,
+    }

@@ -5,7 +5,8 @@ loss scale and its growth tracker (and fastamp's hysteresis tracker), the optimi
 step counts, the LR scheduler, every random generator (dropout masks, data shuffling) and, under
 :class:`fastamp.parallel.DistributedDataParallel`, the gradient-bucket layout (the clip norm is a
 sum of per-bucket partial sums) all decide the next step's bits. :func:`save_training_state`
-stores all of them (what it returns and reads back is a :class:`TrainingState`); :func:`load_training_state` validates the files and restores them.
+stores all of them (what it returns and reads back is a :class:`TrainingState`);
+:func:`load_training_state` validates the files and restores them.
 
 Files. With one process, ``path`` is one file. Under torch.distributed (world size > 1) rank 0
 writes ``path`` (model, optimizer, scaler, scheduler: identical on every rank under DDP) and every
@@ -106,16 +107,22 @@ def save_training_state(
     """
     path = os.fspath(path)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"save_training_state: model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(
+            f"save_training_state: model must be an nn.Module, got {type(model).__name__}"
+        )
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"save_training_state: step must be a non-negative int or None, got {step!r}")
+        raise ValueError(
+            f"save_training_state: step must be a non-negative int or None, got {step!r}"
+        )
     if extra is not None and not isinstance(extra, dict):
-        raise TypeError(f"save_training_state: extra must be a dict or None, got {type(extra).__name__}")
+        raise TypeError(
+            f"save_training_state: extra must be a dict or None, got {type(extra).__name__}"
+        )
     if scaler is not None and _scaler_mid_iteration(scaler):
-            raise RuntimeError(
-                "save_training_state: the scaler is in the middle of a step (unscale_() or step() "
-                "was called without update()); save after scaler.update()"
-            )
+        raise RuntimeError(
+            "save_training_state: the scaler is in the middle of a step (unscale_() or step() "
+            "was called without update()); save after scaler.update()"
+        )
     # Everything that could be unreadable is refused before the first byte is written.
     extra_enc = encode_extra(extra if extra is not None else {}, "extra")
     check_weights_only(extra_enc, "extra")
@@ -125,7 +132,13 @@ def save_training_state(
     rank, world, distributed = _dist_info()
     module, ddp = _unwrap(model)
     save_id = _save_id(distributed, world)
-    local = {"format": _FORMAT, "save_id": save_id, "rank": rank, "world_size": world, "rng": rng_state()}
+    local = {
+        "format": _FORMAT,
+        "save_id": save_id,
+        "rank": rank,
+        "world_size": world,
+        "rng": rng_state(),
+    }
     if world > 1:
         atomic_save(local, f"{path}.rank{rank}")
         dist.barrier()
@@ -215,7 +228,11 @@ def load_training_state(
                 f"by {world}; the random streams cannot be resumed exactly. Resume with the same "
                 "world size, or pass restore_rng=False to continue with fresh random streams"
             )
-        local = shared if world == 1 else _load(f"{path}.rank{rank}", f"rank {rank}'s file", map_location)
+        local = (
+            shared
+            if world == 1
+            else _load(f"{path}.rank{rank}", f"rank {rank}'s file", map_location)
+        )
         if local["save_id"] != shared["save_id"]:
             raise RuntimeError(
                 f"load_training_state: {path}.rank{rank} belongs to another save than {path!r} "
@@ -234,7 +251,9 @@ def load_training_state(
     saved_model = shared["model"]
     missing = [k for k in own if k not in saved_model]
     unexpected = [k for k in saved_model if k not in own]
-    bad_shape = [k for k in own if k in saved_model and tuple(own[k].shape) != tuple(saved_model[k].shape)]
+    bad_shape = [
+        k for k in own if k in saved_model and tuple(own[k].shape) != tuple(saved_model[k].shape)
+    ]
     if missing or unexpected or bad_shape:
         raise RuntimeError(
             f"load_training_state: the model does not match {path!r}: missing {missing[:5]}, "
@@ -244,7 +263,8 @@ def load_training_state(
     if optimizer is not None:
         saved_groups = shared["optimizer"]["param_groups"]
         if len(saved_groups) != len(optimizer.param_groups) or any(
-            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, optimizer.param_groups)
+            len(a["params"]) != len(b["params"])
+            for a, b in zip(saved_groups, optimizer.param_groups)
         ):
             raise ValueError(
                 "load_training_state: optimizer has "
@@ -253,7 +273,11 @@ def load_training_state(
                 "saved run did"
             )
     layout = shared.get("ddp_buckets")
-    if ddp is not None and layout is not None and layout.get("num_params") != ddp.bucket_layout()["num_params"]:
+    if (
+        ddp is not None
+        and layout is not None
+        and layout.get("num_params") != ddp.bucket_layout()["num_params"]
+    ):
         raise RuntimeError(
             "load_training_state: the checkpoint's gradient-bucket layout is for "
             f"{layout.get('num_params')} parameters, the DistributedDataParallel model has "
@@ -297,5 +321,8 @@ def load_training_state(
             restore()
         raise
     return TrainingState(
-        step=shared["step"], extra=decode_extra(shared["extra"]), world_size=saved_world, rng_restored=restore_rng
+        step=shared["step"],
+        extra=decode_extra(shared["extra"]),
+        world_size=saved_world,
+        rng_restored=restore_rng,
     )

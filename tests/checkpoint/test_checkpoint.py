@@ -1,6 +1,5 @@
 """fastamp.checkpoint: exact replay (dropout + autocast), bitwise checks, policies, offload, planner."""
 
-
 import pytest
 import torch
 from torch import nn
@@ -67,7 +66,9 @@ def _sequential(model, x):
     return checkpoint_sequential(model, 2, x)
 
 
-@pytest.mark.parametrize("run", [_each_block, _nested, _sequential], ids=["blocks", "nested", "sequential"])
+@pytest.mark.parametrize(
+    "run", [_each_block, _nested, _sequential], ids=["blocks", "nested", "sequential"]
+)
 @pytest.mark.parametrize("autocast", [True, False])
 def test_grads_bitwise_identical_to_no_checkpoint_with_dropout(run, autocast):
     model = _stack()
@@ -96,7 +97,9 @@ def test_bitwise_check_names_a_planted_nondeterminism():
 
     x = torch.randn(4, 8, requires_grad=True)
     out = checkpoint(leaky, x, determinism_check="bitwise")
-    with pytest.raises(CheckpointError, match=r"output 0 of op #\d+ \(aten\.randn\.\w+\) differs bitwise"):
+    with pytest.raises(
+        CheckpointError, match=r"output 0 of op #\d+ \(aten\.randn\.\w+\) differs bitwise"
+    ):
         out.sum().backward()
 
 

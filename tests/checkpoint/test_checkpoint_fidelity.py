@@ -70,8 +70,9 @@ def test_frozen_layers_in_fine_tuning_train_like_torch():
 class _Blocks(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
-                                      for _ in range(4)])
+        self.blocks = nn.Sequential(
+            *[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)]
+        )
 
     def forward(self, x):
         return self.blocks(x)
@@ -102,8 +103,12 @@ def test_no_error_after_the_block_ran():
         return x * torch.rand(())
 
     rng = torch.get_rng_state()
-    for kwargs in ({"use_reentrant": True}, {"determinism_check": "exact"},
-                   {"determinism_check": "bitwise", "debug": True}, {"context_fn": 3}):
+    for kwargs in (
+        {"use_reentrant": True},
+        {"determinism_check": "exact"},
+        {"determinism_check": "bitwise", "debug": True},
+        {"context_fn": 3},
+    ):
         with pytest.raises((ValueError, TypeError)):
             checkpoint(block, torch.ones(2, requires_grad=True), **kwargs)
     assert calls == [] and torch.equal(torch.get_rng_state(), rng)

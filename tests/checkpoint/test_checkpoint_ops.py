@@ -32,7 +32,9 @@ def test_rng_set_state_validates_before_restoring():
     assert torch.equal(torch.get_rng_state(), before)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8]
+)
 def test_digest_equal_bytes_equal_digest_any_bit_flip_differs(device, dtype):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(1003, generator=g) * 100).to(dtype).to(device)
@@ -62,4 +64,7 @@ def test_digest_of_views_and_empties(device):
 
 
 def test_opcheck_digest(device):
-    torch.library.opcheck(torch.ops.fastamp.tensor_digest.default, ([torch.randn(7, 3, device=device), torch.arange(5, device=device)],))
+    torch.library.opcheck(
+        torch.ops.fastamp.tensor_digest.default,
+        ([torch.randn(7, 3, device=device), torch.arange(5, device=device)],),
+    )

@@ -17,7 +17,6 @@ import argparse
 import concurrent.futures
 import hashlib
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -39,8 +38,13 @@ HOST_SOURCES = [
     "common/tensor_list.cpp",
 ]
 
-SANITIZE = ["-fsanitize=address,undefined,float-cast-overflow", "-fno-sanitize-recover=all",
-            "-fno-omit-frame-pointer", "-O1", "-g"]
+SANITIZE = [
+    "-fsanitize=address,undefined,float-cast-overflow",
+    "-fno-sanitize-recover=all",
+    "-fno-omit-frame-pointer",
+    "-O1",
+    "-g",
+]
 
 
 def cuda_sources() -> list[str]:
@@ -63,11 +67,16 @@ def torch_flags() -> tuple[list[str], list[str]]:
 
 def base_flags(sanitize: bool) -> list[str]:
     flags = [
-        "-O2", "-fPIC", "-fvisibility=hidden", "-DFASTAMP_CUDA_EMULATOR=1",
+        "-O2",
+        "-fPIC",
+        "-fvisibility=hidden",
+        "-DFASTAMP_CUDA_EMULATOR=1",
         # No floating-point contraction anywhere: the CPU kernels and nvcc (--fmad=false) agree,
         # so emulated, CPU and GPU element-wise results are the same bits (docs/reliability.md).
         "-ffp-contract=off",
-        "-Wall", "-Wextra", "-Werror",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
         # `#pragma unroll` is nvcc's; a host compiler ignores it.
         "-Wno-unknown-pragmas",
         f"-I{CSRC}",
@@ -87,15 +96,23 @@ def shared_hash() -> str:
     return h.hexdigest()
 
 
-def build(out: Path, sanitize: bool = False, overrides: dict[str, str] | None = None,
-          name: str = "_cuda_emu.so", jobs: int = 2, verbose: bool = False) -> Path:
+def build(
+    out: Path,
+    sanitize: bool = False,
+    overrides: dict[str, str] | None = None,
+    name: str = "_cuda_emu.so",
+    jobs: int = 2,
+    verbose: bool = False,
+) -> Path:
     """Compiles (or reuses) every object and links ``out/name``. ``overrides`` maps a .cu file
     (relative to csrc/) to replacement source text."""
     overrides = overrides or {}
     for rel in overrides:
         if not rel.endswith(".cu"):
-            raise ValueError(f"overrides may replace .cu files only (objects of other files are "
-                             f"shared between builds); got {rel!r}")
+            raise ValueError(
+                f"overrides may replace .cu files only (objects of other files are "
+                f"shared between builds); got {rel!r}"
+            )
     cxx = os.environ.get("CXX", "g++")
     cflags, ldflags = torch_flags()
     flags = base_flags(sanitize) + cflags
@@ -105,9 +122,7 @@ def build(out: Path, sanitize: bool = False, overrides: dict[str, str] | None = 
 
     def compile_one(rel: str) -> Path:
         text = overrides[rel] if rel in overrides else (CSRC / rel).read_text()
-        key = hashlib.sha256(
-            "\0".join([cxx, *flags, shared, rel, text]).encode()
-        ).hexdigest()[:24]
+        key = hashlib.sha256("\0".join([cxx, *flags, shared, rel, text]).encode()).hexdigest()[:24]
         obj = objdir / f"{Path(rel).stem}-{key}.o"
         if obj.exists():
             return obj
@@ -134,8 +149,15 @@ def build(out: Path, sanitize: bool = False, overrides: dict[str, str] | None = 
         objs = list(pool.map(compile_one, units))
     lib = out / name
     tmp_lib = out / f".{name}.{os.getpid()}.tmp"
-    link = [cxx, "-shared", *(SANITIZE[:1] if sanitize else []), *map(str, objs), "-o",
-            str(tmp_lib), *ldflags]
+    link = [
+        cxx,
+        "-shared",
+        *(SANITIZE[:1] if sanitize else []),
+        *map(str, objs),
+        "-o",
+        str(tmp_lib),
+        *ldflags,
+    ]
     r = subprocess.run(link, capture_output=True, text=True)
     if r.returncode != 0:
         tmp_lib.unlink(missing_ok=True)
@@ -146,7 +168,9 @@ def build(out: Path, sanitize: bool = False, overrides: dict[str, str] | None = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="build folder (default build/cuda_emu/<variant>)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="build folder (default build/cuda_emu/<variant>)"
+    )
     ap.add_argument("--sanitize", action="store_true", help="ASan + UBSan build")
     ap.add_argument("--mutant", default=None, help="a planted fault from mutants.py")
     ap.add_argument("-v", "--verbose", action="store_true")

@@ -20,10 +20,9 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import emu
 import torch
 from torch import Tensor
-
-import emu
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -65,8 +64,9 @@ class Mem:
         self.arenas.append((buf, pad + offset, n, stride))
         return view
 
-    def tensor(self, n: int, dtype: torch.dtype, scale: float = 1.0, offset: int = 0,
-               stride: int = 1) -> Tensor:
+    def tensor(
+        self, n: int, dtype: torch.dtype, scale: float = 1.0, offset: int = 0, stride: int = 1
+    ) -> Tensor:
         return self.place(self.randn(n, dtype, scale), offset, stride)
 
     def canaries(self) -> list[Tensor]:
@@ -121,10 +121,13 @@ def run_case(
         with emu.order(order, seed=1234 + seed):
             result = emu.op(op_name)(*args)
         out = _outputs(result, args)
-        assert len(out) == len(cpu_out), f"{op_name}: the emulated op returned a different structure"
+        assert len(out) == len(cpu_out), (
+            f"{op_name}: the emulated op returned a different structure"
+        )
         for i, (e, c) in enumerate(zip(out, cpu_out)):
             assert e.dtype == c.dtype and e.shape == c.shape, (
-                f"{op_name} [{order}] output {i}: {e.dtype}{tuple(e.shape)} vs CPU {c.dtype}{tuple(c.shape)}")
+                f"{op_name} [{order}] output {i}: {e.dtype}{tuple(e.shape)} vs CPU {c.dtype}{tuple(c.shape)}"
+            )
             if i < n_results and i in reductions:
                 continue
             if not torch.equal(bits(e), bits(c)):
@@ -133,11 +136,14 @@ def run_case(
                     f"{op_name} [{order}] output {i} ({c.dtype}, {c.numel()} elements): {diff} "
                     f"element(s) differ from the CPU kernel bit for bit; first emulated/CPU values "
                     f"{e.flatten()[(bits(e) != bits(c)).flatten()][:4].tolist()} / "
-                    f"{c.flatten()[(bits(e) != bits(c)).flatten()][:4].tolist()}")
+                    f"{c.flatten()[(bits(e) != bits(c)).flatten()][:4].tolist()}"
+                )
         for j, (a, b) in enumerate(zip(mem.canaries(), cpu_canaries)):
             if not torch.equal(a, b):
-                raise AssertionError(f"{op_name} [{order}]: wrote outside tensor {j} "
-                                     f"({(a != b).sum().item()} canary element(s) changed)")
+                raise AssertionError(
+                    f"{op_name} [{order}]: wrote outside tensor {j} "
+                    f"({(a != b).sum().item()} canary element(s) changed)"
+                )
         for i in reductions:
             e, c = out[i], cpu_out[i]
             if refs:
@@ -145,11 +151,13 @@ def run_case(
                 ev = float(e)
                 if math.isfinite(r):
                     assert math.isclose(ev, r, rel_tol=rtol, abs_tol=1e-30), (
-                        f"{op_name} [{order}] reduction {i}: emulated {ev} vs float64 {r}")
+                        f"{op_name} [{order}] reduction {i}: emulated {ev} vs float64 {r}"
+                    )
                 else:
                     assert not math.isfinite(ev), f"{op_name} [{order}] reduction {i}: {ev} vs {r}"
             assert math.isfinite(float(e)) == math.isfinite(float(c)), (
-                f"{op_name} [{order}] reduction {i}: emulated {float(e)} vs CPU {float(c)}")
+                f"{op_name} [{order}] reduction {i}: emulated {float(e)} vs CPU {float(c)}"
+            )
         if first is None:
             first = out
         else:
@@ -157,7 +165,8 @@ def run_case(
                 if not torch.equal(bits(a), bits(b)):
                     raise AssertionError(
                         f"{op_name}: output {i} differs between launch orders ({orders[0]} vs "
-                        f"{order}): a missing barrier or an order-dependent reduction")
+                        f"{order}): a missing barrier or an order-dependent reduction"
+                    )
     return {"cpu": cpu_out, "emu": first}
 
 

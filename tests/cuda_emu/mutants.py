@@ -144,7 +144,8 @@ MUTANTS = {
     "half_store_ties_away": Mutant(
         "optim/optim_cuda.cu",
         "for (int j = 0; j < kPack; ++j) r.v[j] = static_cast<T>(x[j]);",
-        "for (int j = 0; j < kPack; ++j) r.v[j] = static_cast<T>(std::is_same_v<T, float> ? x[j] : x[j] * 1.00000012f);",
+        "for (int j = 0; j < kPack; ++j) "
+        "r.v[j] = static_cast<T>(std::is_same_v<T, float> ? x[j] : x[j] * 1.00000012f);",
         "test_half_param_store_ties",
         r"differ from the CPU kernel",
         "float16/bfloat16 param stores rounding ties away from zero",
@@ -159,8 +160,10 @@ def apply(name: str) -> dict[str, str]:
     text = (CSRC / m.file).read_text()
     count = text.count(m.old)
     if count != 1:
-        raise RuntimeError(f"mutant {name}: the snippet occurs {count} times in csrc/{m.file} "
-                           f"(expected once); update mutants.py to the current source")
+        raise RuntimeError(
+            f"mutant {name}: the snippet occurs {count} times in csrc/{m.file} "
+            f"(expected once); update mutants.py to the current source"
+        )
     return {m.file: text.replace(m.old, m.new)}
 
 
@@ -173,19 +176,36 @@ def run(name: str, sanitize: bool = False) -> tuple[bool, str]:
     out = build.DEFAULT_OUT / ("asan" if sanitize else "default")
     lib = build.build(out, sanitize=sanitize, overrides=apply(name), name=f"_cuda_emu_{name}.so")
     env = dict(os.environ, FASTAMP_EMU_LIB=str(lib))
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-           str(HERE / m.test_file), "-k", m.tests]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(HERE / m.test_file),
+        "-k",
+        m.tests,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     output = r.stdout + r.stderr
     ran = re.search(r"(\d+) (passed|failed)", output)
     if r.returncode == 0:
-        return False, f"SURVIVED: {m.what}: the tests passed ({ran.group(0) if ran else 'no tests?'})"
+        return (
+            False,
+            f"SURVIVED: {m.what}: the tests passed ({ran.group(0) if ran else 'no tests?'})",
+        )
     if not ran or "failed" not in output:
-        return False, f"NOT RUN: {m.what}: pytest exited {r.returncode} without a failing test:\n{output[-2000:]}"
+        return (
+            False,
+            f"NOT RUN: {m.what}: pytest exited {r.returncode} without a failing test:\n{output[-2000:]}",
+        )
     hit = re.search(m.expect, output)
     if not hit:
-        return False, (f"WRONG REPORT: {m.what}: tests failed but without /{m.expect}/:\n"
-                       f"{output[-3000:]}")
+        return False, (
+            f"WRONG REPORT: {m.what}: tests failed but without /{m.expect}/:\n{output[-3000:]}"
+        )
     lines = [ln for ln in output.splitlines() if re.search(m.expect, ln)]
     line = next((ln for ln in lines if ln.startswith("E ")), lines[0] if lines else hit.group(0))
     return True, f"caught: {m.what}: {line.strip()[:220]}"

@@ -7,9 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-
 import emu
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_FILES = sorted((ROOT / "csrc").rglob("*.cu")) + sorted((ROOT / "csrc").rglob("*.cuh"))
@@ -32,8 +31,10 @@ def registered_launchers() -> set[str]:
 def global_kernels() -> set[str]:
     names = set()
     for p in CUDA_FILES:
-        for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?([A-Za-z0-9_]+)\s*\(",
-                             _source(p)):
+        for m in re.finditer(
+            r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?([A-Za-z0-9_]+)\s*\(",
+            _source(p),
+        ):
             names.add(m.group(1))
     return names
 
@@ -52,19 +53,67 @@ def test_every_cuda_launcher_has_a_differential_test():
 
 def test_every_global_kernel_runs_under_the_emulator():
     kernels = global_kernels()
-    assert {"multi_tensor_apply_kernel", "combine_partials_kernel", "update_scale_kernel"} <= kernels
+    assert {
+        "multi_tensor_apply_kernel",
+        "combine_partials_kernel",
+        "update_scale_kernel",
+    } <= kernels
     f = torch.randn(5)
     emu.op("grad_stats")([f.clone()], torch.tensor(1.0), 2.0)
-    emu.op("non_finite_check_and_unscale_")([f.clone()], torch.zeros(()), torch.tensor(1.0),
-                                            torch.zeros(1, dtype=torch.bool))
+    emu.op("non_finite_check_and_unscale_")(
+        [f.clone()], torch.zeros(()), torch.tensor(1.0), torch.zeros(1, dtype=torch.bool)
+    )
     emu.op("clip_unscale_")([f.clone()], torch.tensor(1.0), torch.tensor(2.0), 1.0)
-    emu.op("update_scale_")(torch.tensor(2.0), torch.tensor(0, dtype=torch.int32),
-                            torch.tensor(1, dtype=torch.int32), torch.zeros(()), 2.0, 0.5, 10, 1,
-                            0.0, float("inf"))
-    emu.op("adam_step_")([f.clone()], [f.clone()], [f.clone()], [f.abs()], [], [torch.tensor(0.0)],
-                         [], 1e-3, None, 0.9, 0.999, 0.0, 1e-8, False, True, False, None, None, None)
-    emu.op("sgd_step_")([f.clone()], [f.clone()], [f.clone()], [torch.tensor(0.0)], [], 0.1, None,
-                        0.0, 0.9, 0.0, False, False, None, None, None)
+    emu.op("update_scale_")(
+        torch.tensor(2.0),
+        torch.tensor(0, dtype=torch.int32),
+        torch.tensor(1, dtype=torch.int32),
+        torch.zeros(()),
+        2.0,
+        0.5,
+        10,
+        1,
+        0.0,
+        float("inf"),
+    )
+    emu.op("adam_step_")(
+        [f.clone()],
+        [f.clone()],
+        [f.clone()],
+        [f.abs()],
+        [],
+        [torch.tensor(0.0)],
+        [],
+        1e-3,
+        None,
+        0.9,
+        0.999,
+        0.0,
+        1e-8,
+        False,
+        True,
+        False,
+        None,
+        None,
+        None,
+    )
+    emu.op("sgd_step_")(
+        [f.clone()],
+        [f.clone()],
+        [f.clone()],
+        [torch.tensor(0.0)],
+        [],
+        0.1,
+        None,
+        0.0,
+        0.9,
+        0.0,
+        False,
+        False,
+        None,
+        None,
+        None,
+    )
     emu.op("tensor_digest")([f.clone()])
     bucket = torch.zeros(5)
     emu.op("bucket_pack_")(bucket, [f.clone()], [0], 1.0)

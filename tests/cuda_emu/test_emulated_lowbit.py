@@ -19,8 +19,14 @@ CHUNK = 65536
 
 SPECS = {
     # (numel, dtype, offset in its buffer)
-    "fp32-blocks": [(1, F32, 0), (255, F32, 1), (256, F32, 2), (257, F32, 3), (4097, F32, 0),
-                    (CHUNK + 300, F32, 1)],
+    "fp32-blocks": [
+        (1, F32, 0),
+        (255, F32, 1),
+        (256, F32, 2),
+        (257, F32, 3),
+        (4097, F32, 0),
+        (CHUNK + 300, F32, 1),
+    ],
     "fp16": [(513, F16, 1), (CHUNK - 1, F16, 0)],
     "bf16": [(2 * CHUNK + 17, BF16, 3), (31, BF16, 0)],
 }
@@ -45,10 +51,33 @@ def _build(spec, fmt, master, found=0.0, inject=None):
             vs.append(mem.place(v8[0], off))
             ams += [mem.place(t) for t in am]
             avs += [mem.place(t) for t in av]
-        masters = [mem.place(p.float(), off) for p, (_, _, off) in zip(params, spec)] if master else []
+        masters = (
+            [mem.place(p.float(), off) for p, (_, _, off) in zip(params, spec)] if master else []
+        )
         steps = [torch.tensor(float(3 + i)) for i in range(len(spec))]
-        return (params, gs, ms, vs, ams, avs, steps, masters, 12345, 0.05, None, 0.9, 0.999, 0.01,
-                1e-8, True, False, torch.tensor(1 / 64), torch.tensor(found), torch.tensor(0.7))
+        return (
+            params,
+            gs,
+            ms,
+            vs,
+            ams,
+            avs,
+            steps,
+            masters,
+            12345,
+            0.05,
+            None,
+            0.9,
+            0.999,
+            0.01,
+            1e-8,
+            True,
+            False,
+            torch.tensor(1 / 64),
+            torch.tensor(found),
+            torch.tensor(0.7),
+        )
+
     return build
 
 
@@ -65,16 +94,22 @@ def test_adam_lowbit_step_found_inf_writes_nothing(fmt):
     out = run_case("adam_lowbit_step_", build, orders=("ascending", "random"))
     fresh = tensors_of(list(build(Mem(0))))
     for i, (a, b) in enumerate(zip(out["emu"], fresh)):
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), (
-            f"adam_lowbit_step_ with found_inf=1 wrote into argument tensor {i}")
+        assert torch.equal(
+            a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+        ), f"adam_lowbit_step_ with found_inf=1 wrote into argument tensor {i}"
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
 def test_adam_lowbit_step_non_finite_gradient_without_found_inf(fmt):
     """No scaler: a NaN and an inf gradient are stepped into the state. The NaN reaches a block's
     maximum (int8: the integer maximum of the bits on both backends) and bfloat16's NaN rule."""
-    build = _build(SPECS["fp32-blocks"], fmt, False, found=0.0,
-                   inject={5: [(70, math.nan)], 4: [(300, math.inf), (301, -math.inf)]})
+    build = _build(
+        SPECS["fp32-blocks"],
+        fmt,
+        False,
+        found=0.0,
+        inject={5: [(70, math.nan)], 4: [(300, math.inf), (301, -math.inf)]},
+    )
     out = run_case("adam_lowbit_step_", build, orders=("ascending", "random"))
     assert any(torch.isnan(t.float()).any() for t in out["emu"] if t.is_floating_point())
 
@@ -84,10 +119,29 @@ def _build_sgd(spec, master, found=0.0, first=False):
         params = [mem.place(mem.randn(n, dt, 0.1), off) for n, dt, off in spec]
         gs = [mem.place(mem.randn(n, dt, 64.0), off) for n, dt, off in spec]
         bufs = [mem.place(mem.randn(n, F32, 1e-2).to(BF16), off) for n, _, off in spec]
-        masters = [mem.place(p.float(), off) for p, (_, _, off) in zip(params, spec)] if master else []
+        masters = (
+            [mem.place(p.float(), off) for p, (_, _, off) in zip(params, spec)] if master else []
+        )
         counts = [torch.tensor(0.0 if first else float(2 + i)) for i in range(len(spec))]
-        return (params, gs, bufs, counts, masters, 777, 0.05, None, 0.01, 0.9, 0.1, True, False,
-                torch.tensor(1 / 64), torch.tensor(found), torch.tensor(0.7))
+        return (
+            params,
+            gs,
+            bufs,
+            counts,
+            masters,
+            777,
+            0.05,
+            None,
+            0.01,
+            0.9,
+            0.1,
+            True,
+            False,
+            torch.tensor(1 / 64),
+            torch.tensor(found),
+            torch.tensor(0.7),
+        )
+
     return build
 
 
@@ -102,5 +156,6 @@ def test_sgd_lowbit_step_found_inf_writes_nothing():
     out = run_case("sgd_lowbit_step_", build, orders=("ascending", "random"))
     fresh = tensors_of(list(build(Mem(0))))
     for i, (a, b) in enumerate(zip(out["emu"], fresh)):
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), (
-            f"sgd_lowbit_step_ with found_inf=1 wrote into argument tensor {i}")
+        assert torch.equal(
+            a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+        ), f"sgd_lowbit_step_ with found_inf=1 wrote into argument tensor {i}"

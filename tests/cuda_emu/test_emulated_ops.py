@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import math
 
+import emu
 import pytest
 import torch
-
-import emu
 from harness import Mem, bits, run_case
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
@@ -37,8 +36,10 @@ def grads(mem: Mem, spec, scale: float = 1.0, inject=None):
 
 
 def spec_of(sizes, dtypes, offsets=(0,), strides=(1,)):
-    return [(n, dtypes[i % len(dtypes)], offsets[i % len(offsets)], strides[i % len(strides)])
-            for i, n in enumerate(sizes)]
+    return [
+        (n, dtypes[i % len(dtypes)], offsets[i % len(offsets)], strides[i % len(strides)])
+        for i, n in enumerate(sizes)
+    ]
 
 
 LIST_CASES = {
@@ -47,10 +48,19 @@ LIST_CASES = {
     "fp16-edges-misaligned": (spec_of(EDGE_SIZES, [F16], offsets=[1, 2, 3, 4, 5]), None),
     "bf16-edges-misaligned": (spec_of(EDGE_SIZES, [BF16], offsets=[5, 0, 3]), None),
     "fp64-edges": (spec_of(EDGE_SIZES, [F64], offsets=[0, 1]), None),
-    "mixed-with-empty": (spec_of([300, 0, 7, 4099, 0, 1, 65537], [F32, F16, BF16, F64], offsets=[0, 3, 1, 2]), None),
-    "strided-staged": (spec_of([100, 7, 5000, 33], [F32, F16, BF16, F64], offsets=[0, 1], strides=[2, 3, 1]), None),
+    "mixed-with-empty": (
+        spec_of([300, 0, 7, 4099, 0, 1, 65537], [F32, F16, BF16, F64], offsets=[0, 3, 1, 2]),
+        None,
+    ),
+    "strided-staged": (
+        spec_of([100, 7, 5000, 33], [F32, F16, BF16, F64], offsets=[0, 1], strides=[2, 3, 1]),
+        None,
+    ),
     "inf": (spec_of([1000, 70000, 13], [F32, F16, BF16]), {1: [(66000, math.inf)]}),
-    "neg-inf-nan": (spec_of([1000, 70000, 13, 9], [F32, F16, BF16, F64]), {0: [(3, -math.inf)], 3: [(8, math.nan)]}),
+    "neg-inf-nan": (
+        spec_of([1000, 70000, 13, 9], [F32, F16, BF16, F64]),
+        {0: [(3, -math.inf)], 3: [(8, math.nan)]},
+    ),
 }
 
 
@@ -78,9 +88,13 @@ def test_grad_stats(case, norm_type):
 
     # The inf-norm is a max: exact, so it must match the CPU bit for bit like everything else.
     red = () if math.isinf(norm_type) else (1,)
-    run_case("grad_stats", build, reductions=red,
-             reduction_ref=lambda a: [_stats_ref(a[0], inv, norm_type)],
-             rtol=2e-5 if norm_type != 3.0 else 1e-4)
+    run_case(
+        "grad_stats",
+        build,
+        reductions=red,
+        reduction_ref=lambda a: [_stats_ref(a[0], inv, norm_type)],
+        rtol=2e-5 if norm_type != 3.0 else 1e-4,
+    )
 
 
 @pytest.mark.parametrize("case", sorted(LIST_CASES))
@@ -89,35 +103,55 @@ def test_non_finite_check_and_unscale(case):
 
     def build(mem):
         gs = grads(mem, spec, 1024.0, inject)
-        return gs, torch.zeros(()), torch.tensor(1.0 / 1024.0), torch.zeros(len(gs), dtype=torch.bool)
+        return (
+            gs,
+            torch.zeros(()),
+            torch.tensor(1.0 / 1024.0),
+            torch.zeros(len(gs), dtype=torch.bool),
+        )
 
     run_case("non_finite_check_and_unscale_", build)
 
 
 @pytest.mark.parametrize("case", sorted(LIST_CASES))
-@pytest.mark.parametrize("total_norm,max_norm", [(10.0, 1.0), (0.5, 1.0), (math.inf, 1.0), (3.0, 3.0)])
+@pytest.mark.parametrize(
+    "total_norm,max_norm", [(10.0, 1.0), (0.5, 1.0), (math.inf, 1.0), (3.0, 3.0)]
+)
 def test_clip_unscale(case, total_norm, max_norm):
     spec, inject = LIST_CASES[case]
 
     def build(mem):
-        return grads(mem, spec, 8.0, inject), torch.tensor(0.125), torch.tensor(total_norm), max_norm
+        return (
+            grads(mem, spec, 8.0, inject),
+            torch.tensor(0.125),
+            torch.tensor(total_norm),
+            max_norm,
+        )
 
     run_case("clip_unscale_", build)
 
 
 # --- launch-table edges -------------------------------------------------------------------------
 
+
 def test_more_tensors_than_one_launch_holds_and_many_partials():
     # 600 one-chunk tensors: 6 launches for a one-list op (105 tensors each), 600 partial sums
     # (more than the 512 threads of the combining kernel).
-    spec = spec_of([5 + (i * 37) % 300 for i in range(600)], [F32, F16, BF16, F64], offsets=[0, 1, 2])
+    spec = spec_of(
+        [5 + (i * 37) % 300 for i in range(600)], [F32, F16, BF16, F64], offsets=[0, 1, 2]
+    )
     inject_none = None
 
     def build_stats(mem):
         return grads(mem, spec, 2.0, inject_none), torch.tensor(0.5), 2.0
 
-    run_case("grad_stats", build_stats, reductions=(1,),
-             reduction_ref=lambda a: [_stats_ref(a[0], 0.5, 2.0)], orders=("ascending", "random"))
+    run_case(
+        "grad_stats",
+        build_stats,
+        reductions=(1,),
+        reduction_ref=lambda a: [_stats_ref(a[0], 0.5, 2.0)],
+        orders=("ascending", "random"),
+    )
 
     def build_unscale(mem):
         gs = grads(mem, spec, 2.0, {599: [(0, math.nan)]})
@@ -151,7 +185,18 @@ SCALE_STATES = [
     (65536.0, 1999, 1, 0.0, 2.0, 0.5, 2000, 1, 0.0, math.inf),
     (65536.0, 5, 1, 1.0, 2.0, 0.5, 2000, 1, 0.0, math.inf),
     (2.0**127, 9, 1, 0.0, 2.0, 0.5, 10, 1, 0.0, math.inf),  # growth to inf is refused
-    (1.0, INT32_MAX - 1, 1, 0.0, 2.0, 0.5, INT32_MAX, 1, 0.0, math.inf),  # tracker reaches INT32_MAX
+    (
+        1.0,
+        INT32_MAX - 1,
+        1,
+        0.0,
+        2.0,
+        0.5,
+        INT32_MAX,
+        1,
+        0.0,
+        math.inf,
+    ),  # tracker reaches INT32_MAX
     (1.0, INT32_MAX - 2, 1, 0.0, 2.0, 0.5, INT32_MAX, 1, 0.0, math.inf),
     (8.0, 3, 3, 1.0, 2.0, 0.5, 100, 3, 0.0, math.inf),  # hysteresis absorbs an overflow
     (8.0, 3, 1, 1.0, 2.0, 0.5, 100, 3, 4.0, 16.0),  # backoff clamped at min_scale
@@ -165,9 +210,18 @@ def test_update_scale(state):
     scale, gt, ht, found, gf, bf, interval, hyst, lo, hi = state
 
     def build(mem):
-        return (mem.place(torch.tensor([scale]), 1).view(()), mem.place(torch.tensor([gt], dtype=torch.int32), 2).view(()),
-                mem.place(torch.tensor([ht], dtype=torch.int32)).view(()), torch.tensor(found), gf, bf,
-                interval, hyst, lo, hi)
+        return (
+            mem.place(torch.tensor([scale]), 1).view(()),
+            mem.place(torch.tensor([gt], dtype=torch.int32), 2).view(()),
+            mem.place(torch.tensor([ht], dtype=torch.int32)).view(()),
+            torch.tensor(found),
+            gf,
+            bf,
+            interval,
+            hyst,
+            lo,
+            hi,
+        )
 
     run_case("update_scale_", build)
 
@@ -188,12 +242,40 @@ def _adam_build(spec, *, amsgrad, master, decoupled, maximize, lr_tensor, found,
         sdt = [F32 if master else dt for (_, dt, _, _) in spec]
         ms = [mem.place(mem.randn(n, s, 0.1), off) for (n, _, off, _), s in zip(spec, sdt)]
         vs = [mem.place(mem.randn(n, s, 0.1).abs(), off) for (n, _, off, _), s in zip(spec, sdt)]
-        vmax = [mem.place(mem.randn(n, s, 0.2).abs(), off) for (n, _, off, _), s in zip(spec, sdt)] if amsgrad else []
-        masters = [mem.place(p.float() + 1e-3, off) for p, (_, _, off, _) in zip(params, spec)] if master else []
+        vmax = (
+            [mem.place(mem.randn(n, s, 0.2).abs(), off) for (n, _, off, _), s in zip(spec, sdt)]
+            if amsgrad
+            else []
+        )
+        masters = (
+            [mem.place(p.float() + 1e-3, off) for p, (_, _, off, _) in zip(params, spec)]
+            if master
+            else []
+        )
         steps = [mem.place(torch.tensor([float(i % 4)]), i % 3).view(()) for i in range(len(spec))]
         lr_t = torch.tensor(3e-3) if lr_tensor else None
-        return (params, gs, ms, vs, vmax, steps, masters, 1e-2, lr_t, 0.9, 0.999, 0.05, 1e-8, amsgrad,
-                decoupled, maximize, torch.tensor(1 / 256), torch.tensor(found), torch.tensor(clip))
+        return (
+            params,
+            gs,
+            ms,
+            vs,
+            vmax,
+            steps,
+            masters,
+            1e-2,
+            lr_t,
+            0.9,
+            0.999,
+            0.05,
+            1e-8,
+            amsgrad,
+            decoupled,
+            maximize,
+            torch.tensor(1 / 256),
+            torch.tensor(found),
+            torch.tensor(clip),
+        )
+
     return build
 
 
@@ -206,8 +288,15 @@ ADAM_VARIANTS = [
 
 
 # master weights are for fp16/bf16 params (the op's checks refuse them for fp32)
-@pytest.mark.parametrize("dtype,variant", [(d, v) for d in sorted(OPT_SPECS) for v in range(len(ADAM_VARIANTS))
-                                           if not (ADAM_VARIANTS[v]["master"] and d == "fp32")])
+@pytest.mark.parametrize(
+    "dtype,variant",
+    [
+        (d, v)
+        for d in sorted(OPT_SPECS)
+        for v in range(len(ADAM_VARIANTS))
+        if not (ADAM_VARIANTS[v]["master"] and d == "fp32")
+    ],
+)
 def test_adam_step(dtype, variant):
     v = ADAM_VARIANTS[variant]
     run_case("adam_step_", _adam_build(OPT_SPECS[dtype], found=0.0, clip=0.7, **v))
@@ -221,20 +310,32 @@ def test_adam_step_found_inf_writes_nothing(variant):
     out = run_case("adam_step_", build, orders=("ascending", "random"))
     fresh = [t.clone() for t in _flat(build(Mem(0)))]
     for i, (a, b) in enumerate(zip(out["emu"], fresh)):
-        assert torch.equal(a.view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)), (
-            f"adam_step_ with found_inf=1 wrote into argument tensor {i}")
+        assert torch.equal(
+            a.view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
+        ), f"adam_step_ with found_inf=1 wrote into argument tensor {i}"
 
 
 def _flat(args):
     from harness import tensors_of
+
     return tensors_of(list(args))
 
 
 def test_adam_step_mixed_dtypes_many_params():
     # 130 params (more than a 4-list launch's table), fp32/fp16/bf16 mixed in one group.
-    spec = spec_of([3 + (i * 53) % 700 for i in range(130)], [F32, F16, BF16], offsets=[0, 1, 2, 3, 4, 5])
-    build = _adam_build(spec, amsgrad=False, master=False, decoupled=True, maximize=False,
-                        lr_tensor=False, found=0.0, clip=1.0)
+    spec = spec_of(
+        [3 + (i * 53) % 700 for i in range(130)], [F32, F16, BF16], offsets=[0, 1, 2, 3, 4, 5]
+    )
+    build = _adam_build(
+        spec,
+        amsgrad=False,
+        master=False,
+        decoupled=True,
+        maximize=False,
+        lr_tensor=False,
+        found=0.0,
+        clip=1.0,
+    )
     run_case("adam_step_", build, orders=("ascending", "random"))
 
 
@@ -252,32 +353,70 @@ def _sgd_build(spec, *, momentum, dampening, nesterov, master, first, found=0.0,
         params = grads(mem, spec, 1.0)
         gs = grads(mem, spec, 64.0)
         sdt = [F32 if master else dt for (_, dt, _, _) in spec]
-        bufs = [mem.place(mem.randn(n, s), off) for (n, _, off, _), s in zip(spec, sdt)] if momentum else []
-        masters = [mem.place(p.float(), off) for p, (_, _, off, _) in zip(params, spec)] if master else []
+        bufs = (
+            [mem.place(mem.randn(n, s), off) for (n, _, off, _), s in zip(spec, sdt)]
+            if momentum
+            else []
+        )
+        masters = (
+            [mem.place(p.float(), off) for p, (_, _, off, _) in zip(params, spec)] if master else []
+        )
         counts = [torch.tensor(0.0 if first else 4.0) for _ in spec]
-        return (params, gs, bufs, counts, masters, 0.05, torch.tensor(0.02) if lr_tensor else None, 0.01,
-                momentum, dampening, nesterov, False, torch.tensor(1 / 64), torch.tensor(found),
-                torch.tensor(0.5))
+        return (
+            params,
+            gs,
+            bufs,
+            counts,
+            masters,
+            0.05,
+            torch.tensor(0.02) if lr_tensor else None,
+            0.01,
+            momentum,
+            dampening,
+            nesterov,
+            False,
+            torch.tensor(1 / 64),
+            torch.tensor(found),
+            torch.tensor(0.5),
+        )
+
     return build
 
 
-@pytest.mark.parametrize("dtype,variant", [(d, v) for d in sorted(OPT_SPECS) for v in range(len(SGD_VARIANTS))
-                                           if not (SGD_VARIANTS[v]["master"] and d == "fp32")])
+@pytest.mark.parametrize(
+    "dtype,variant",
+    [
+        (d, v)
+        for d in sorted(OPT_SPECS)
+        for v in range(len(SGD_VARIANTS))
+        if not (SGD_VARIANTS[v]["master"] and d == "fp32")
+    ],
+)
 def test_sgd_step(dtype, variant):
     v = SGD_VARIANTS[variant]
     run_case("sgd_step_", _sgd_build(OPT_SPECS[dtype], lr_tensor=variant == 1, **v))
 
 
 def test_sgd_step_found_inf_writes_nothing():
-    build = _sgd_build(OPT_SPECS["fp16"], momentum=0.9, dampening=0.0, nesterov=False, master=True,
-                       first=False, found=1.0)
+    build = _sgd_build(
+        OPT_SPECS["fp16"],
+        momentum=0.9,
+        dampening=0.0,
+        nesterov=False,
+        master=True,
+        first=False,
+        found=1.0,
+    )
     out = run_case("sgd_step_", build, orders=("descending",))
     fresh = _flat(build(Mem(0)))
     for i, (a, b) in enumerate(zip(out["emu"], fresh)):
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), i
+        assert torch.equal(
+            a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+        ), i
 
 
 # --- gradient buckets -------------------------------------------------------------------------
+
 
 def _bucket_build(dtype, sizes, gap, scale_or_inv, unpack, inject=None, offsets=(0, 1, 2, 3, 4, 5)):
     def build(mem):
@@ -291,6 +430,7 @@ def _bucket_build(dtype, sizes, gap, scale_or_inv, unpack, inject=None, offsets=
         if unpack:
             return bucket, gs, offs, torch.tensor(scale_or_inv)
         return bucket, gs, offs, scale_or_inv
+
     return build
 
 
@@ -319,7 +459,7 @@ def test_bucket_unpack(dtype, inject):
         bucket, gs, offs, inv = args
         total = 0.0
         for g, o in zip(gs, offs):
-            u = bucket[o:o + g.numel()].double() * float(inv)
+            u = bucket[o : o + g.numel()].double() * float(inv)
             if not torch.isfinite(u).all():
                 return [math.nan]
             total += float(u.square().sum())
@@ -335,6 +475,7 @@ def test_bucket_unpack_many_chunks():
 
 
 # --- tensor digest ----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16, F64, torch.int64, torch.uint8])
 def test_tensor_digest(dtype):
@@ -357,8 +498,9 @@ def test_bucket_unpack_norm_is_grad_stats_bit_for_bit(backend, dtype):
     # What DDP hands the scaler must be grad_stats' result over the same grads, not an
     # approximation of it: same chunks, same per-thread order, same reduction, same combine.
     ns = torch.ops.fastamp if backend == "cpu" else None
-    build = _bucket_build(dtype, [5, CHUNK * 2 + 9, 0, 300, 17], 1, 0.25, unpack=True,
-                          offsets=(0, 1, 2))
+    build = _bucket_build(
+        dtype, [5, CHUNK * 2 + 9, 0, 300, 17], 1, 0.25, unpack=True, offsets=(0, 1, 2)
+    )
     bucket, gs, offs, inv = build(Mem(3))
     unpack = ns.bucket_unpack_ if ns else emu.op("bucket_unpack_")
     stats = ns.grad_stats if ns else emu.op("grad_stats")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from harness import Mem, run_case
-
-from fastamp.optim import lowbit
 from tests.optim.test_exact_ties import half_ties, m8_ties, sr_boundaries
 from tests.optim.test_lowbit import _rne_reference
+
+from fastamp.optim import lowbit
 
 N = 4096 + 256 * 3 + 5
 
@@ -30,11 +30,45 @@ def test_half_param_store_ties(op, dtype, offset):
         master = mem.place(ties.clone(), offset)
         if op == "adam_step_":
             m, v = mem.place(torch.zeros(N), offset), mem.place(torch.zeros(N), offset)
-            return ([p], [g], [m], [v], [], [torch.tensor(3.0)], [master], 0.0, None, 0.9, 0.999,
-                    0.0, 1e-8, False, True, False, None, None, None)
+            return (
+                [p],
+                [g],
+                [m],
+                [v],
+                [],
+                [torch.tensor(3.0)],
+                [master],
+                0.0,
+                None,
+                0.9,
+                0.999,
+                0.0,
+                1e-8,
+                False,
+                True,
+                False,
+                None,
+                None,
+                None,
+            )
         buf = mem.place(torch.zeros(N), offset)
-        return ([p], [g], [buf], [torch.tensor(0.0)], [master], 0.0, None, 0.0, 0.9, 0.0, False,
-                False, None, None, None)
+        return (
+            [p],
+            [g],
+            [buf],
+            [torch.tensor(0.0)],
+            [master],
+            0.0,
+            None,
+            0.0,
+            0.9,
+            0.0,
+            False,
+            False,
+            None,
+            None,
+            None,
+        )
 
     out = run_case(op, build)
     params = out["cpu"][0]
@@ -46,10 +80,28 @@ def test_8bit_code_ties():
 
     def build(mem: Mem):
         blocks = lowbit.nblocks(g)
-        return ([mem.place(mem.randn(N, torch.float32), 1)], [mem.place(g.clone(), 1)],
-                [mem.place(torch.zeros(N, dtype=torch.uint8), 1)], [mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
-                [mem.place(torch.zeros(blocks))], [mem.place(torch.zeros(blocks))], [torch.tensor(0.0)], [],
-                0, 0.0, None, 0.0, 0.999, 0.0, 1e-8, True, False, None, None, None)
+        return (
+            [mem.place(mem.randn(N, torch.float32), 1)],
+            [mem.place(g.clone(), 1)],
+            [mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
+            [mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
+            [mem.place(torch.zeros(blocks))],
+            [mem.place(torch.zeros(blocks))],
+            [torch.tensor(0.0)],
+            [],
+            0,
+            0.0,
+            None,
+            0.0,
+            0.999,
+            0.0,
+            1e-8,
+            True,
+            False,
+            None,
+            None,
+            None,
+        )
 
     out = run_case("adam_lowbit_step_", build)
     codes = out["cpu"][2]
@@ -61,10 +113,28 @@ def test_bf16_stochastic_rounding_carry():
     g, up = sr_boundaries(N, seed=9, step=step, sr_seed=seed, high=False)
 
     def build(mem: Mem):
-        return ([mem.place(mem.randn(N, torch.float32))], [mem.place(g.clone())],
-                [mem.place(torch.zeros(N, dtype=torch.bfloat16))], [mem.place(torch.zeros(N, dtype=torch.bfloat16))],
-                [], [], [torch.tensor(float(step))], [], seed, 0.0, None, 0.0, 0.999, 0.0, 1e-8, True, False,
-                None, None, None)
+        return (
+            [mem.place(mem.randn(N, torch.float32))],
+            [mem.place(g.clone())],
+            [mem.place(torch.zeros(N, dtype=torch.bfloat16))],
+            [mem.place(torch.zeros(N, dtype=torch.bfloat16))],
+            [],
+            [],
+            [torch.tensor(float(step))],
+            [],
+            seed,
+            0.0,
+            None,
+            0.0,
+            0.999,
+            0.0,
+            1e-8,
+            True,
+            False,
+            None,
+            None,
+            None,
+        )
 
     out = run_case("adam_lowbit_step_", build)
     m = out["cpu"][2]

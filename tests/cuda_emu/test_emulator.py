@@ -4,10 +4,9 @@ report (csrc/emu/selftest.cpp holds the kernels)."""
 
 from __future__ import annotations
 
+import emu
 import pytest
 import torch
-
-import emu
 
 
 def selftest(kind: str) -> torch.Tensor:
@@ -101,7 +100,7 @@ def test_launch_orders_start_blocks_and_threads_as_named():
             r = selftest("arrival").tolist()
         assert sorted(r) == list(range(192)) and r not in (asc, desc)
         # threads of a block start before the next block's: blocks run one after another
-        ranks = [sorted(r[b * 64:(b + 1) * 64]) for b in range(3)]
+        ranks = [sorted(r[b * 64 : (b + 1) * 64]) for b in range(3)]
         assert all(rk == list(range(rk[0], rk[0] + 64)) for rk in ranks)
         randoms.append(r)
     assert randoms[0] != randoms[1]

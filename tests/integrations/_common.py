@@ -22,7 +22,9 @@ def dataset(n: int = 2048, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def mlp(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, CLASSES))
+    return nn.Sequential(
+        nn.Linear(IN, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, CLASSES)
+    )
 
 
 class OpCounter(TorchDispatchMode):

@@ -90,7 +90,9 @@ def test_accelerator_installs_fastamp_scaler_and_folds_clip_into_fused_step():
 
 
 def test_fastamp_scaler_with_torch_optimizer_is_bitwise_accelerates_path():
-    ours, losses, counts, _ = run(fa.Accelerator(mixed_precision="fp16", cpu=True), torch_adamw, count=True)
+    ours, losses, counts, _ = run(
+        fa.Accelerator(mixed_precision="fp16", cpu=True), torch_adamw, count=True
+    )
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     ref, ref_losses, _, _ = run(reference_accelerator(), torch_adamw)

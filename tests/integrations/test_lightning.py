@@ -45,12 +45,21 @@ class Net(L.LightningModule):
 
 def fit(plugin, make_opt, clip=None, count=False, algorithm=None):
     x, y = dataset()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=False)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=False
+    )
     model = Net(make_opt)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_steps=STEPS, plugins=[plugin], gradient_clip_val=clip,
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        plugins=[plugin],
+        gradient_clip_val=clip,
         gradient_clip_algorithm=algorithm,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     counter = OpCounter()
     if count:
@@ -72,7 +81,11 @@ def fastamp_adamw(params):
 def test_lightning_refuses_clipping_with_fused_optimizer_without_the_plugin():
     # What the plugin is for: Lightning's own MixedPrecision cannot clip with a fused optimizer.
     with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
-        fit(MixedPrecision("16-mixed", "cpu", scaler=fastamp.GradScaler("cpu")), fastamp_adamw, clip=1.0)
+        fit(
+            MixedPrecision("16-mixed", "cpu", scaler=fastamp.GradScaler("cpu")),
+            fastamp_adamw,
+            clip=1.0,
+        )
 
 
 def test_gradient_clip_val_with_fastamp_adamw_is_folded_into_the_fused_step():

@@ -72,8 +72,14 @@ def _run(tmp_path, kind):
     script.write_text(SCRIPT)
     out = tmp_path / f"{kind}.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, str(script), kind, str(out)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [sys.executable, str(script), kind, str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
@@ -92,9 +98,16 @@ def test_fastamp_ddp_strategy_matches_lightnings_ddp(tmp_path):
     # fastamp's DDP packed/unpacked the buckets (one bucket, 20 steps); the scaler took the inf
     # check and the norm from the unpack (no grad_stats pass of its own) and the clip was folded
     # into the fused step: the grads are read by the unpack and the update only.
-    assert counts.get("fastamp.bucket_pack_") == 20 and counts.get("fastamp.bucket_unpack_") == 20, counts
+    assert (
+        counts.get("fastamp.bucket_pack_") == 20 and counts.get("fastamp.bucket_unpack_") == 20
+    ), counts
     assert counts.get("fastamp.grad_stats", 0) == 0, counts
     assert counts.get("fastamp.adam_step_", 0) == 20, counts
-    for op in ("fastamp.clip_unscale_", "fastamp.non_finite_check_and_unscale_", "aten.linalg_vector_norm",
-               "aten._foreach_norm", "aten._amp_foreach_non_finite_check_and_unscale_"):
+    for op in (
+        "fastamp.clip_unscale_",
+        "fastamp.non_finite_check_and_unscale_",
+        "aten.linalg_vector_norm",
+        "aten._foreach_norm",
+        "aten._amp_foreach_non_finite_check_and_unscale_",
+    ):
         assert counts.get(op, 0) == 0, (op, counts)

@@ -19,7 +19,12 @@ def snippets() -> dict[str, str]:
 
 
 # snippet name -> the client package it needs (None: runs in the default tier)
-NEEDS = {"lightning": "lightning", "accelerate": "accelerate", "transformers": "transformers", "timm": None}
+NEEDS = {
+    "lightning": "lightning",
+    "accelerate": "accelerate",
+    "transformers": "transformers",
+    "timm": None,
+}
 
 
 def test_every_client_has_a_snippet():
@@ -35,6 +40,14 @@ def test_readme_snippet_runs(name, tmp_path):
         pytest.importorskip(NEEDS[name])
     code = snippets()[name]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300, env=env)
-    assert out.returncode == 0, f"README snippet {name!r} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, (
+        f"README snippet {name!r} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    )

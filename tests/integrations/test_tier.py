@@ -52,12 +52,20 @@ def _pytest(tmp_path, *args, require=None):
     shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_probe.py").write_text(PROBES)
     (tmp_path / "test_probe_module.py").write_text(MODULE_LEVEL)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    clients: needs client libraries\n    cuda: cuda\naddopts = -ra\n")
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n    clients: needs client libraries\n    cuda: cuda\naddopts = -ra\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "FASTAMP_REQUIRE_CLIENTS"}
     if require is not None:
         env["FASTAMP_REQUIRE_CLIENTS"] = require
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=tmp_path,
-                         capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     return out.returncode, out.stdout + out.stderr
 
 
@@ -85,4 +93,6 @@ def test_skips_are_summarised_by_reason(tmp_path):
     # one line for the reason (pytest's -ra would print one per source line: two here)
     assert len(lines) == 1 and lines[0].split()[1] == "3" and "no CUDA device" in lines[0], out
     rc, out = _pytest(tmp_path, "-m", "not clients", "--skip-details")
-    assert sum(ln.startswith("SKIPPED [") and "no CUDA device" in ln for ln in out.splitlines()) == 2, out
+    assert (
+        sum(ln.startswith("SKIPPED [") and "no CUDA device" in ln for ln in out.splitlines()) == 2
+    ), out

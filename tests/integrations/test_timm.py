@@ -32,8 +32,16 @@ class TimmRecipe:
     def __init__(self, device="cpu"):
         self._scaler = torch.amp.GradScaler(device)
 
-    def __call__(self, loss, optimizer, clip_grad=None, clip_mode="norm", parameters=None,
-                 create_graph=False, need_update=True):
+    def __call__(
+        self,
+        loss,
+        optimizer,
+        clip_grad=None,
+        clip_mode="norm",
+        parameters=None,
+        create_graph=False,
+        need_update=True,
+    ):
         self._scaler.scale(loss).backward(create_graph=create_graph)
         if need_update:
             if clip_grad is not None:
@@ -51,13 +59,15 @@ def run(loss_scaler, make_opt, clip=0.5, count=False):
     losses = []
     counter = OpCounter()
     for step in range(STEPS):
-        xb, yb = x[32 * step: 32 * step + 32], y[32 * step: 32 * step + 32]
+        xb, yb = x[32 * step : 32 * step + 32], y[32 * step : 32 * step + 32]
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = F.cross_entropy(model(xb).float(), yb)
         if count:
             with counter:
-                loss_scaler(loss, opt, clip_grad=clip, clip_mode="norm", parameters=model.parameters())
+                loss_scaler(
+                    loss, opt, clip_grad=clip, clip_mode="norm", parameters=model.parameters()
+                )
         else:
             loss_scaler(loss, opt, clip_grad=clip, clip_mode="norm", parameters=model.parameters())
         losses.append(float(loss.detach()))
@@ -65,8 +75,12 @@ def run(loss_scaler, make_opt, clip=0.5, count=False):
 
 
 def test_native_scaler_folds_norm_clip_into_fastamp_adamw():
-    ours, losses, counts = run(NativeScaler("cpu"), lambda p: fastamp.optim.AdamW(p, lr=1e-2), count=True)
-    ref, ref_losses, _ = run(TimmRecipe("cpu"), lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False))
+    ours, losses, counts = run(
+        NativeScaler("cpu"), lambda p: fastamp.optim.AdamW(p, lr=1e-2), count=True
+    )
+    ref, ref_losses, _ = run(
+        TimmRecipe("cpu"), lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False)
+    )
     assert_learns(losses)
     assert_fused_clip(counts, STEPS)
     torch.testing.assert_close(losses, ref_losses, rtol=2e-3, atol=2e-3)
@@ -88,14 +102,18 @@ def test_clip_without_parameters_is_a_clear_error():
     opt = fastamp.optim.AdamW(model.parameters())
     loss = model(torch.randn(2, 16)).sum()
     with pytest.raises(AssertionError):  # timm's own class
-        TimmRecipe("cpu")(model(torch.randn(2, 16)).sum(), torch.optim.AdamW(model.parameters()), clip_grad=1.0)
+        TimmRecipe("cpu")(
+            model(torch.randn(2, 16)).sum(), torch.optim.AdamW(model.parameters()), clip_grad=1.0
+        )
     with pytest.raises(AssertionError, match="clip_grad needs parameters="):
         NativeScaler("cpu")(loss, opt, clip_grad=1.0)
 
 
 def test_underscore_names_of_fastamp_optimizers_are_refused():
     # timm keeps only the part after the last underscore: "fastamp_adamw" would be torch's AdamW.
-    with pytest.raises(ValueError, match="'adamw'.*silently create torch's optimizer.*'fastamp-adamw'"):
+    with pytest.raises(
+        ValueError, match="'adamw'.*silently create torch's optimizer.*'fastamp-adamw'"
+    ):
         check_optimizer_name("fastamp_adamw")
     assert check_optimizer_name("fastamp-adamw") == "fastamp-adamw"
     assert check_optimizer_name("lookahead_fastamp-adamw") == "lookahead_fastamp-adamw"

@@ -64,10 +64,22 @@ def train(cls, tmp_path, count=False, max_grad_norm=0.5, **kw):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, fp16=True, max_steps=STEPS, learning_rate=1e-2,
-        per_device_train_batch_size=32, logging_steps=1, report_to=[],
-        save_strategy="no", lr_scheduler_type="constant", optim="adamw_torch", seed=0,
-        dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=max_grad_norm, **kw,
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        fp16=True,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        per_device_train_batch_size=32,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        lr_scheduler_type="constant",
+        optim="adamw_torch",
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        max_grad_norm=max_grad_norm,
+        **kw,
     )
     torch.manual_seed(0)
     model = Classifier()
@@ -106,7 +118,9 @@ def test_fastamp_scaler_with_torch_adamw_is_bitwise_the_trainers_path(tmp_path):
     class RefWithTorchAdamW(TorchScalerTrainer):
         create_optimizer = WithTorchAdamW.create_optimizer
 
-    trainer, ours, losses, counts = train(WithTorchAdamW, tmp_path / "a", count=True, max_grad_norm=0.0)
+    trainer, ours, losses, counts = train(
+        WithTorchAdamW, tmp_path / "a", count=True, max_grad_norm=0.0
+    )
     _, ref, ref_losses, _ = train(RefWithTorchAdamW, tmp_path / "b", max_grad_norm=0.0)
     assert isinstance(trainer.accelerator.scaler, fastamp.GradScaler)
     assert counts["fastamp.grad_stats"] == STEPS

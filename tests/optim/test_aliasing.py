@@ -13,8 +13,27 @@ ops = torch.ops.fastamp
 
 
 def _adam(params, grads, exp_avgs, exp_avg_sqs, steps):
-    ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, [], steps, [], 1e-3, None, 0.9, 0.999,
-                   0.0, 1e-8, False, False, False, None, None, None)
+    ops.adam_step_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        [],
+        1e-3,
+        None,
+        0.9,
+        0.999,
+        0.0,
+        1e-8,
+        False,
+        False,
+        False,
+        None,
+        None,
+        None,
+    )
 
 
 def test_adam_refuses_a_param_passed_as_its_own_state():
@@ -26,6 +45,11 @@ def test_adam_refuses_a_param_passed_as_its_own_state():
     with pytest.raises(RuntimeError, match=r"params\[1\] and params\[0\] share memory"):
         _adam([p, p], [g, g], [torch.zeros(6), torch.zeros(6)], [v, v.clone()], [st, st.clone()])
     with pytest.raises(RuntimeError, match=r"state_steps\[1\] and state_steps\[0\] share memory"):
-        _adam([p, torch.randn(6)], [g, g], [torch.zeros(6), torch.zeros(6)],
-              [torch.zeros(6), torch.zeros(6)], [st, st])
+        _adam(
+            [p, torch.randn(6)],
+            [g, g],
+            [torch.zeros(6), torch.zeros(6)],
+            [torch.zeros(6), torch.zeros(6)],
+            [st, st],
+        )
     assert all(torch.equal(a, b) for a, b in zip((p, v, st), before))

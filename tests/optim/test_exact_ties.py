@@ -53,8 +53,27 @@ def _adam_master_store(dtype, master):
     g = torch.randn(master.shape).to(dtype) * 1e-2
     m, v = torch.zeros_like(master), torch.zeros_like(master)
     p.fill_(0)  # overwritten by the store
-    ops.adam_step_([p], [g], [m], [v], [], [torch.tensor(3.0)], [master], 0.0, None, 0.9, 0.999, 0.0,
-                   1e-8, False, True, False, None, None, None)
+    ops.adam_step_(
+        [p],
+        [g],
+        [m],
+        [v],
+        [],
+        [torch.tensor(3.0)],
+        [master],
+        0.0,
+        None,
+        0.9,
+        0.999,
+        0.0,
+        1e-8,
+        False,
+        True,
+        False,
+        None,
+        None,
+        None,
+    )
     return p
 
 
@@ -62,8 +81,23 @@ def _sgd_master_store(dtype, master):
     p = torch.zeros(master.shape, dtype=dtype)
     g = torch.randn(master.shape).to(dtype) * 1e-2
     buf = torch.zeros_like(master)
-    ops.sgd_step_([p], [g], [buf], [torch.tensor(0.0)], [master], 0.0, None, 0.0, 0.9, 0.0, False,
-                  False, None, None, None)
+    ops.sgd_step_(
+        [p],
+        [g],
+        [buf],
+        [torch.tensor(0.0)],
+        [master],
+        0.0,
+        None,
+        0.0,
+        0.9,
+        0.0,
+        False,
+        False,
+        None,
+        None,
+        None,
+    )
     return p
 
 
@@ -105,16 +139,40 @@ def test_8bit_codes_round_ties_to_even_through_the_kernel():
     am = torch.zeros(lowbit.nblocks(p))
     av = torch.zeros(lowbit.nblocks(p))
     # beta1 = 0: the new exp_avg is the grad exactly; lr 0 leaves the params.
-    ops.adam_lowbit_step_([p], [g], [m8], [v8], [am], [av], [torch.tensor(0.0)], [], 0, 0.0, None,
-                          0.0, 0.999, 0.0, 1e-8, True, False, None, None, None)
+    ops.adam_lowbit_step_(
+        [p],
+        [g],
+        [m8],
+        [v8],
+        [am],
+        [av],
+        [torch.tensor(0.0)],
+        [],
+        0,
+        0.0,
+        None,
+        0.0,
+        0.999,
+        0.0,
+        1e-8,
+        True,
+        False,
+        None,
+        None,
+        None,
+    )
     assert torch.equal(am, torch.ones_like(am))
     assert_bitwise_equal(m8, lowbit.encode_m8(g), "codes vs the codec")
-    assert_bitwise_equal(lowbit.decode_m8(m8).double(), _rne_reference(g, 3, -14), "codes vs float64")
+    assert_bitwise_equal(
+        lowbit.decode_m8(m8).double(), _rne_reference(g, 3, -14), "codes vs float64"
+    )
     up = lowbit.decode_m8(m8).abs() > g.abs()
     assert N // 4 < int(up.sum()) < 3 * N // 4  # ties went both ways: to the even neighbour
 
 
-def sr_boundaries(n: int, seed: int, step: int, sr_seed: int, high: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sr_boundaries(
+    n: int, seed: int, step: int, sr_seed: int, high: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Grads whose low 16 bits plus the kernel's random bits for that element (``exp_avg``: the
     low half of the element's 32 bits, ``exp_avg_sq``: the high half) make exactly 0x10000 (the
     carry: rounds up) or 0xFFFF (rounds down), alternately; and which way each must go."""
@@ -134,8 +192,28 @@ def test_bf16_stochastic_rounding_carries_exactly_at_the_boundary():
     p = torch.randn(N)
     m = torch.zeros(N, dtype=torch.bfloat16)
     v = torch.zeros(N, dtype=torch.bfloat16)
-    ops.adam_lowbit_step_([p], [g], [m], [v], [], [], [torch.tensor(float(step))], [], seed, 0.0,
-                          None, 0.0, 0.999, 0.0, 1e-8, True, False, None, None, None)
+    ops.adam_lowbit_step_(
+        [p],
+        [g],
+        [m],
+        [v],
+        [],
+        [],
+        [torch.tensor(float(step))],
+        [],
+        seed,
+        0.0,
+        None,
+        0.0,
+        0.999,
+        0.0,
+        1e-8,
+        True,
+        False,
+        None,
+        None,
+        None,
+    )
     truncated = (g.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
     bumped = ((g.view(torch.int32) >> 16) + 1).to(torch.int16).view(torch.bfloat16)
     assert_bitwise_equal(m, torch.where(up, bumped, truncated), "exp_avg at the carry boundary")

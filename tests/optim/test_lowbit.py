@@ -74,8 +74,11 @@ def _state(numel: int, fmt: str, seed: int = 1, master: bool = False, dtype=torc
     # The kernel's four lists, named after the op's arguments (codes for int8).
     form = lowbit.resolve(fmt, "test")
     lists = form.adam_lists([form.encode({"exp_avg": m, "exp_avg_sq": v}, p.float())])
-    st = {k: t[0] for k, t in zip(("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"), lists)
-          if t}
+    st = {
+        k: t[0]
+        for k, t in zip(("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"), lists)
+        if t
+    }
     mp = p.float().clone() if master else None
     return p, g, st, mp
 
@@ -83,12 +86,15 @@ def _state(numel: int, fmt: str, seed: int = 1, master: bool = False, dtype=torc
 def _floats(st):
     """The float32 moments of a _state dict."""
     if st["exp_avg"].dtype == torch.uint8:
-        return lowbit.dequantize(st["exp_avg"], st["exp_avg_sq"], st["exp_avg_absmax"], st["exp_avg_sq_absmax"])
+        return lowbit.dequantize(
+            st["exp_avg"], st["exp_avg_sq"], st["exp_avg_absmax"], st["exp_avg_sq_absmax"]
+        )
     return st["exp_avg"].float(), st["exp_avg_sq"].float()
 
 
-def _lowbit_call(p, g, st, steps, mp=None, seed=7, inv=None, found=None, coef=None, maximize=False,
-                 lr_t=None):
+def _lowbit_call(
+    p, g, st, steps, mp=None, seed=7, inv=None, found=None, coef=None, maximize=False, lr_t=None
+):
     int8 = st["exp_avg"].dtype == torch.uint8
     ops.adam_lowbit_step_(
         [p], [g], [st["exp_avg"]], [st["exp_avg_sq"]],
@@ -99,9 +105,27 @@ def _lowbit_call(p, g, st, steps, mp=None, seed=7, inv=None, found=None, coef=No
 
 
 def _float32_call(p, g, m, v, steps, mp=None, inv=None, coef=None, maximize=False, lr_t=None):
-    ops.adam_step_([p], [g], [m], [v], [], [steps], [mp] if mp is not None else [],
-                   HYPER["lr"], lr_t, HYPER["beta1"], HYPER["beta2"], HYPER["weight_decay"],
-                   HYPER["eps"], False, True, maximize, inv, None, coef)
+    ops.adam_step_(
+        [p],
+        [g],
+        [m],
+        [v],
+        [],
+        [steps],
+        [mp] if mp is not None else [],
+        HYPER["lr"],
+        lr_t,
+        HYPER["beta1"],
+        HYPER["beta2"],
+        HYPER["weight_decay"],
+        HYPER["eps"],
+        False,
+        True,
+        maximize,
+        inv,
+        None,
+        coef,
+    )
 
 
 @pytest.mark.parametrize("lr_t", [None, 2e-3], ids=["lr", "lr_tensor"])
@@ -109,14 +133,17 @@ def _float32_call(p, g, m, v, steps, mp=None, inv=None, coef=None, maximize=Fals
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("numel", [4096, 70_000, 65_536 + 256 * 3 + 17])
-def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(numel, dtype, scaled, maximize, lr_t):
+def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(
+    numel, dtype, scaled, maximize, lr_t
+):
     master = dtype != torch.float32
     p, g, st, mp = _state(numel, "int8", seed=numel, master=master, dtype=dtype)
     # Unscaled (no GradScaler, no clip): the float32-param kernel skips the multiplies by 1.
     inv, coef = (torch.tensor(0.5), torch.tensor(0.8)) if scaled else (None, None)
     # The float32 kernel on the dequantized moments does the same float32 arithmetic.
-    m32, v32 = lowbit.dequantize(st["exp_avg"], st["exp_avg_sq"], st["exp_avg_absmax"],
-                                 st["exp_avg_sq_absmax"])
+    m32, v32 = lowbit.dequantize(
+        st["exp_avg"], st["exp_avg_sq"], st["exp_avg_absmax"], st["exp_avg_sq_absmax"]
+    )
     p32, m32, v32 = p.clone(), m32.clone(), v32.clone()
     mp32 = mp.clone() if master else None
     steps, steps32 = torch.tensor(4.0), torch.tensor(4.0)
@@ -127,8 +154,11 @@ def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(numel, dtype, 
     if master:
         assert_bitwise_equal(mp, mp32, "master")
     mq, vq, am, av = lowbit.quantize(m32, v32)
-    assert_bitwise_equal((st["exp_avg"], st["exp_avg_sq"], st["exp_avg_absmax"], st["exp_avg_sq_absmax"]),
-                         (mq, vq, am, av), "codes and scales")
+    assert_bitwise_equal(
+        (st["exp_avg"], st["exp_avg_sq"], st["exp_avg_absmax"], st["exp_avg_sq_absmax"]),
+        (mq, vq, am, av),
+        "codes and scales",
+    )
     assert float(steps) == 5.0
 
 
@@ -165,8 +195,18 @@ def test_lowbit_steps_track_float64_adam():
         for k in range(5):
             g = g0 + torch.randn(g0.shape, generator=gen) * 1e-3
             _lowbit_call(p, g, st, steps)
-            rp, rm, rv, _ = adam_ref(rp, g, rm, rv, None, k + 1, amsgrad=False, decoupled=True,
-                                     maximize=False, **{k2: v2 for k2, v2 in HYPER.items()})
+            rp, rm, rv, _ = adam_ref(
+                rp,
+                g,
+                rm,
+                rv,
+                None,
+                k + 1,
+                amsgrad=False,
+                decoupled=True,
+                maximize=False,
+                **{k2: v2 for k2, v2 in HYPER.items()},
+            )
         lr_steps = (p.double() - rp).abs().max().item() / HYPER["lr"]
         assert lr_steps < p_tol, (fmt, lr_steps)
         m_now, _ = _floats(st)
@@ -185,9 +225,13 @@ def test_stochastic_rounding_is_unbiased_and_reproducible():
     stderr = (hi - lo) * math.sqrt(p_hi * (1 - p_hi) / x.numel())
     assert abs(mean - x[0].item()) < 4 * stderr  # round to nearest would be off by 2^-9+2^-11
     assert abs(x.to(torch.bfloat16).double()[0].item() - x[0].item()) > 50 * stderr
-    again = lowbit_ref.bf16_stochastic(x, lowbit_ref.sr_bits(lowbit_ref.sr_key(3, 1, 0), torch.arange(x.numel())))
+    again = lowbit_ref.bf16_stochastic(
+        x, lowbit_ref.sr_bits(lowbit_ref.sr_key(3, 1, 0), torch.arange(x.numel()))
+    )
     assert torch.equal(again.double(), y)
-    other = lowbit_ref.bf16_stochastic(x, lowbit_ref.sr_bits(lowbit_ref.sr_key(4, 1, 0), torch.arange(x.numel())))
+    other = lowbit_ref.bf16_stochastic(
+        x, lowbit_ref.sr_bits(lowbit_ref.sr_key(4, 1, 0), torch.arange(x.numel()))
+    )
     assert not torch.equal(other.double(), y)
     # Non-finite: a NaN becomes the canonical 0x7FC0, inf stays, the largest floats may round up
     # to inf.
@@ -232,17 +276,41 @@ def test_opcheck():
     for fmt in ("int8", "bfloat16"):
         p, g, st, _ = _state(4096, fmt, seed=4)
         int8 = fmt == "int8"
-        args = ([p], [g], [st["exp_avg"]], [st["exp_avg_sq"]],
-                [st["exp_avg_absmax"]] if int8 else [], [st["exp_avg_sq_absmax"]] if int8 else [],
-                [torch.tensor(1.0)], [], 5, 1e-3, None, 0.9, 0.999, 0.0, 1e-8, True, False,
-                torch.tensor(0.5), torch.tensor(0.0), None)
+        args = (
+            [p],
+            [g],
+            [st["exp_avg"]],
+            [st["exp_avg_sq"]],
+            [st["exp_avg_absmax"]] if int8 else [],
+            [st["exp_avg_sq_absmax"]] if int8 else [],
+            [torch.tensor(1.0)],
+            [],
+            5,
+            1e-3,
+            None,
+            0.9,
+            0.999,
+            0.0,
+            1e-8,
+            True,
+            False,
+            torch.tensor(0.5),
+            torch.tensor(0.0),
+            None,
+        )
         torch.library.opcheck(torch.ops.fastamp.adam_lowbit_step_.default, args)
 
 
 def _model(seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Embedding(512, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64),
-                         nn.LayerNorm(64), nn.Linear(64, 512))
+    return nn.Sequential(
+        nn.Embedding(512, 64),
+        nn.Linear(64, 256),
+        nn.GELU(),
+        nn.Linear(256, 64),
+        nn.LayerNorm(64),
+        nn.Linear(64, 512),
+    )
 
 
 def _train(model, opt, steps, seed=1, start=0):
@@ -286,18 +354,33 @@ def test_switching_precision_through_state_dict_converts():
     o8.load_state_dict(sd32)
     w = a[1].weight
     mq, vq, am, av = lowbit.quantize(sd32["state"][1]["exp_avg"], sd32["state"][1]["exp_avg_sq"])
-    assert_bitwise_equal((o8.state[w]["exp_avg_codes"], o8.state[w]["exp_avg_sq_codes"],
-                          o8.state[w]["exp_avg_absmax"], o8.state[w]["exp_avg_sq_absmax"]),
-                         (mq, vq, am, av))
-    assert set(o8.state[w]) == {"exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax",
-                                "exp_avg_sq_absmax", "step"}
+    assert_bitwise_equal(
+        (
+            o8.state[w]["exp_avg_codes"],
+            o8.state[w]["exp_avg_sq_codes"],
+            o8.state[w]["exp_avg_absmax"],
+            o8.state[w]["exp_avg_sq_absmax"],
+        ),
+        (mq, vq, am, av),
+    )
+    assert set(o8.state[w]) == {
+        "exp_avg_codes",
+        "exp_avg_sq_codes",
+        "exp_avg_absmax",
+        "exp_avg_sq_absmax",
+        "step",
+    }
     assert o8.state[a[4].weight]["exp_avg"].dtype == torch.float32  # 64 elements: stays float32
     assert o8.param_groups[0]["state_dtype"] == "int8"
     _train(a, o8, 2, start=3)  # steps on the converted state
     back = fastamp.optim.AdamW(a.parameters(), lr=1e-3)
     back.load_state_dict(o8.state_dict())
-    m, v = lowbit.dequantize(o8.state[w]["exp_avg_codes"], o8.state[w]["exp_avg_sq_codes"],
-                             o8.state[w]["exp_avg_absmax"], o8.state[w]["exp_avg_sq_absmax"])
+    m, v = lowbit.dequantize(
+        o8.state[w]["exp_avg_codes"],
+        o8.state[w]["exp_avg_sq_codes"],
+        o8.state[w]["exp_avg_absmax"],
+        o8.state[w]["exp_avg_sq_absmax"],
+    )
     assert_bitwise_equal((back.state[w]["exp_avg"], back.state[w]["exp_avg_sq"]), (m, v))
     assert set(back.state[w]) == {"exp_avg", "exp_avg_sq", "step"}
     assert "state_dtype" not in back.param_groups[0]  # a float32 optimizer's groups are torch's
@@ -308,8 +391,12 @@ def test_switching_precision_through_state_dict_converts():
 def test_state_bytes_per_parameter():
     """Measured from the tensors' storage on a model whose tensors are mostly large."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(4096, 256), *[nn.Linear(256, 256) for _ in range(6)],
-                          nn.LayerNorm(256), nn.Linear(256, 4096))
+    model = nn.Sequential(
+        nn.Embedding(4096, 256),
+        *[nn.Linear(256, 256) for _ in range(6)],
+        nn.LayerNorm(256),
+        nn.Linear(256, 4096),
+    )
     got = {}
     for fmt in (torch.float32, torch.bfloat16, "int8"):
         opt = fastamp.optim.AdamW(model.parameters(), lr=1e-4, state_dtype=fmt)
@@ -335,9 +422,13 @@ def test_small_and_non_contiguous_params_keep_float32_state():
 
 def test_bad_arguments_are_refused_before_anything_changes():
     p = nn.Parameter(torch.randn(8192))
-    with pytest.raises(ValueError, match=r"state_dtype must be torch\.float32, torch\.bfloat16 or 'int8'.*float16"):
+    with pytest.raises(
+        ValueError, match=r"state_dtype must be torch\.float32, torch\.bfloat16 or 'int8'.*float16"
+    ):
         fastamp.optim.AdamW([p], state_dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"amsgrad=True needs float32 state.*state_dtype is 'int8'"):
+    with pytest.raises(
+        ValueError, match=r"amsgrad=True needs float32 state.*state_dtype is 'int8'"
+    ):
         fastamp.optim.AdamW([p], amsgrad=True, state_dtype="int8")
     with pytest.raises(ValueError, match=r"state_seed must be an int in \[0, 2\*\*32\)"):
         fastamp.optim.AdamW([p], state_dtype="int8", state_seed=-1)
@@ -346,11 +437,52 @@ def test_bad_arguments_are_refused_before_anything_changes():
     _, _, st16, _ = _state(5000, "bfloat16", seed=8)
     before = (q.clone(), {k: v.clone() for k, v in st.items()})
     with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[0\] must be a contiguous Byte tensor"):
-        ops.adam_lowbit_step_([q], [g], [st["exp_avg"]], [st16["exp_avg_sq"]], [st["exp_avg_absmax"]],
-                              [st["exp_avg_sq_absmax"]], [torch.tensor(0.0)], [], 0, 1e-3, None, 0.9,
-                              0.999, 0.0, 1e-8, True, False, None, None, None)
-    with pytest.raises(RuntimeError, match=r"exp_avg_absmax\[0\] must be a contiguous float32 tensor of 20 elements"):
-        ops.adam_lowbit_step_([q], [g], [st["exp_avg"]], [st["exp_avg_sq"]], [torch.zeros(19)],
-                              [st["exp_avg_sq_absmax"]], [torch.tensor(0.0)], [], 0, 1e-3, None, 0.9,
-                              0.999, 0.0, 1e-8, True, False, None, None, None)
+        ops.adam_lowbit_step_(
+            [q],
+            [g],
+            [st["exp_avg"]],
+            [st16["exp_avg_sq"]],
+            [st["exp_avg_absmax"]],
+            [st["exp_avg_sq_absmax"]],
+            [torch.tensor(0.0)],
+            [],
+            0,
+            1e-3,
+            None,
+            0.9,
+            0.999,
+            0.0,
+            1e-8,
+            True,
+            False,
+            None,
+            None,
+            None,
+        )
+    with pytest.raises(
+        RuntimeError,
+        match=r"exp_avg_absmax\[0\] must be a contiguous float32 tensor of 20 elements",
+    ):
+        ops.adam_lowbit_step_(
+            [q],
+            [g],
+            [st["exp_avg"]],
+            [st["exp_avg_sq"]],
+            [torch.zeros(19)],
+            [st["exp_avg_sq_absmax"]],
+            [torch.tensor(0.0)],
+            [],
+            0,
+            1e-3,
+            None,
+            0.9,
+            0.999,
+            0.0,
+            1e-8,
+            True,
+            False,
+            None,
+            None,
+            None,
+        )
     assert_bitwise_equal((q, st), before)

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import fastamp
-from fastamp.optim import lowbit
 from fastamp.testing import assert_bitwise_equal, lowbit_ref
 
 ops = torch.ops.fastamp  # the ops themselves: their schemas are the interface under test
@@ -40,11 +39,47 @@ def test_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(dtype, fi
     inv, coef = torch.tensor(0.5), torch.tensor(0.75)
     count = torch.tensor(0.0 if first else 4.0)
     # Reference: the float32 SGD kernel on a float32 copy of the buffer, then the rounding.
-    p32, buf32, mp32, count32 = p.clone(), buf.float(), None if master is None else master.clone(), count.clone()
-    ops.sgd_step_([p32], [g], [buf32], [count32], [mp32] if mp32 is not None else [], LR, None, WD,
-                  MOMENTUM, DAMPENING, nesterov, False, inv, None, coef)
-    ops.sgd_lowbit_step_([p], [g], [buf], [count], [master] if master is not None else [], 7, LR,
-                         None, WD, MOMENTUM, DAMPENING, nesterov, False, inv, None, coef)
+    p32, buf32, mp32, count32 = (
+        p.clone(),
+        buf.float(),
+        None if master is None else master.clone(),
+        count.clone(),
+    )
+    ops.sgd_step_(
+        [p32],
+        [g],
+        [buf32],
+        [count32],
+        [mp32] if mp32 is not None else [],
+        LR,
+        None,
+        WD,
+        MOMENTUM,
+        DAMPENING,
+        nesterov,
+        False,
+        inv,
+        None,
+        coef,
+    )
+    ops.sgd_lowbit_step_(
+        [p],
+        [g],
+        [buf],
+        [count],
+        [master] if master is not None else [],
+        7,
+        LR,
+        None,
+        WD,
+        MOMENTUM,
+        DAMPENING,
+        nesterov,
+        False,
+        inv,
+        None,
+        coef,
+    )
     assert_bitwise_equal(p, p32, "params")
     if master is not None:
         assert_bitwise_equal(master, mp32, "master")
@@ -58,15 +93,47 @@ def test_found_inf_step_writes_nothing():
     g[3] = math.inf
     count = torch.tensor(2.0)
     before = (p.clone(), buf.clone(), count.clone())
-    ops.sgd_lowbit_step_([p], [g], [buf], [count], [], 0, LR, None, WD, MOMENTUM, 0.0, False, False,
-                         torch.tensor(1.0), torch.tensor(1.0), None)
+    ops.sgd_lowbit_step_(
+        [p],
+        [g],
+        [buf],
+        [count],
+        [],
+        0,
+        LR,
+        None,
+        WD,
+        MOMENTUM,
+        0.0,
+        False,
+        False,
+        torch.tensor(1.0),
+        torch.tensor(1.0),
+        None,
+    )
     assert_bitwise_equal((p, buf, count), before)
 
 
 def test_opcheck():
     p, g, buf = _inputs(4096, torch.float32, seed=2)
-    args = ([p], [g], [buf], [torch.tensor(1.0)], [], 5, LR, None, WD, MOMENTUM, 0.0, False, False,
-            torch.tensor(0.5), torch.tensor(0.0), None)
+    args = (
+        [p],
+        [g],
+        [buf],
+        [torch.tensor(1.0)],
+        [],
+        5,
+        LR,
+        None,
+        WD,
+        MOMENTUM,
+        0.0,
+        False,
+        False,
+        torch.tensor(0.5),
+        torch.tensor(0.0),
+        None,
+    )
     torch.library.opcheck(torch.ops.fastamp.sgd_lowbit_step_.default, args)
 
 
@@ -106,7 +173,9 @@ def test_training_tracks_torch_sgd_and_halves_the_buffer():
 
 def test_state_dict_resumes_bit_for_bit_and_converts_both_ways():
     model = _model()
-    opt = fastamp.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, state_dtype=torch.bfloat16)
+    opt = fastamp.optim.SGD(
+        model.parameters(), lr=LR, momentum=MOMENTUM, state_dtype=torch.bfloat16
+    )
     _train(model, opt, 4)
     sd = copy.deepcopy(opt.state_dict())
     assert sd["param_groups"][0]["state_dtype"] == "bfloat16"
@@ -123,8 +192,10 @@ def test_state_dict_resumes_bit_for_bit_and_converts_both_ways():
     plain.load_state_dict(opt.state_dict())
     big = list(m3.parameters())[0]
     assert plain.state[big]["momentum_buffer"].dtype == torch.float32
-    assert torch.equal(plain.state[big]["momentum_buffer"],
-                       opt.state[list(model.parameters())[0]]["momentum_buffer"].float())
+    assert torch.equal(
+        plain.state[big]["momentum_buffer"],
+        opt.state[list(model.parameters())[0]]["momentum_buffer"].float(),
+    )
     m4 = copy.deepcopy(model)
     back = fastamp.optim.SGD(m4.parameters(), lr=LR, momentum=MOMENTUM, state_dtype=torch.bfloat16)
     back.load_state_dict(plain.state_dict())
@@ -141,17 +212,66 @@ def test_bad_arguments_are_refused_before_anything_changes():
         fastamp.optim.SGD([p], lr=0.1, momentum=0.9, state_dtype=torch.bfloat16, state_seed=2**32)
     q, g, buf = _inputs(5000, torch.float32, seed=4)
     before = (q.clone(), buf.clone())
-    with pytest.raises(RuntimeError, match=r"momentum_buffers\[0\] must be a contiguous BFloat16 tensor"):
-        ops.sgd_lowbit_step_([q], [g], [buf.float()], [torch.tensor(0.0)], [], 0, LR, None, 0.0,
-                             MOMENTUM, 0.0, False, False, None, None, None)
+    with pytest.raises(
+        RuntimeError, match=r"momentum_buffers\[0\] must be a contiguous BFloat16 tensor"
+    ):
+        ops.sgd_lowbit_step_(
+            [q],
+            [g],
+            [buf.float()],
+            [torch.tensor(0.0)],
+            [],
+            0,
+            LR,
+            None,
+            0.0,
+            MOMENTUM,
+            0.0,
+            False,
+            False,
+            None,
+            None,
+            None,
+        )
     with pytest.raises(RuntimeError, match=r"momentum is 0"):
-        ops.sgd_lowbit_step_([q], [g], [buf], [torch.tensor(0.0)], [], 0, LR, None, 0.0, 0.0, 0.0,
-                             False, False, None, None, None)
+        ops.sgd_lowbit_step_(
+            [q],
+            [g],
+            [buf],
+            [torch.tensor(0.0)],
+            [],
+            0,
+            LR,
+            None,
+            0.0,
+            0.0,
+            0.0,
+            False,
+            False,
+            None,
+            None,
+            None,
+        )
     with pytest.raises(RuntimeError, match=r"params\[0\] and grads\[0\] must be contiguous"):
         wide = torch.randn(100, 50).t()
-        ops.sgd_lowbit_step_([wide], [wide.clone()], [torch.zeros(50, 100, dtype=torch.bfloat16).t()],
-                             [torch.tensor(0.0)], [], 0, LR, None, 0.0, MOMENTUM, 0.0, False, False,
-                             None, None, None)
+        ops.sgd_lowbit_step_(
+            [wide],
+            [wide.clone()],
+            [torch.zeros(50, 100, dtype=torch.bfloat16).t()],
+            [torch.tensor(0.0)],
+            [],
+            0,
+            LR,
+            None,
+            0.0,
+            MOMENTUM,
+            0.0,
+            False,
+            False,
+            None,
+            None,
+            None,
+        )
     assert_bitwise_equal((q, buf), before)
     # Momentum-free SGD keeps no state in any format, as torch.optim.SGD.
     plain = fastamp.optim.SGD([p], lr=0.1, state_dtype=torch.bfloat16)

@@ -45,10 +45,13 @@ def _train(model, opt, steps, start=0):
 
 
 def _state_snapshot(opt):
-    return copy.deepcopy(opt.state_dict()), [p.detach().clone() for g in opt.param_groups for p in g["params"]]
+    return copy.deepcopy(opt.state_dict()), [
+        p.detach().clone() for g in opt.param_groups for p in g["params"]
+    ]
 
 
 # --- interchange with torch --------------------------------------------------------------------
+
 
 def test_torch_never_takes_8bit_codes_for_moments():
     """The silent defect: torch's AdamW loaded fastamp's int8 state_dict and stepped on codes cast
@@ -70,8 +73,9 @@ def test_torch_never_takes_8bit_codes_for_moments():
     # The export for torch's keys: float moments, exactly the ones fastamp computes with.
     t2 = torch.optim.AdamW(a.parameters(), lr=1e-3)
     t2.load_state_dict(lowbit.float32_state_dict(sd))
-    assert_bitwise_equal((t2.state[w]["exp_avg"], t2.state[w]["exp_avg_sq"]),
-                         (truth["exp_avg"], truth["exp_avg_sq"]))
+    assert_bitwise_equal(
+        (t2.state[w]["exp_avg"], t2.state[w]["exp_avg_sq"]), (truth["exp_avg"], truth["exp_avg_sq"])
+    )
     assert "state_dtype" not in t2.param_groups[0]
     t2.step()  # and torch steps on them
 
@@ -108,18 +112,30 @@ def test_old_int8_layout_still_loads():
 
 # --- per-group options: checked when the group is made -------------------------------------------
 
+
 def _two_groups(model):
     return [list(model[0].parameters()), list(model[2].parameters()) + list(model[3].parameters())]
 
 
-@pytest.mark.parametrize("default, group0", [(torch.float32, torch.bfloat16), ("int8", torch.float32),
-                                              (torch.float32, "int8"), (torch.bfloat16, "int8")])
+@pytest.mark.parametrize(
+    "default, group0",
+    [
+        (torch.float32, torch.bfloat16),
+        ("int8", torch.float32),
+        (torch.float32, "int8"),
+        (torch.bfloat16, "int8"),
+    ],
+)
 def test_per_group_state_dtype_steps_as_that_format(default, group0):
     """A group's own state_dtype steps exactly as an optimizer made with that format."""
     a, b, c = _model(), _model(), _model()
     ga = _two_groups(a)
-    mixed = fastamp.optim.AdamW([{"params": ga[0], "state_dtype": group0}, {"params": ga[1]}],
-                                lr=1e-3, state_dtype=default, state_seed=3)
+    mixed = fastamp.optim.AdamW(
+        [{"params": ga[0], "state_dtype": group0}, {"params": ga[1]}],
+        lr=1e-3,
+        state_dtype=default,
+        state_seed=3,
+    )
     gb, gc = _two_groups(b), _two_groups(c)
     only0 = fastamp.optim.AdamW(gb[0], lr=1e-3, state_dtype=group0, state_seed=3)
     only1 = fastamp.optim.AdamW(gc[1], lr=1e-3, state_dtype=default, state_seed=3)
@@ -174,14 +190,16 @@ def test_sgd_group_state_dtype():
     ga = _two_groups(a)
     with pytest.raises(ValueError, match="SGD's one momentum buffer"):
         fastamp.optim.SGD([{"params": ga[0], "state_dtype": "int8"}], lr=0.1, momentum=0.9)
-    opt = fastamp.optim.SGD([{"params": ga[0], "state_dtype": torch.bfloat16}, {"params": ga[1]}],
-                            lr=0.1, momentum=0.9)
+    opt = fastamp.optim.SGD(
+        [{"params": ga[0], "state_dtype": torch.bfloat16}, {"params": ga[1]}], lr=0.1, momentum=0.9
+    )
     _train(a, opt, 2)
     assert opt.state[a[0].weight]["momentum_buffer"].dtype == torch.bfloat16
     assert opt.state[a[2].weight]["momentum_buffer"].dtype == torch.float32
 
 
 # --- load_state_dict: all checked before anything is replaced -------------------------------------
+
 
 def _int8_run():
     a = _model()
@@ -212,11 +230,19 @@ def _corrupt(sd, how):
     return sd
 
 
-@pytest.mark.parametrize("how, exc", [
-    ("missing_scales", KeyError), ("short_scales", ValueError), ("float_scales_2d", ValueError),
-    ("int8_codes", TypeError), ("int16_codes", TypeError), ("float_codes", TypeError),
-    ("codes_and_moments", KeyError), ("wrong_shape_codes", ValueError),
-])
+@pytest.mark.parametrize(
+    "how, exc",
+    [
+        ("missing_scales", KeyError),
+        ("short_scales", ValueError),
+        ("float_scales_2d", ValueError),
+        ("int8_codes", TypeError),
+        ("int16_codes", TypeError),
+        ("float_codes", TypeError),
+        ("codes_and_moments", KeyError),
+        ("wrong_shape_codes", ValueError),
+    ],
+)
 def test_corrupted_lowbit_state_dict_changes_nothing(how, exc):
     a, opt = _int8_run()
     bad = _corrupt(opt.state_dict(), how)
@@ -239,7 +265,9 @@ def test_integer_moments_are_refused(fmt):
     t.step()
     sd = copy.deepcopy(t.state_dict())
     sd["state"][0]["exp_avg"] = (sd["state"][0]["exp_avg"] * 1e4).to(torch.int8)
-    with pytest.raises(TypeError, match=r"\['exp_avg'\] is a torch.int8 tensor; expected float moments"):
+    with pytest.raises(
+        TypeError, match=r"\['exp_avg'\] is a torch.int8 tensor; expected float moments"
+    ):
         opt.load_state_dict(sd)
     assert not opt.state
 
@@ -273,15 +301,25 @@ def test_transposed_state_is_restrided_as_torch_steps_it(fmt):
 
 # --- deepcopy and pickle -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("cls, fmt", [("SGD", torch.float32), ("SGD", torch.bfloat16),
-                                      ("Adam", "int8"), ("AdamW", torch.float32),
-                                      ("AdamW", torch.bfloat16), ("AdamW", "int8")])
+
+@pytest.mark.parametrize(
+    "cls, fmt",
+    [
+        ("SGD", torch.float32),
+        ("SGD", torch.bfloat16),
+        ("Adam", "int8"),
+        ("AdamW", torch.float32),
+        ("AdamW", torch.bfloat16),
+        ("AdamW", "int8"),
+    ],
+)
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
 def test_copies_of_an_optimizer_step_as_the_original(cls, fmt, how):
     kw = {"momentum": 0.9} if cls == "SGD" else {}
     a = _model()
-    opt = getattr(fastamp.optim, cls)(a.parameters(), lr=1e-2, state_dtype=fmt, state_seed=7,
-                                      master_weights=True, **kw)
+    opt = getattr(fastamp.optim, cls)(
+        a.parameters(), lr=1e-2, state_dtype=fmt, state_seed=7, master_weights=True, **kw
+    )
     _train(a, opt, 2)
     if how == "deepcopy":
         b, ob = copy.deepcopy((a, opt))
@@ -305,6 +343,7 @@ def test_copies_of_an_optimizer_step_as_the_original(cls, fmt, how):
 
 # --- memory formats and capturable -------------------------------------------------------------
 
+
 def _conv():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(8, 64, 3), nn.Conv2d(64, 16, 3))
@@ -313,9 +352,11 @@ def _conv():
 def _conv_train(model, opt, steps, start=0):
     for k in range(start, start + steps):
         gen = torch.Generator().manual_seed(k)
-        x = torch.randn(2, 8, 9, 9, generator=gen).to(memory_format=torch.channels_last
-                                                      if model[0].weight.is_contiguous(memory_format=torch.channels_last)
-                                                      else torch.contiguous_format)
+        x = torch.randn(2, 8, 9, 9, generator=gen).to(
+            memory_format=torch.channels_last
+            if model[0].weight.is_contiguous(memory_format=torch.channels_last)
+            else torch.contiguous_format
+        )
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
@@ -378,6 +419,7 @@ def test_capturable_on_cpu_raises_as_torch(cls):
 
 # --- saving: torch.save with weights_only=True, torch.distributed.checkpoint --------------------
 
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_state_dict_round_trips_weights_only_and_through_dcp(fmt, tmp_path):
     import torch.distributed.checkpoint as dcp
@@ -424,15 +466,19 @@ def test_format_byte_count_is_the_measured_storage(fmt):
     assert lowbit.INT8.nbytes(ps[1], lowbit.ADAM_MOMENTS) == 2 * 5000 + 2 * 4 * 20  # 20 blocks
 
 
-@pytest.mark.parametrize("cls, fmt", [("AdamW", torch.bfloat16), ("AdamW", "int8"), ("Adam", "int8"),
-                                      ("SGD", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "cls, fmt",
+    [("AdamW", torch.bfloat16), ("AdamW", "int8"), ("Adam", "int8"), ("SGD", torch.bfloat16)],
+)
 def test_maximize_reaches_the_lowbit_kernels(cls, fmt):
     """maximize=True steps as torch's rule says: as the negated grads would."""
     kw = {"momentum": 0.9} if cls == "SGD" else {}
     runs = []
     for lr, maximize in ((1e-3, False), (1e-3, True)):
         a = _model()
-        opt = getattr(fastamp.optim, cls)(a.parameters(), lr=lr, maximize=maximize, state_dtype=fmt, **kw)
+        opt = getattr(fastamp.optim, cls)(
+            a.parameters(), lr=lr, maximize=maximize, state_dtype=fmt, **kw
+        )
         for k in range(3):
             _grads(a, k)
             if maximize:

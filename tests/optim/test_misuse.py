@@ -17,53 +17,88 @@ def _(lib):
     model, ps = _params()
     return _world(model), lambda: lib.Adam(ps, lr=-1e-3)
 
+
 @case("adamw_beta_out_of_range", ValueError, r"beta parameter at index 1", like_torch="message")
 def _(lib):
     model, ps = _params()
     return _world(model), lambda: lib.AdamW(ps, betas=(0.9, 1.0))
+
 
 @case("adamw_weight_decay_negative", ValueError, r"weight_decay", like_torch="message")
 def _(lib):
     model, ps = _params()
     return _world(model), lambda: lib.AdamW(ps, weight_decay=-0.1)
 
-@case("sgd_nesterov_without_momentum", ValueError, r"Nesterov momentum",
-      r"requires a momentum and zero dampening", like_torch="message")
+
+@case(
+    "sgd_nesterov_without_momentum",
+    ValueError,
+    r"Nesterov momentum",
+    r"requires a momentum and zero dampening",
+    like_torch="message",
+)
 def _(lib):
     model, ps = _params()
     return _world(model), lambda: lib.SGD(ps, lr=0.1, nesterov=True)
 
-@case("optim_add_param_group_already_present", ValueError, r"more than one parameter group", like_torch="message")
+
+@case(
+    "optim_add_param_group_already_present",
+    ValueError,
+    r"more than one parameter group",
+    like_torch="message",
+)
 def _(lib):
     model, opt, sc = _trained(lib)
     return _world(model, opt, sc), lambda: opt.add_param_group({"params": [model[0].weight]})
 
-@case("adam_sparse_grads", RuntimeError, r"param_groups\[0\]\['params'\]\[0\] has a sparse grad",
-      r"sparse=False|SparseAdam", like_torch="type")
+
+@case(
+    "adam_sparse_grads",
+    RuntimeError,
+    r"param_groups\[0\]\['params'\]\[0\] has a sparse grad",
+    r"sparse=False|SparseAdam",
+    like_torch="type",
+)
 def _(lib):
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     opt = lib.Adam(model.parameters(), lr=1e-3)
     model(torch.tensor([1, 2, 3])).sum().backward()
     return _world(model, opt), lambda: opt.step()
 
-@case("sgd_sparse_grads", RuntimeError, r"param_groups\[0\]\['params'\]\[0\] has a sparse grad",
-      r"use torch\.optim\.SGD")
+
+@case(
+    "sgd_sparse_grads",
+    RuntimeError,
+    r"param_groups\[0\]\['params'\]\[0\] has a sparse grad",
+    r"use torch\.optim\.SGD",
+)
 def _(lib):
     model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
     opt = lib.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     model(torch.tensor([1, 2, 3])).sum().backward()
     return _world(model, opt), lambda: opt.step()
 
-@case("adam_float64_params", TypeError, r"param_groups\[0\]\['params'\]\[0\] has dtype torch\.float64",
-      r"use torch\.optim")
+
+@case(
+    "adam_float64_params",
+    TypeError,
+    r"param_groups\[0\]\['params'\]\[0\] has dtype torch\.float64",
+    r"use torch\.optim",
+)
 def _(lib):
     model = _net(torch.float64)
     opt = lib.Adam(model.parameters(), lr=1e-3)
     _loss(model).backward()
     return _world(model, opt), lambda: opt.step()
 
-@case("adamw_bad_param_in_third_group", TypeError, r"param_groups\[2\]\['params'\]\[0\] has dtype torch\.complex64",
-      r"use torch\.optim")
+
+@case(
+    "adamw_bad_param_in_third_group",
+    TypeError,
+    r"param_groups\[2\]\['params'\]\[0\] has dtype torch\.complex64",
+    r"use torch\.optim",
+)
 def _(lib):
     # The first two groups are fine: they must not be stepped before the third is refused.
     model, opt, sc = _trained(lib, backward=True)
@@ -72,9 +107,13 @@ def _(lib):
     opt.add_param_group({"params": [z]})
     return _world(model, opt, sc, z=z), lambda: opt.step()
 
-@case("adamw_master_weights_mixed_group", RuntimeError,
-      r"param_groups\[0\]\['params'\]\[0\] is float32, param_groups\[0\]\['params'\]\[2\] is not",
-      r"separate param groups")
+
+@case(
+    "adamw_master_weights_mixed_group",
+    RuntimeError,
+    r"param_groups\[0\]\['params'\]\[0\] is float32, param_groups\[0\]\['params'\]\[2\] is not",
+    r"separate param groups",
+)
 def _(lib):
     model = _net()
     model[2].to(torch.bfloat16)
@@ -83,8 +122,13 @@ def _(lib):
         p.grad = torch.ones_like(p)
     return _world(model, opt), lambda: opt.step()
 
-@case("adam_group_on_two_devices", RuntimeError, r"param_groups\[0\]\['params'\]\[1\] is on meta",
-      r"model\.to\(device\)")
+
+@case(
+    "adam_group_on_two_devices",
+    RuntimeError,
+    r"param_groups\[0\]\['params'\]\[1\] is on meta",
+    r"model\.to\(device\)",
+)
 def _(lib):
     a = nn.Parameter(torch.randn(4))
     b = nn.Parameter(torch.randn(4, device="meta"))
@@ -92,8 +136,13 @@ def _(lib):
     opt = lib.Adam([a, b], lr=1e-3)
     return _world(None, opt, a=a, b=b), lambda: opt.step()
 
-@case("optim_load_state_of_another_model", ValueError, r"state_dict\['state'\]\[0\]\['exp_avg'\] has shape \(6, 8\)",
-      r"saved with this model")
+
+@case(
+    "optim_load_state_of_another_model",
+    ValueError,
+    r"state_dict\['state'\]\[0\]\['exp_avg'\] has shape \(6, 8\)",
+    r"saved with this model",
+)
 def _(lib):
     # Same number of parameters per group, other shapes: PyTorch loads it, the step fails.
     other = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(8, 3))
@@ -105,8 +154,14 @@ def _(lib):
     model, opt, sc = _trained(lib, backward=False)
     return _world(model, opt, sc), lambda: opt.load_state_dict(sd)
 
-@case("optim_load_sgd_state_into_adamw", KeyError, r"state_dict\['param_groups'\]\[0\] has no \['betas'",
-      r"looks like an SGD state_dict.*same optimizer type", like_torch="type")
+
+@case(
+    "optim_load_sgd_state_into_adamw",
+    KeyError,
+    r"state_dict\['param_groups'\]\[0\] has no \['betas'",
+    r"looks like an SGD state_dict.*same optimizer type",
+    like_torch="type",
+)
 def _(lib):
     model, opt, sc = _trained(lib, "AdamW", backward=False)
     sgd = _opt(TORCH, "SGD", model)
@@ -116,65 +171,131 @@ def _(lib):
     opt.zero_grad(set_to_none=True)
     return _world(model, opt, sc), lambda: opt.load_state_dict(sd)
 
-@case("optim_load_model_state_dict", KeyError, r"state_dict has no 'state' entry",
-      r"model's state_dict or a whole checkpoint", like_torch="type")
+
+@case(
+    "optim_load_model_state_dict",
+    KeyError,
+    r"state_dict has no 'state' entry",
+    r"model's state_dict or a whole checkpoint",
+    like_torch="type",
+)
 def _(lib):
     model, opt, sc = _trained(lib, backward=False)
     return _world(model, opt, sc), lambda: opt.load_state_dict(model.state_dict())
 
-@case("optim_load_state_missing_step", KeyError, r"state_dict\['state'\]\[1\] has no 'step'",
-      r"state an Adam/AdamW optimizer saves", like_torch="type")
+
+@case(
+    "optim_load_state_missing_step",
+    KeyError,
+    r"state_dict\['state'\]\[1\] has no 'step'",
+    r"state an Adam/AdamW optimizer saves",
+    like_torch="type",
+)
 def _(lib):
     # PyTorch raises this too -- from __setstate__, after the optimizer's state was replaced.
     return _optim_load(lib, lambda sd: sd["state"][1].pop("step"))
 
-@case("optim_load_state_tensors_as_lists", TypeError, r"state_dict\['state'\]\[0\]\['exp_avg'\] is a list",
-      r"torch\.save")
+
+@case(
+    "optim_load_state_tensors_as_lists",
+    TypeError,
+    r"state_dict\['state'\]\[0\]\['exp_avg'\] is a list",
+    r"torch\.save",
+)
 def _(lib):
     def to_lists(sd):
         sd["state"][0]["exp_avg"] = sd["state"][0]["exp_avg"].tolist()
 
     return _optim_load(lib, to_lists)
 
-@case("optim_load_negative_lr", ValueError, r"state_dict\['param_groups'\]\[1\]\['lr'\]", r"a number >= 0")
+
+@case(
+    "optim_load_negative_lr",
+    ValueError,
+    r"state_dict\['param_groups'\]\[1\]\['lr'\]",
+    r"a number >= 0",
+)
 def _(lib):
     def bad(sd):
         sd["param_groups"][1]["lr"] = -2e-3
 
     return _optim_load(lib, bad)
 
-@case("optim_load_group_count_mismatch", ValueError, r"different number of parameter groups", like_torch="message")
+
+@case(
+    "optim_load_group_count_mismatch",
+    ValueError,
+    r"different number of parameter groups",
+    like_torch="message",
+)
 def _(lib):
     def one_group(sd):
         sd["param_groups"] = sd["param_groups"][:1]
 
     return _optim_load(lib, one_group)
 
-@case("optim_load_group_size_mismatch", ValueError, r"doesn't match the size of optimizer's group",
-      like_torch="message")
+
+@case(
+    "optim_load_group_size_mismatch",
+    ValueError,
+    r"doesn't match the size of optimizer's group",
+    like_torch="message",
+)
 def _(lib):
     def shorter(sd):
         sd["param_groups"][1]["params"] = sd["param_groups"][1]["params"][:1]
 
     return _optim_load(lib, shorter)
 
-@case("op_adam_step_list_lengths_differ", RuntimeError, r"exp_avgs has 1 tensors", r"expected one per param \(2\)")
+
+@case(
+    "op_adam_step_list_lengths_differ",
+    RuntimeError,
+    r"exp_avgs has 1 tensors",
+    r"expected one per param \(2\)",
+)
 def _(lib):
     ps = [torch.randn(4), torch.randn(5)]
     gs = [torch.randn(4), torch.randn(5)]
     m, v = [torch.zeros(4)], [torch.zeros(4), torch.zeros(5)]
     steps = [_scalar(0.0), _scalar(0.0)]
     world = {"params": ps, "grads": gs, "exp_avgs": m, "exp_avg_sqs": v, "steps": steps}
-    return world, lambda: _F.adam_step_(ps, gs, m, v, [], steps, [], 1e-3, None, 0.9, 0.999, 0.0, 1e-8,
-                                        False, True, False, None, None, None)
+    return world, lambda: _F.adam_step_(
+        ps,
+        gs,
+        m,
+        v,
+        [],
+        steps,
+        [],
+        1e-3,
+        None,
+        0.9,
+        0.999,
+        0.0,
+        1e-8,
+        False,
+        True,
+        False,
+        None,
+        None,
+        None,
+    )
 
-@case("op_sgd_step_buffers_without_momentum", RuntimeError, r"momentum_buffers", r"must be empty when momentum == 0")
+
+@case(
+    "op_sgd_step_buffers_without_momentum",
+    RuntimeError,
+    r"momentum_buffers",
+    r"must be empty when momentum == 0",
+)
 def _(lib):
     ps, gs, bufs = [torch.randn(4)], [torch.randn(4)], [torch.zeros(4)]
     counts = [_scalar(0.0)]
     world = {"params": ps, "grads": gs, "bufs": bufs, "counts": counts}
-    return world, lambda: _F.sgd_step_(ps, gs, bufs, counts, [], 0.1, None, 0.0, 0.0, 0.0, False, False,
-                                       None, None, None)
+    return world, lambda: _F.sgd_step_(
+        ps, gs, bufs, counts, [], 0.1, None, 0.0, 0.0, 0.0, False, False, None, None, None
+    )
 
 
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)

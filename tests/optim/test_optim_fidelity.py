@@ -12,9 +12,18 @@ from fastamp.testing import assert_bitwise_equal
 
 PAIRS = [
     pytest.param(torch.optim.Adam, fastamp.optim.Adam, {}, id="Adam"),
-    pytest.param(torch.optim.AdamW, fastamp.optim.AdamW, {"amsgrad": True, "weight_decay": 0.1}, id="AdamW-amsgrad"),
-    pytest.param(torch.optim.SGD, fastamp.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True},
-                 id="SGD-nesterov"),
+    pytest.param(
+        torch.optim.AdamW,
+        fastamp.optim.AdamW,
+        {"amsgrad": True, "weight_decay": 0.1},
+        id="AdamW-amsgrad",
+    ),
+    pytest.param(
+        torch.optim.SGD,
+        fastamp.optim.SGD,
+        {"lr": 0.1, "momentum": 0.9, "nesterov": True},
+        id="SGD-nesterov",
+    ),
     pytest.param(torch.optim.SGD, fastamp.optim.SGD, {"lr": 0.1}, id="SGD-plain"),
 ]
 
@@ -67,14 +76,19 @@ def _overlapping():
     return first, a, b
 
 
-@pytest.mark.parametrize("fa_cls,kw", [(fastamp.optim.Adam, {}), (fastamp.optim.SGD, {"lr": 0.1, "momentum": 0.9})])
+@pytest.mark.parametrize(
+    "fa_cls,kw", [(fastamp.optim.Adam, {}), (fastamp.optim.SGD, {"lr": 0.1, "momentum": 0.9})]
+)
 def test_overlapping_params_refused_before_any_group_steps(fa_cls, kw):
     first, a, b = _overlapping()
     opt = fa_cls([{"params": [first]}, {"params": [a, b]}], **kw)
     for p in (first, a, b):
         p.grad = torch.ones_like(p)
     before = ([p.detach().clone() for p in (first, a, b)], opt.state_dict())
-    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[1\] and param_groups\[1\]\['params'\]\[0\] share memory"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"param_groups\[1\]\['params'\]\[1\] and param_groups\[1\]\['params'\]\[0\] share memory",
+    ):
         opt.step()
     # Group 0 was not stepped, no state was created for any group.
     assert_bitwise_equal(([p.detach().clone() for p in (first, a, b)], opt.state_dict()), before)
@@ -82,7 +96,13 @@ def test_overlapping_params_refused_before_any_group_steps(fa_cls, kw):
     # After a fix the retry steps every group exactly once (like a fresh optimizer would).
     opt.param_groups[1]["params"] = [a]
     opt.step()
-    ref = fa_cls([{"params": [nn.Parameter(before[0][0].clone())]}, {"params": [nn.Parameter(before[0][1].clone())]}], **kw)
+    ref = fa_cls(
+        [
+            {"params": [nn.Parameter(before[0][0].clone())]},
+            {"params": [nn.Parameter(before[0][1].clone())]},
+        ],
+        **kw,
+    )
     for p in (q for g in ref.param_groups for q in g["params"]):
         p.grad = torch.ones_like(p)
     ref.step()
@@ -95,7 +115,10 @@ def test_overlap_across_groups_is_found_too():
     opt = fastamp.optim.AdamW([{"params": [first, a]}, {"params": [b]}])
     for p in (first, a, b):
         p.grad = torch.ones_like(p)
-    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\] and param_groups\[0\]\['params'\]\[1\]"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"param_groups\[1\]\['params'\]\[0\] and param_groups\[0\]\['params'\]\[1\]",
+    ):
         opt.step()
     assert len(opt.state) == 0 and opt.stepped is None
 
@@ -148,7 +171,9 @@ def test_kernel_errors_name_param_group_entries():
     # should one still come from the kernel, its list positions are translated.
     p0, p1 = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(4))
     opt = fastamp.optim.Adam([{"params": [p0]}, {"params": [p1]}])
-    err = opt._step_checks.kernel_error(RuntimeError("fastamp::adam_step_: exp_avgs[0] is bad"), 1, [0], first=False)
+    err = opt._step_checks.kernel_error(
+        RuntimeError("fastamp::adam_step_: exp_avgs[0] is bad"), 1, [0], first=False
+    )
     assert isinstance(err, RuntimeError)
     assert "exp_avgs[0] is bad" in str(err) and "[0] = param_groups[1]['params'][0]" in str(err)
     assert "no param group was stepped" not in str(err)  # a later launch: earlier ones ran

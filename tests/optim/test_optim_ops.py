@@ -17,7 +17,9 @@ def _tensors(device, dtype, seed, scale=1.0):
 
 def _close(actual, expected, dtype):
     rtol, atol = TOL[dtype]
-    torch.testing.assert_close(actual.detach().double().cpu(), expected.to(dtype).double(), rtol=rtol, atol=atol)
+    torch.testing.assert_close(
+        actual.detach().double().cpu(), expected.to(dtype).double(), rtol=rtol, atol=atol
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -34,18 +36,52 @@ def test_adam_step_matches_float64(device, dtype, master, amsgrad, decoupled, ma
     vmax = [x * 1.5 for x in v] if amsgrad else []
     masters = [p.float() + 1e-3 for p in params] if master else []
     steps = [torch.tensor(float(i + 2), device=device) for i in range(len(SHAPES))]
-    hp = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, amsgrad=amsgrad,
-              decoupled=decoupled, maximize=maximize)
+    hp = dict(
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.05,
+        amsgrad=amsgrad,
+        decoupled=decoupled,
+        maximize=maximize,
+    )
     inv, coef = 1.0 / 256.0, 0.75
     expected = [
-        adam_ref(masters[i] if master else params[i], grads[i], m[i], v[i], vmax[i] if amsgrad else None,
-                 float(steps[i]) + 1, inv_scale=inv, clip_coef=coef, **hp)
+        adam_ref(
+            masters[i] if master else params[i],
+            grads[i],
+            m[i],
+            v[i],
+            vmax[i] if amsgrad else None,
+            float(steps[i]) + 1,
+            inv_scale=inv,
+            clip_coef=coef,
+            **hp,
+        )
         for i in range(len(SHAPES))
     ]
     torch.ops.fastamp.adam_step_(
-        params, grads, m, v, vmax, steps, masters, hp["lr"], None, 0.9, 0.999, 0.05, 1e-8, amsgrad,
-        decoupled, maximize, torch.tensor(inv, device=device), torch.zeros((), device=device),
-        torch.tensor(coef, device=device))
+        params,
+        grads,
+        m,
+        v,
+        vmax,
+        steps,
+        masters,
+        hp["lr"],
+        None,
+        0.9,
+        0.999,
+        0.05,
+        1e-8,
+        amsgrad,
+        decoupled,
+        maximize,
+        torch.tensor(inv, device=device),
+        torch.zeros((), device=device),
+        torch.tensor(coef, device=device),
+    )
     for i, (ep, em, ev, evm) in enumerate(expected):
         _close(masters[i] if master else params[i], ep, torch.float32 if master else dtype)
         if master:
@@ -59,7 +95,15 @@ def test_adam_step_matches_float64(device, dtype, master, amsgrad, decoupled, ma
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("master", [False, True])
-@pytest.mark.parametrize("momentum,dampening,nesterov,first", [(0.0, 0.0, False, True), (0.9, 0.1, False, False), (0.9, 0.0, True, True), (0.9, 0.3, False, True)])
+@pytest.mark.parametrize(
+    "momentum,dampening,nesterov,first",
+    [
+        (0.0, 0.0, False, True),
+        (0.9, 0.1, False, False),
+        (0.9, 0.0, True, True),
+        (0.9, 0.3, False, True),
+    ],
+)
 def test_sgd_step_matches_float64(device, dtype, master, momentum, dampening, nesterov, first):
     if master and dtype == torch.float32:
         pytest.skip("master weights are for half params")
@@ -69,12 +113,43 @@ def test_sgd_step_matches_float64(device, dtype, master, momentum, dampening, ne
     bufs = [t.to(sdt) for t in _tensors(device, dtype, 7)] if momentum else []
     masters = [p.float() for p in params] if master else []
     counts = [torch.tensor(0.0 if first else 4.0, device=device) for _ in SHAPES]
-    hp = dict(lr=0.05, momentum=momentum, dampening=dampening, weight_decay=0.01, nesterov=nesterov, maximize=False)
-    expected = [sgd_ref(params[i], grads[i], bufs[i] if momentum else None, first, inv_scale=1 / 64, clip_coef=0.5, **hp)
-                for i in range(len(SHAPES))]
-    torch.ops.fastamp.sgd_step_(params, grads, bufs, counts, masters, 0.05, None, 0.01, momentum, dampening,
-                                nesterov, False, torch.tensor(1 / 64, device=device), None,
-                                torch.tensor(0.5, device=device))
+    hp = dict(
+        lr=0.05,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=0.01,
+        nesterov=nesterov,
+        maximize=False,
+    )
+    expected = [
+        sgd_ref(
+            params[i],
+            grads[i],
+            bufs[i] if momentum else None,
+            first,
+            inv_scale=1 / 64,
+            clip_coef=0.5,
+            **hp,
+        )
+        for i in range(len(SHAPES))
+    ]
+    torch.ops.fastamp.sgd_step_(
+        params,
+        grads,
+        bufs,
+        counts,
+        masters,
+        0.05,
+        None,
+        0.01,
+        momentum,
+        dampening,
+        nesterov,
+        False,
+        torch.tensor(1 / 64, device=device),
+        None,
+        torch.tensor(0.5, device=device),
+    )
     for i, (ep, eb) in enumerate(expected):
         _close(params[i], ep, dtype)
         if momentum:
@@ -94,11 +169,45 @@ def test_found_inf_writes_nothing(device, which):
     found = torch.ones((), device=device)
     lr_t = torch.tensor(0.1, device=device)
     if which == "adam":
-        torch.ops.fastamp.adam_step_(params, grads, state, state2, [], steps, [], 0.1, lr_t, 0.9, 0.99, 0.0,
-                                     1e-8, False, True, False, None, found, None)
+        torch.ops.fastamp.adam_step_(
+            params,
+            grads,
+            state,
+            state2,
+            [],
+            steps,
+            [],
+            0.1,
+            lr_t,
+            0.9,
+            0.99,
+            0.0,
+            1e-8,
+            False,
+            True,
+            False,
+            None,
+            found,
+            None,
+        )
     else:
-        torch.ops.fastamp.sgd_step_(params, grads, state, steps, [], 0.1, lr_t, 0.0, 0.9, 0.0, False, False,
-                                    None, found, None)
+        torch.ops.fastamp.sgd_step_(
+            params,
+            grads,
+            state,
+            steps,
+            [],
+            0.1,
+            lr_t,
+            0.0,
+            0.9,
+            0.0,
+            False,
+            False,
+            None,
+            found,
+            None,
+        )
     for a, b in zip(params + state + state2 + steps, before):
         assert torch.equal(a, b)
 
@@ -107,8 +216,23 @@ def test_lr_tensor_overrides_float_lr(device):
     p1, p2 = _tensors(device, torch.float32, 12), _tensors(device, torch.float32, 12)
     g = _tensors(device, torch.float32, 13)
     for p, lr, lr_t in ((p1, 0.3, None), (p2, 99.0, torch.tensor(0.3, device=device))):
-        torch.ops.fastamp.sgd_step_(p, g, [], [torch.tensor(0.0, device=device) for _ in SHAPES], [], lr, lr_t,
-                                    0.0, 0.0, 0.0, False, False, None, None, None)
+        torch.ops.fastamp.sgd_step_(
+            p,
+            g,
+            [],
+            [torch.tensor(0.0, device=device) for _ in SHAPES],
+            [],
+            lr,
+            lr_t,
+            0.0,
+            0.0,
+            0.0,
+            False,
+            False,
+            None,
+            None,
+            None,
+        )
     for a, b in zip(p1, p2):
         assert torch.equal(a, b)
 
@@ -120,18 +244,81 @@ def test_bad_input_raises_before_writing(device):
     steps = [torch.tensor(0.0, device=device) for _ in SHAPES]
     bufs = [torch.zeros_like(p) for p in params]
     with pytest.raises(RuntimeError, match=r"grads\[2\] has shape"):
-        torch.ops.fastamp.sgd_step_(params, grads[:2] + [grads[0]] + grads[3:], bufs, steps, [], 0.1, None,
-                                    0.0, 0.9, 0.0, False, False, None, None, None)
+        torch.ops.fastamp.sgd_step_(
+            params,
+            grads[:2] + [grads[0]] + grads[3:],
+            bufs,
+            steps,
+            [],
+            0.1,
+            None,
+            0.0,
+            0.9,
+            0.0,
+            False,
+            False,
+            None,
+            None,
+            None,
+        )
     with pytest.raises(RuntimeError, match="momentum_buffers has 3 tensors"):
-        torch.ops.fastamp.sgd_step_(params, grads, bufs[:3], steps, [], 0.1, None, 0.0, 0.9, 0.0, False, False,
-                                    None, None, None)
+        torch.ops.fastamp.sgd_step_(
+            params,
+            grads,
+            bufs[:3],
+            steps,
+            [],
+            0.1,
+            None,
+            0.0,
+            0.9,
+            0.0,
+            False,
+            False,
+            None,
+            None,
+            None,
+        )
     with pytest.raises(RuntimeError, match=r"exp_avgs\[1\] has dtype Half"):
-        torch.ops.fastamp.adam_step_(params, grads, [b.half() if i == 1 else b for i, b in enumerate(bufs)],
-                                     bufs, [], steps, [], 0.1, None, 0.9, 0.99, 0.0, 1e-8, False, True, False,
-                                     None, None, None)
+        torch.ops.fastamp.adam_step_(
+            params,
+            grads,
+            [b.half() if i == 1 else b for i, b in enumerate(bufs)],
+            bufs,
+            [],
+            steps,
+            [],
+            0.1,
+            None,
+            0.9,
+            0.99,
+            0.0,
+            1e-8,
+            False,
+            True,
+            False,
+            None,
+            None,
+            None,
+        )
     with pytest.raises(RuntimeError, match="found_inf has dtype Double"):
-        torch.ops.fastamp.sgd_step_(params, grads, bufs, steps, [], 0.1, None, 0.0, 0.9, 0.0, False, False,
-                                    None, torch.zeros((), dtype=torch.float64, device=device), None)
+        torch.ops.fastamp.sgd_step_(
+            params,
+            grads,
+            bufs,
+            steps,
+            [],
+            0.1,
+            None,
+            0.0,
+            0.9,
+            0.0,
+            False,
+            False,
+            None,
+            torch.zeros((), dtype=torch.float64, device=device),
+            None,
+        )
     for p, s in zip(params, snap):
         assert torch.equal(p, s)
     assert all(float(s) == 0.0 for s in steps)
@@ -146,13 +333,47 @@ def test_opcheck(device):
     steps = [torch.tensor(0.0, device=device) for _ in SHAPES]
     torch.library.opcheck(
         torch.ops.fastamp.adam_step_.default,
-        (params, grads, m, v, [], steps, masters, 1e-3, None, 0.9, 0.999, 0.01, 1e-8, False, True, False,
-         torch.tensor(0.5, device=device), torch.zeros((), device=device), torch.tensor(0.9, device=device)),
+        (
+            params,
+            grads,
+            m,
+            v,
+            [],
+            steps,
+            masters,
+            1e-3,
+            None,
+            0.9,
+            0.999,
+            0.01,
+            1e-8,
+            False,
+            True,
+            False,
+            torch.tensor(0.5, device=device),
+            torch.zeros((), device=device),
+            torch.tensor(0.9, device=device),
+        ),
     )
     p32 = _tensors(device, torch.float32, 18)
     g32 = _tensors(device, torch.float32, 19)
     torch.library.opcheck(
         torch.ops.fastamp.sgd_step_.default,
-        (p32, g32, [torch.zeros_like(x) for x in p32], [torch.tensor(0.0, device=device) for _ in SHAPES], [],
-         0.1, torch.tensor(0.2, device=device), 0.01, 0.9, 0.0, True, False, None, None, None),
+        (
+            p32,
+            g32,
+            [torch.zeros_like(x) for x in p32],
+            [torch.tensor(0.0, device=device) for _ in SHAPES],
+            [],
+            0.1,
+            torch.tensor(0.2, device=device),
+            0.01,
+            0.9,
+            0.0,
+            True,
+            False,
+            None,
+            None,
+            None,
+        ),
     )

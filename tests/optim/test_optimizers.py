@@ -38,9 +38,15 @@ def _groups(model, lr):
 def _train(kind, kw, fast, steps=200, clip=0.5, seed=0):
     model = _model(seed)
     cls = getattr(fastamp.optim if fast else torch.optim, kind)
-    opt = cls(_groups(model, kw["lr"]), **kw) if fast else cls(_groups(model, kw["lr"]), foreach=False, **kw)
+    opt = (
+        cls(_groups(model, kw["lr"]), **kw)
+        if fast
+        else cls(_groups(model, kw["lr"]), foreach=False, **kw)
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)
-    scaler = (fastamp.GradScaler if fast else torch.amp.GradScaler)("cpu", init_scale=2.0**14, growth_interval=7)
+    scaler = (fastamp.GradScaler if fast else torch.amp.GradScaler)(
+        "cpu", init_scale=2.0**14, growth_interval=7
+    )
     gen = torch.Generator().manual_seed(seed + 1)
     bad = torch.Generator().manual_seed(seed + 2)
     skipped = []
@@ -84,7 +90,9 @@ def test_matches_torch_over_200_steps_with_overflows(kind, kw):
                 torch.testing.assert_close(fsd["state"][k][name], value, rtol=1e-5, atol=1e-6)
     for fg, tg in zip(fsd["param_groups"], tsd["param_groups"]):
         fg, tg = dict(fg), dict(tg)
-        assert tg.pop("foreach") is False and fg.pop("foreach") is None  # the only difference: how torch ran
+        assert (
+            tg.pop("foreach") is False and fg.pop("foreach") is None
+        )  # the only difference: how torch ran
         assert fg == tg
 
 
@@ -121,7 +129,9 @@ def test_no_host_sync_and_no_scheduler_warning_when_steps_skip():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     scaler = fastamp.GradScaler("cpu")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # lr_scheduler's "step() before optimizer.step()" would raise
+        warnings.simplefilter(
+            "error"
+        )  # lr_scheduler's "step() before optimizer.step()" would raise
         for step in range(4):
             opt.zero_grad()
             loss = model(torch.randn(4, 12)).sum()
@@ -149,11 +159,16 @@ def test_zero_grad_matches_torch(kind, set_to_none):
     """Same grads afterwards (the same tensor objects, zeros, detached and not requiring grad) as
     torch's zero_grad, with mixed dtypes, a grad left None, a grad with a grad_fn (create_graph)
     and a sparse grad."""
+
     def world():
         torch.manual_seed(3)
-        ps = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4, dtype=torch.float64)),
-              torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(2, 2)),
-              torch.nn.Parameter(torch.randn(7))]
+        ps = [
+            torch.nn.Parameter(torch.randn(5, 3)),
+            torch.nn.Parameter(torch.randn(4, dtype=torch.float64)),
+            torch.nn.Parameter(torch.randn(6)),
+            torch.nn.Parameter(torch.randn(2, 2)),
+            torch.nn.Parameter(torch.randn(7)),
+        ]
         ps[0].grad = torch.randn(5, 3)
         ps[1].grad = torch.randn(4, dtype=torch.float64)
         x = torch.randn(6, requires_grad=True)
@@ -195,7 +210,10 @@ def test_driven_by_torch_grad_scaler_too():
     fm, tm = _model(), _model()
     fo = fastamp.optim.Adam(fm.parameters(), lr=1e-2)
     to = torch.optim.Adam(tm.parameters(), lr=1e-2, foreach=False)
-    fs, ts = torch.amp.GradScaler("cpu", growth_interval=2), torch.amp.GradScaler("cpu", growth_interval=2)
+    fs, ts = (
+        torch.amp.GradScaler("cpu", growth_interval=2),
+        torch.amp.GradScaler("cpu", growth_interval=2),
+    )
     for step in range(10):
         x = torch.randn(4, 12)
         for m, o, s in ((fm, fo, fs), (tm, to, ts)):
@@ -227,15 +245,25 @@ def test_master_weights_track_an_fp32_run(dtype):
     st = ho.state_dict()["state"][0]
     assert st["master_param"].dtype == torch.float32 and st["exp_avg"].dtype == torch.float32
     assert ho.state[half[0].weight]["master_param"].to(dtype).equal(half[0].weight)
-    err_master = max((a.float() - b).abs().max().item() for a, b in zip(half.parameters(), ref.parameters()))
-    err_plain = max((a.float() - b).abs().max().item() for a, b in zip(plain.parameters(), ref.parameters()))
+    err_master = max(
+        (a.float() - b).abs().max().item() for a, b in zip(half.parameters(), ref.parameters())
+    )
+    err_plain = max(
+        (a.float() - b).abs().max().item() for a, b in zip(plain.parameters(), ref.parameters())
+    )
     assert err_master < err_plain  # fp32 masters keep the small updates half params round away
 
 
 def test_constructor_errors_like_torch():
     p = [nn.Parameter(torch.randn(3))]
-    for kind, kw in [("Adam", dict(lr=-1.0)), ("AdamW", dict(betas=(1.0, 0.9))), ("Adam", dict(eps=-1.0)),
-                     ("SGD", dict(momentum=-0.1)), ("SGD", dict(lr=0.1, nesterov=True)), ("AdamW", dict(weight_decay=-1))]:
+    for kind, kw in [
+        ("Adam", dict(lr=-1.0)),
+        ("AdamW", dict(betas=(1.0, 0.9))),
+        ("Adam", dict(eps=-1.0)),
+        ("SGD", dict(momentum=-0.1)),
+        ("SGD", dict(lr=0.1, nesterov=True)),
+        ("AdamW", dict(weight_decay=-1)),
+    ]:
         with pytest.raises(ValueError) as a:
             getattr(torch.optim, kind)(p, **kw)
         with pytest.raises(ValueError) as b:

@@ -16,13 +16,23 @@ import fastamp
 
 
 def _env(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        GROUP_RANK="0",
+    )
 
 
 def _same_params(a: nn.Module, b: nn.Module, what: str, rtol=1e-5, atol=1e-6) -> None:
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{what}: {n}: {m}")
+        torch.testing.assert_close(
+            p, q, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{what}: {n}: {m}"
+        )
 
 
 def _same_everywhere(model: nn.Module, what: str) -> None:
@@ -87,8 +97,16 @@ def _tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=64,
+        n_positions=16,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -112,7 +130,11 @@ def transformers_trainer(rank: int, world: int, port: int, out: str) -> None:
         """The recipe: the Trainer wraps its model in fastamp's DDP instead of torch's."""
 
         def _wrap_model(self, model, training=True, dataloader=None):
-            if training and dist.is_initialized() and not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if (
+                training
+                and dist.is_initialized()
+                and not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            ):
                 return FDDP(model)
             return super()._wrap_model(model, training, dataloader)
 
@@ -120,10 +142,20 @@ def transformers_trainer(rank: int, world: int, port: int, out: str) -> None:
     transformers.set_seed(0)
 
     def args(tag, max_steps):
-        return TrainingArguments(output_dir=os.path.join(out, tag), max_steps=max_steps, save_steps=2,
-                                 per_device_train_batch_size=4, learning_rate=1e-2, use_cpu=True,
-                                 report_to=[], logging_steps=100, seed=0, data_seed=0,
-                                 dataloader_num_workers=0, disable_tqdm=True)
+        return TrainingArguments(
+            output_dir=os.path.join(out, tag),
+            max_steps=max_steps,
+            save_steps=2,
+            per_device_train_batch_size=4,
+            learning_rate=1e-2,
+            use_cpu=True,
+            report_to=[],
+            logging_steps=100,
+            seed=0,
+            data_seed=0,
+            dataloader_num_workers=0,
+            disable_tqdm=True,
+        )
 
     runs = {}
     for tag, cls in (("torch", Trainer), ("fastamp", FastampTrainer)):
@@ -160,7 +192,9 @@ def lightning_strategy(rank: int, world: int, port: int, out: str) -> None:
         """The recipe: Lightning's DDP strategy, wrapping in fastamp's DDP."""
 
         def _setup_model(self, model):
-            return FDDP(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+            return FDDP(
+                module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs
+            )
 
     class Net(L.LightningModule):
         def __init__(self):
@@ -178,14 +212,24 @@ def lightning_strategy(rank: int, world: int, port: int, out: str) -> None:
 
     _env(rank, world, port)
     g = torch.Generator().manual_seed(5)
-    ds = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g))
+    ds = torch.utils.data.TensorDataset(
+        torch.randn(64, 6, generator=g), torch.randn(64, 3, generator=g)
+    )
     models = {}
     for tag, strategy in (("torch", DDPStrategy()), ("fastamp", FastampDDPStrategy())):
         net = Net()
-        trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=4,
-                            accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False,
-                            default_root_dir=os.path.join(out, tag))
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=strategy,
+            max_steps=4,
+            accumulate_grad_batches=2,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=os.path.join(out, tag),
+        )
         trainer.fit(net, torch.utils.data.DataLoader(ds, batch_size=4))
         expected = FDDP if tag == "fastamp" else torch.nn.parallel.DistributedDataParallel
         assert net.wrapper is expected, net.wrapper

@@ -22,8 +22,13 @@ from fastamp.parallel import DistributedDataParallel as FDDP
 
 
 def _init(rank: int, world: int, init_file: str, timeout_s: float) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def _finish() -> None:
@@ -44,7 +49,9 @@ class SoakNet(nn.Module):
         self.l3 = nn.Linear(48, 4)
 
     def forward(self, x):
-        return self.l3(self.drop(torch.nn.functional.gelu(self.l2(torch.relu(self.norm(self.l1(x)))))))
+        return self.l3(
+            self.drop(torch.nn.functional.gelu(self.l2(torch.relu(self.norm(self.l1(x))))))
+        )
 
 
 def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +86,7 @@ def storm_schedule(steps: int, seed: int) -> list[tuple[str, int] | None]:
 
 def _grad_fault(kind: str, step: int):
     """A tensor hook (runs before the grad is accumulated, so before the all-reduce)."""
+
     def hook(g):
         g = g.clone()
         flat = g.view(-1)
@@ -92,6 +100,7 @@ def _grad_fault(kind: str, step: int):
         elif kind == "nan_tensor":
             flat.fill_(math.nan)
         return g
+
     return hook
 
 
@@ -104,11 +113,15 @@ class _Pipeline:
         net.load_state_dict(init_state)
         if kind == "torch":
             self.model = nn.parallel.DistributedDataParallel(net)
-            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=growth_interval)
+            self.scaler = torch.amp.GradScaler(
+                "cpu", init_scale=2.0**14, growth_interval=growth_interval
+            )
             self.opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01)
         else:
             self.model = FDDP(net)
-            self.scaler = fastamp.GradScaler("cpu", init_scale=2.0**14, growth_interval=growth_interval)
+            self.scaler = fastamp.GradScaler(
+                "cpu", init_scale=2.0**14, growth_interval=growth_interval
+            )
             if kind == "fastamp_fused":
                 self.opt = fastamp.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01)
                 self.model.register_grad_scaler(self.scaler)
@@ -135,7 +148,9 @@ class _Pipeline:
         if self.kind == "torch":
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.net.parameters(), 1.0)
-            skipped = sum(float(v) for v in self.scaler._found_inf_per_device(self.opt).values()) > 0
+            skipped = (
+                sum(float(v) for v in self.scaler._found_inf_per_device(self.opt).values()) > 0
+            )
             self.scaler.step(self.opt)
         elif self.kind == "fastamp_dropin":  # the user's torch recipe, only the class swapped
             self.scaler.unscale_(self.opt)
@@ -148,19 +163,28 @@ class _Pipeline:
             skipped = bool(self.scaler.last_step_skipped())
         self.scaler.update()
         unchanged = all(torch.equal(a, b) for a, b in zip(before, self.net.parameters()))
-        return {"skipped": skipped, "unchanged": unchanged, "scale": self.scaler.get_scale(),
-                "growth": int(self.scaler._growth_tracker), "loss": loss.item()}
+        return {
+            "skipped": skipped,
+            "unchanged": unchanged,
+            "scale": self.scaler.get_scale(),
+            "growth": int(self.scaler._growth_tracker),
+            "loss": loss.item(),
+        }
 
 
-def soak(rank: int, world: int, init_file: str, out_dir: str, steps: int, seed: int,
-         autocast: bool) -> None:
+def soak(
+    rank: int, world: int, init_file: str, out_dir: str, steps: int, seed: int, autocast: bool
+) -> None:
     """Three set-ups on the same data and faults: PyTorch's (DDP + GradScaler + AdamW), fastamp's
     fused one and fastamp's drop-in one (fastamp DDP + GradScaler with torch's AdamW)."""
     _init(rank, world, init_file, timeout_s=120.0)
     torch.manual_seed(seed)
     init_state = SoakNet().state_dict()
     sched = storm_schedule(steps, seed)
-    pipes = [_Pipeline(k, init_state, growth_interval=25) for k in ("torch", "fastamp_fused", "fastamp_dropin")]
+    pipes = [
+        _Pipeline(k, init_state, growth_interval=25)
+        for k in ("torch", "fastamp_fused", "fastamp_dropin")
+    ]
     log: list[dict] = []
     max_rel = {p.kind: 0.0 for p in pipes[1:]}
     for step in range(steps):
@@ -171,7 +195,12 @@ def soak(rank: int, world: int, init_file: str, out_dir: str, steps: int, seed: 
             r = rec[p.kind]
             assert r["skipped"] == expect_skip, (step, p.kind, sched[step], r)
             assert r["unchanged"] == r["skipped"], (step, p.kind, r)
-            assert r["scale"] == ref["scale"] and r["growth"] == ref["growth"], (step, p.kind, r, ref)
+            assert r["scale"] == ref["scale"] and r["growth"] == ref["growth"], (
+                step,
+                p.kind,
+                r,
+                ref,
+            )
         for p in pipes[1:]:
             for a, b in zip(p.net.parameters(), pipes[0].net.parameters()):
                 rel = float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
@@ -183,8 +212,10 @@ def soak(rank: int, world: int, init_file: str, out_dir: str, steps: int, seed: 
         other = flat.clone()
         dist.broadcast(other, src=0)
         assert torch.equal(flat, other), f"{p.kind}: ranks diverged"
-    torch.save({"log": log, "max_rel": max_rel, "skips": sum(s is not None for s in sched)},
-               os.path.join(out_dir, f"soak.rank{rank}.pt"))
+    torch.save(
+        {"log": log, "max_rel": max_rel, "skips": sum(s is not None for s in sched)},
+        os.path.join(out_dir, f"soak.rank{rank}.pt"),
+    )
     del pipes
     _finish()
 
@@ -237,17 +268,34 @@ def _train_step(model, opt, scaler, sched, step: int, rank: int, die_at: int | N
     scaler.step(opt)
     scaler.update()
     sched.step()
-    return {"loss": float(loss), "norm": float(norm), "scale": scaler.get_scale(),
-            "skipped": bool(scaler.last_step_skipped())}
+    return {
+        "loss": float(loss),
+        "norm": float(norm),
+        "scale": scaler.get_scale(),
+        "skipped": bool(scaler.last_step_skipped()),
+    }
 
 
 def _state(model, opt, scaler) -> dict:
-    return {"params": {k: v.clone() for k, v in model.module.state_dict().items()},
-            "opt": opt.state_dict(), "scaler": scaler.state_dict(), "rng": torch.get_rng_state()}
+    return {
+        "params": {k: v.clone() for k, v in model.module.state_dict().items()},
+        "opt": opt.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
 
 
-def run(rank: int, world: int, init_file: str, out_dir: str, mode: str, steps: int,
-        save_at: int, fault_at: int, timeout_s: float) -> None:
+def run(
+    rank: int,
+    world: int,
+    init_file: str,
+    out_dir: str,
+    mode: str,
+    steps: int,
+    save_at: int,
+    fault_at: int,
+    timeout_s: float,
+) -> None:
     """mode: "full" (uninterrupted), "killed" (save at `save_at`; rank 1 is SIGKILLed mid-backward
     at `fault_at`), "stalled" (rank 1 stops responding at `fault_at`), "resume" (load the
     checkpoint and continue to `steps`)."""
@@ -255,7 +303,9 @@ def run(rank: int, world: int, init_file: str, out_dir: str, mode: str, steps: i
     ckpt = os.path.join(out_dir, "ckpt.pt")
     if mode == "resume":
         model, opt, scaler, sched = _build(seed=999)  # different init: the load must overwrite it
-        st = fastamp.load_training_state(ckpt, model=model, optimizer=opt, scaler=scaler, lr_scheduler=sched)
+        st = fastamp.load_training_state(
+            ckpt, model=model, optimizer=opt, scaler=scaler, lr_scheduler=sched
+        )
         start = st.step
         assert st.extra == {"note": "mid-run"}, st.extra
     else:
@@ -270,7 +320,9 @@ def run(rank: int, world: int, init_file: str, out_dir: str, mode: str, steps: i
                 time.sleep(3600)  # alive but silent; the parent kills it
             t0 = time.monotonic()
             try:
-                _train_step(model, opt, scaler, sched, step, rank, die_at=fault_at if rank == 1 else None)
+                _train_step(
+                    model, opt, scaler, sched, step, rank, die_at=fault_at if rank == 1 else None
+                )
             except RuntimeError as e:
                 result = {"error": str(e), "elapsed": time.monotonic() - t0}
             else:
@@ -279,11 +331,24 @@ def run(rank: int, world: int, init_file: str, out_dir: str, mode: str, steps: i
             os._exit(0)  # the process group is broken: skip its teardown
         log.append(_train_step(model, opt, scaler, sched, step, rank))
         if step + 1 == save_at and mode != "resume":
-            fastamp.save_training_state(ckpt, model=model, optimizer=opt, scaler=scaler,
-                                        lr_scheduler=sched, step=save_at, extra={"note": "mid-run"})
-    torch.save({"log": log, "state": _state(model, opt, scaler), "start": start,
-                "buckets": model.bucket_layout(),
-                "initial_buckets": initial_buckets},
-               os.path.join(out_dir, f"{mode}.rank{rank}.pt"))
+            fastamp.save_training_state(
+                ckpt,
+                model=model,
+                optimizer=opt,
+                scaler=scaler,
+                lr_scheduler=sched,
+                step=save_at,
+                extra={"note": "mid-run"},
+            )
+    torch.save(
+        {
+            "log": log,
+            "state": _state(model, opt, scaler),
+            "start": start,
+            "buckets": model.bucket_layout(),
+            "initial_buckets": initial_buckets,
+        },
+        os.path.join(out_dir, f"{mode}.rank{rank}.pt"),
+    )
     del model, opt, scaler, sched
     _finish()

@@ -25,26 +25,37 @@ from tests.parallel._workers import _finish, _init
 
 def _data(rank, steps, n=4, d_in=6, d_out=3, seed=77):
     g = torch.Generator().manual_seed(seed + 1000 * rank)  # each rank its own shard
-    return [(torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g)) for _ in range(steps)]
+    return [
+        (torch.randn(n, d_in, generator=g), torch.randn(n, d_out, generator=g))
+        for _ in range(steps)
+    ]
 
 
 def _same_grads(a: nn.Module, b: nn.Module, what: str, rtol=1e-5, atol=1e-6):
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        assert (p.grad is None) == (q.grad is None), f"{what}: {n}.grad is None: fastamp {p.grad is None}, torch {q.grad is None}"
+        assert (p.grad is None) == (q.grad is None), (
+            f"{what}: {n}.grad is None: fastamp {p.grad is None}, torch {q.grad is None}"
+        )
         if p.grad is not None:
-            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{what}: {n}.grad: {m}")
+            torch.testing.assert_close(
+                p.grad, q.grad, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{what}: {n}.grad: {m}"
+            )
 
 
 def _same_state(a: nn.Module, b: nn.Module, what: str, rtol=1e-5, atol=1e-6):
     for (n, x), y in zip(a.state_dict().items(), b.state_dict().values()):
-        torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{what}: {n}: {m}")
+        torch.testing.assert_close(
+            x, y, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{what}: {n}: {m}"
+        )
 
 
 def _same_everywhere(model: nn.Module, what: str):
     flat = torch.cat([t.detach().double().flatten() for t in model.state_dict().values()])
     everyone = [torch.zeros_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, flat)
-    assert all(torch.equal(everyone[0], f) for f in everyone), f"{what}: replicas differ across ranks"
+    assert all(torch.equal(everyone[0], f) for f in everyone), (
+        f"{what}: replicas differ across ranks"
+    )
 
 
 def _raises(fn):
@@ -105,7 +116,9 @@ def exception_in_backward(rank, world, init_file):
         nxt = [_raises(lambda: nn.functional.mse_loss(m(x), y).backward()) for _ in range(2)]
         seen[kind] = [first[0]] + [e for e, _ in nxt]
         if kind == "fastamp":
-            assert "Expected to have finished reduction in the prior iteration" in nxt[0][1], nxt[0][1]
+            assert "Expected to have finished reduction in the prior iteration" in nxt[0][1], nxt[
+                0
+            ][1]
     assert seen["fastamp"] == seen["torch"] == [RuntimeError] * 3, seen
     _finish()
 
@@ -180,7 +193,10 @@ def reentrant_backward(rank, world, init_file):
             return out + self.b.bias if share else out
 
     base = Ckpt()
-    models = {kind: cls(copy.deepcopy(base), bucket_cap_mb=1e-6) for kind, cls in (("torch", TDDP), ("fastamp", FDDP))}
+    models = {
+        kind: cls(copy.deepcopy(base), bucket_cap_mb=1e-6)
+        for kind, cls in (("torch", TDDP), ("fastamp", FDDP))
+    }
     for x, y in data:
         for m in models.values():
             m.zero_grad()
@@ -189,10 +205,13 @@ def reentrant_backward(rank, world, init_file):
     for kind in ("torch", "fastamp"):  # shared parameter: "marked ready twice"
         m = (TDDP if kind == "torch" else FDDP)(copy.deepcopy(base), bucket_cap_mb=1e-6)
         x, y = data[0]
-        err = _raises(lambda: nn.functional.mse_loss(m(x.requires_grad_(), share=True), y).backward())
+        err = _raises(
+            lambda: nn.functional.mse_loss(m(x.requires_grad_(), share=True), y).backward()
+        )
         assert err[0] is RuntimeError, (kind, err)
         assert "once" in err[1], (kind, err[1])
         del m
+
     # several outputs of one forward in one loss (a model returning loss and logits): one backward
     class TwoOut(nn.Module):
         def __init__(self):
@@ -222,7 +241,9 @@ def reentrant_backward(rank, world, init_file):
     grads = torch.cat([p.grad.flatten() for p in t.parameters()])
     everyone = [torch.zeros_like(grads) for _ in range(world)]
     dist.all_gather(everyone, grads)
-    assert not all(torch.equal(everyone[0], g) for g in everyone), "torch: expected the silent divergence"
+    assert not all(torch.equal(everyone[0], g) for g in everyone), (
+        "torch: expected the silent divergence"
+    )
     f = FDDP(copy.deepcopy(base2))
     loss = nn.functional.mse_loss(f(x), y)
     loss.backward(retain_graph=True)
@@ -280,9 +301,12 @@ def unused_parameters(rank, world, init_file):
     _init(rank, world, init_file)
     data = _data(rank, 4)
     base = UnusedNet()
-    configs = [dict(find_unused_parameters=True), dict(static_graph=True),
-               dict(find_unused_parameters=True, gradient_as_bucket_view=True),
-               dict(static_graph=True, gradient_as_bucket_view=True)]
+    configs = [
+        dict(find_unused_parameters=True),
+        dict(static_graph=True),
+        dict(find_unused_parameters=True, gradient_as_bucket_view=True),
+        dict(static_graph=True, gradient_as_bucket_view=True),
+    ]
     for kw in configs:
         for set_to_none in (True, False):
             for accumulate in (1, 2):
@@ -305,7 +329,9 @@ def unused_parameters(rank, world, init_file):
                     assert f.module.never.weight.grad is None or not set_to_none, what
                 _same_state(f.module, t.module, what)
                 # momentum buffers exist exactly where torch's do (no state for None grads)
-                assert [len(s) for s in opts[1].state.values()] == [len(s) for s in opts[0].state.values()], what
+                assert [len(s) for s in opts[1].state.values()] == [
+                    len(s) for s in opts[0].state.values()
+                ], what
                 assert len(opts[1].state) == len(opts[0].state), what
     _finish()
 
@@ -352,8 +378,13 @@ def stale_statistics(rank, world, init_file):
         pass
 
     try:
-        for edit, overflow in ((edit_none, False), (edit_mul, False), (edit_replace, False),
-                               (edit_nan_to_num, True), (edit_none, True)):
+        for edit, overflow in (
+            (edit_none, False),
+            (edit_mul, False),
+            (edit_replace, False),
+            (edit_nan_to_num, True),
+            (edit_none, True),
+        ):
             t = TDDP(copy.deepcopy(base))
             f = FDDP(copy.deepcopy(base))
             ts = torch.amp.GradScaler("cpu", init_scale=256.0)
@@ -380,7 +411,9 @@ def stale_statistics(rank, world, init_file):
                     s.update()
                 what = f"{edit.__name__} overflow={overflow} step {step}"
                 if math.isfinite(float(norms[0])):
-                    torch.testing.assert_close(norms[1], norms[0], rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: norm {m}")
+                    torch.testing.assert_close(
+                        norms[1], norms[0], rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: norm {m}"
+                    )
                 else:
                     assert not math.isfinite(float(norms[1])), (what, norms)
                 assert ts.get_scale() == fs.get_scale(), (what, ts.get_scale(), fs.get_scale())
@@ -401,7 +434,9 @@ def mismatched_buffers(rank, world, init_file):
     if rank == world - 1:
         m[1].register_buffer("running_mean", torch.zeros(5))
     err = _raises(lambda: FDDP(m))
-    assert err[0] is RuntimeError and "1.running_mean" in err[1] and "differs across ranks" in err[1], err
+    assert (
+        err[0] is RuntimeError and "1.running_mean" in err[1] and "differs across ranks" in err[1]
+    ), err
     m2 = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     if rank == 0:
         m2.register_buffer("extra", torch.zeros(2))
@@ -478,9 +513,15 @@ def _signature_cases(world):
         "static_graph": ("same", dict(static_graph=True)),
         "delay_all_reduce_named_params": ("refused", None),  # needs a model: see below
         "param_to_hook_all_reduce": ("refused", None),
-        "mixed_precision": ("refused", dict(mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))),
+        "mixed_precision": (
+            "refused",
+            dict(mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16)),
+        ),
         "device_mesh": ("same", dict(device_mesh=init_device_mesh("cpu", (world,)))),
-        "skip_all_reduce_unused_params": ("same", dict(skip_all_reduce_unused_params=True, find_unused_parameters=True)),
+        "skip_all_reduce_unused_params": (
+            "same",
+            dict(skip_all_reduce_unused_params=True, find_unused_parameters=True),
+        ),
         "bucket_cap_mb_list": ("same", dict(bucket_cap_mb_list=[1e-4, 1.0])),
         "batched_grad_copy": ("same", dict(batched_grad_copy=True)),
         "forward_sync_buffers": ("same", dict(forward_sync_buffers=False)),
@@ -493,9 +534,14 @@ def constructor_keywords(rank, world, init_file):
     fsig = inspect.signature(FDDP.__init__)
     tnames = [n for n in tsig.parameters if n not in ("self", "module")]
     fnames = [n for n in fsig.parameters if n not in ("self", "module")]
-    assert fnames[: len(tnames)] == tnames, f"keyword order differs from torch's: {fnames} vs {tnames}"
+    assert fnames[: len(tnames)] == tnames, (
+        f"keyword order differs from torch's: {fnames} vs {tnames}"
+    )
     for n in tnames:
-        assert fsig.parameters[n].default == tsig.parameters[n].default, (n, fsig.parameters[n].default)
+        assert fsig.parameters[n].default == tsig.parameters[n].default, (
+            n,
+            fsig.parameters[n].default,
+        )
     cases = _signature_cases(world)
     missing = set(tnames) - set(cases)
     assert not missing, f"torch's DDP has keywords this test does not decide on: {missing}"
@@ -507,19 +553,31 @@ def constructor_keywords(rank, world, init_file):
         kind, kw = cases[name]
         if name in ("delay_all_reduce_named_params", "param_to_hook_all_reduce"):
             m = copy.deepcopy(base)
-            kw = dict(delay_all_reduce_named_params=list(m.a.named_parameters()), param_to_hook_all_reduce=m.b.weight)
+            kw = dict(
+                delay_all_reduce_named_params=list(m.a.named_parameters()),
+                param_to_hook_all_reduce=m.b.weight,
+            )
             err = _raises(lambda: FDDP(m, **kw))
             assert err[0] is NotImplementedError and name in err[1], (name, err)
             one = {name: kw[name]}
-            te, fe = _raises(lambda: TDDP(copy.deepcopy(base), **one)), _raises(lambda: FDDP(copy.deepcopy(base), **one))
+            te, fe = (
+                _raises(lambda: TDDP(copy.deepcopy(base), **one)),
+                _raises(lambda: FDDP(copy.deepcopy(base), **one)),
+            )
             assert te[0] is fe[0] is ValueError, (name, te, fe)
             continue
         if kind == "refused":
             err = _raises(lambda: FDDP(copy.deepcopy(base), **kw))
-            assert err[0] is NotImplementedError and name in err[1] and "not supported" in err[1], (name, err)
+            assert err[0] is NotImplementedError and name in err[1] and "not supported" in err[1], (
+                name,
+                err,
+            )
             continue
         if kind == "same_error":
-            te, fe = _raises(lambda: TDDP(copy.deepcopy(base), **kw)), _raises(lambda: FDDP(copy.deepcopy(base), **kw))
+            te, fe = (
+                _raises(lambda: TDDP(copy.deepcopy(base), **kw)),
+                _raises(lambda: FDDP(copy.deepcopy(base), **kw)),
+            )
             assert te[0] is not None and te[0] is fe[0], (name, te, fe)
             continue
         start = local if name == "init_sync" else base
@@ -565,20 +623,28 @@ def comm_hooks(rank, world, init_file):
         fut = dist.all_reduce(buf, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0] / world)
 
-    for name, hook, state_of in (("allreduce", H.allreduce_hook, lambda: None),
-                                 ("fp16", H.fp16_compress_hook, lambda: None),
-                                 ("bf16", H.bf16_compress_hook, lambda: None),
-                                 ("user", user_hook, lambda: {"calls": 0})):
+    for name, hook, state_of in (
+        ("allreduce", H.allreduce_hook, lambda: None),
+        ("fp16", H.fp16_compress_hook, lambda: None),
+        ("bf16", H.bf16_compress_hook, lambda: None),
+        ("user", user_hook, lambda: {"calls": 0}),
+    ):
         for view in (False, True):
             t = TDDP(copy.deepcopy(base), gradient_as_bucket_view=view)
             f = FDDP(copy.deepcopy(base), gradient_as_bucket_view=view, bucket_cap_mb=1e-4)
             ts, fs = state_of(), state_of()
-            te, fe = _raises(lambda: t.register_comm_hook(ts, hook)), _raises(lambda: f.register_comm_hook(fs, hook))
+            te, fe = (
+                _raises(lambda: t.register_comm_hook(ts, hook)),
+                _raises(lambda: f.register_comm_hook(fs, hook)),
+            )
             assert te[0] is fe[0], (name, te, fe)
             if te[0] is not None:  # bf16 on a build without NCCL: torch refuses, so do we
                 assert name == "bf16", (name, te)
                 continue
-            again = _raises(lambda: f.register_comm_hook(fs, hook)), _raises(lambda: t.register_comm_hook(ts, hook))
+            again = (
+                _raises(lambda: f.register_comm_hook(fs, hook)),
+                _raises(lambda: t.register_comm_hook(ts, hook)),
+            )
             assert again[0][0] is again[1][0] is RuntimeError, again
             opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (t, f)]
             for x, y in data:
@@ -618,7 +684,10 @@ def uneven_inputs_join(rank, world, init_file):
                 if kind == "fastamp" and not view:  # the fused statistics survive join()
                     found, sq = m.grad_stats()
                     ref = sum(float(p.grad.double().square().sum()) for p in m.parameters())
-                    assert float(found) == 0.0 and math.isclose(float(sq), ref, rel_tol=1e-5), (float(sq), ref)
+                    assert float(found) == 0.0 and math.isclose(float(sq), ref, rel_tol=1e-5), (
+                        float(sq),
+                        ref,
+                    )
             what = f"join divide_by_initial_world_size={divide} view={view}"
             _same_state(out["fastamp"].module, out["torch"].module, what)
             _same_everywhere(out["fastamp"], what)
@@ -648,8 +717,10 @@ def join_with_unused_parameters(rank, world, init_file):
     torch.manual_seed(0)
     base = _BranchNet()
     # The last rank joins after 2 steps; in its second step b is used by no rank, c by rank 0.
-    plans = {r: [(True, True), (False, r == 0), (False, False), (False, False), (True, True)]
-             for r in range(world)}
+    plans = {
+        r: [(True, True), (False, r == 0), (False, False), (False, False), (True, True)]
+        for r in range(world)
+    }
     plans[world - 1] = plans[world - 1][:2]
     grads = {}
     for kind, cls in (("torch", TDDP), ("fastamp", FDDP)):
@@ -659,11 +730,15 @@ def join_with_unused_parameters(rank, world, init_file):
             for i, (use_b, use_c) in enumerate(plans[rank]):
                 m.zero_grad(set_to_none=True)
                 m(torch.ones(2, 4) * (rank + 1 + i), use_b, use_c).sum().backward()
-                seen.append([None if p.grad is None else p.grad.clone() for p in m.module.parameters()])
+                seen.append(
+                    [None if p.grad is None else p.grad.clone() for p in m.module.parameters()]
+                )
         grads[kind] = seen
     for i, (t, f) in enumerate(zip(grads["torch"], grads["fastamp"])):
         for (n, _), gt, gf in zip(base.named_parameters(), t, f):
-            assert (gt is None) == (gf is None), f"step {i}: {n}.grad is {gf is None and 'None'} here, torch's {gt is None and 'None'}"
+            assert (gt is None) == (gf is None), (
+                f"step {i}: {n}.grad is {gf is None and 'None'} here, torch's {gt is None and 'None'}"
+            )
             if gt is not None:
                 assert torch.equal(gt, gf), f"step {i}: {n}.grad differs from torch's"
     if rank == 0:  # the case the test is about did happen
@@ -692,9 +767,14 @@ def grads_bitwise(rank, world, init_file):
     _init(rank, world, init_file)
     data = _data(rank, 4, n=8)
     base = _WideNet()
-    cases = (dict(), dict(bucket_cap_mb=0.002), dict(bucket_cap_mb_list=[0.001, 0.004]),
-             dict(find_unused_parameters=True), dict(find_unused_parameters=True, bucket_cap_mb=0.002),
-             dict(gradient_as_bucket_view=True, bucket_cap_mb=0.003))
+    cases = (
+        dict(),
+        dict(bucket_cap_mb=0.002),
+        dict(bucket_cap_mb_list=[0.001, 0.004]),
+        dict(find_unused_parameters=True),
+        dict(find_unused_parameters=True, bucket_cap_mb=0.002),
+        dict(gradient_as_bucket_view=True, bucket_cap_mb=0.003),
+    )
     for kw in cases:
         t = TDDP(copy.deepcopy(base), **kw)
         f = FDDP(copy.deepcopy(base), **kw)
@@ -706,7 +786,8 @@ def grads_bitwise(rank, world, init_file):
             for (n, p), q in zip(f.module.named_parameters(), t.module.parameters()):
                 assert torch.equal(p.grad, q.grad), (
                     f"{kw} step {step}: {n}.grad differs from torch's: max "
-                    f"{(p.grad - q.grad).abs().max().item():.3g}; buckets {f.bucket_layout()}")
+                    f"{(p.grad - q.grad).abs().max().item():.3g}; buckets {f.bucket_layout()}"
+                )
             for opt in opts:
                 opt.step()
         if kw.get("bucket_cap_mb") == 0.002 and not kw.get("find_unused_parameters"):

@@ -27,8 +27,13 @@ def _finish() -> None:
 
 
 def _init(rank: int, world: int, init_file: str, timeout_s: float = 60.0) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                           timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     torch.manual_seed(0)
 
 
@@ -50,9 +55,14 @@ class Net(nn.Module):
 
 def _batches(rank: int, world: int, steps: int, dtype):
     g = torch.Generator().manual_seed(1234)
-    full = [(torch.randn(4 * world, 10, generator=g).to(dtype), torch.randn(4 * world, 3, generator=g).to(dtype))
-            for _ in range(steps)]
-    return full, [(x[4 * rank: 4 * rank + 4], y[4 * rank: 4 * rank + 4]) for x, y in full]
+    full = [
+        (
+            torch.randn(4 * world, 10, generator=g).to(dtype),
+            torch.randn(4 * world, 3, generator=g).to(dtype),
+        )
+        for _ in range(steps)
+    ]
+    return full, [(x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]) for x, y in full]
 
 
 def _train(model, batches, accumulate=1, scaler=None, inject=None, rank=0):
@@ -110,7 +120,9 @@ def equivalence(rank, world, init_file):
                 # grad * (1/3) here vs grad / 3 in torch: params differ in the last bits, and the
                 # running statistics follow them.
                 torch.testing.assert_close(buf_a, buf_b, rtol=1e-5, atol=1e-6)
-            m_ln = _train(FDDP(copy.deepcopy(base_ln), bucket_cap_mb=cap, gradient_as_bucket_view=view), mine)
+            m_ln = _train(
+                FDDP(copy.deepcopy(base_ln), bucket_cap_mb=cap, gradient_as_bucket_view=view), mine
+            )
             _close(m_ln.module, single, rtol=1e-4, atol=1e-5)
     assert list(m.state_dict()) == list(ref.state_dict())  # "module." keys, interchangeable
     _finish()
@@ -159,7 +171,9 @@ def overflow_on_one_rank(rank, world, init_file):
             opt.zero_grad()
             scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
             inv = 1.0 / scaler.get_scale()
-            ref_norm = math.sqrt(sum(float((p.grad.double() * inv).square().sum()) for p in m.parameters()))
+            ref_norm = math.sqrt(
+                sum(float((p.grad.double() * inv).square().sum()) for p in m.parameters())
+            )
             norm = scaler.clip_grad_norm_(opt, 0.01)
             assert math.isclose(float(norm), ref_norm, rel_tol=1e-5), (float(norm), ref_norm)
             scaler.step(opt)
@@ -189,7 +203,9 @@ def unused_parameters(rank, world, init_file):
     _init(rank, world, init_file)
     _, mine = _batches(rank, world, 3, torch.float32)
     base = Net(unused=True)
-    ref = _train(nn.parallel.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True), mine)
+    ref = _train(
+        nn.parallel.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True), mine
+    )
     m = _train(FDDP(copy.deepcopy(base), find_unused_parameters=True, bucket_cap_mb=0.001), mine)
     _close(m.module, ref.module)
     strict = FDDP(copy.deepcopy(base))
@@ -221,7 +237,11 @@ def rank_dependent_unused(rank, world, init_file):
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)
     for cap in (1e-6, 1000.0):
         m = FDDP(copy.deepcopy(base), find_unused_parameters=True, bucket_cap_mb=cap)
-        opts = [torch.optim.SGD(x.parameters(), lr=0.1) for x in (m, ref)] if cap == 1e-6 else [torch.optim.SGD(m.parameters(), lr=0.1)]
+        opts = (
+            [torch.optim.SGD(x.parameters(), lr=0.1) for x in (m, ref)]
+            if cap == 1e-6
+            else [torch.optim.SGD(m.parameters(), lr=0.1)]
+        )
         g = torch.Generator().manual_seed(rank)
         for step in range(4):
             x, y = torch.randn(4, 6, generator=g), torch.randn(4, 2, generator=g)
@@ -304,7 +324,11 @@ def accumulation_collectives(rank, world, init_file):
 
     def hook(state, bucket):
         hooked.append(1)
-        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0] / world)
+        return (
+            dist.all_reduce(bucket.buffer(), async_op=True)
+            .get_future()
+            .then(lambda f: f.value()[0] / world)
+        )
 
     torch_ddp.register_comm_hook(None, hook)
     acc = GradientAccumulator(torch.optim.SGD(torch_ddp.parameters(), lr=0.01), 3, model=torch_ddp)

@@ -40,6 +40,8 @@ def test_unpack_refuses_a_grad_viewing_the_bucket():
 def test_bucket_unpack_refuses_overlapping_grads():
     bucket, g = torch.randn(10), torch.randn(10)
     before = g.clone()
-    with pytest.raises(RuntimeError, match=r"bucket_unpack_: grads\[1\] and grads\[0\] share memory"):
+    with pytest.raises(
+        RuntimeError, match=r"bucket_unpack_: grads\[1\] and grads\[0\] share memory"
+    ):
         torch.ops.fastamp.bucket_unpack_(bucket, [g[:5], g[3:8]], [0, 5], torch.ones(()))
     assert torch.equal(g, before)

@@ -23,7 +23,9 @@ def test_huge_overlapping_views_are_refused_cheaply_by_the_bucket_ops():
     snap = base.clone()
     t0 = time.perf_counter()
     for v in (one.expand(N), base.as_strided((2**16, 2**16), (1, 1))):
-        expect_error(lambda v=v: torch.ops.fastamp.bucket_pack_(bucket, [v], [0], 1.0), ["grads[0]"])
+        expect_error(
+            lambda v=v: torch.ops.fastamp.bucket_pack_(bucket, [v], [0], 1.0), ["grads[0]"]
+        )
     assert time.perf_counter() - t0 < 5.0
     assert torch.equal(bits(base), bits(snap)) and bool((bucket == 3.0).all())
 

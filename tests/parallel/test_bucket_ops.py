@@ -26,12 +26,18 @@ def test_pack_then_unpack_matches_float64(device, dtype):
     torch.ops.fastamp.bucket_pack_(bucket, grads, offs, 1.0 / 3.0)
     for g, o in zip(grads, offs):
         expected = (g.double() / 3.0).to(dtype)
-        torch.testing.assert_close(bucket[o : o + g.numel()].cpu(), expected.flatten().cpu(),
-                                   rtol={torch.float32: 2e-7}.get(dtype, 1e-2), atol=0)
+        torch.testing.assert_close(
+            bucket[o : o + g.numel()].cpu(),
+            expected.flatten().cpu(),
+            rtol={torch.float32: 2e-7}.get(dtype, 1e-2),
+            atol=0,
+        )
         assert torch.all(bucket[o + g.numel() : o + g.numel() + 3] == 7.0)
     out = [torch.empty_like(g) for g in grads]
     inv = 1.0 / 16.0
-    found, sq = torch.ops.fastamp.bucket_unpack_(bucket, out, offs, torch.tensor(inv, device=device))
+    found, sq = torch.ops.fastamp.bucket_unpack_(
+        bucket, out, offs, torch.tensor(inv, device=device)
+    )
     ref_sq = sum(float((o.double() * inv).square().sum()) for o in out)
     for o, g, off in zip(out, grads, offs):
         assert torch.equal(o.flatten(), bucket[off : off + g.numel()])
@@ -44,7 +50,9 @@ def test_unpack_flags_nonfinite(device, value):
     offs, n = _offsets(grads)
     bucket = torch.randn(n, device=device)
     bucket[offs[1] + 123] = value
-    found, sq = torch.ops.fastamp.bucket_unpack_(bucket, grads, offs, torch.tensor(1.0, device=device))
+    found, sq = torch.ops.fastamp.bucket_unpack_(
+        bucket, grads, offs, torch.tensor(1.0, device=device)
+    )
     assert float(found) == 1.0 and not math.isfinite(float(sq))
 
 
@@ -57,14 +65,24 @@ def test_bad_input_writes_nothing(device):
     with pytest.raises(TypeError, match=r"grads\[1\] has dtype Half"):
         torch.ops.fastamp.bucket_pack_(bucket, [grads[0], grads[1].half(), grads[2]], offs, 1.0)
     with pytest.raises(TypeError, match="inv_scale has dtype Double"):
-        torch.ops.fastamp.bucket_unpack_(bucket, grads, offs, torch.tensor(1.0, dtype=torch.float64, device=device))
+        torch.ops.fastamp.bucket_unpack_(
+            bucket, grads, offs, torch.tensor(1.0, dtype=torch.float64, device=device)
+        )
     assert torch.all(bucket == 0)
 
 
 def test_opcheck(device):
     grads = make_grads(SHAPES, torch.float32, device, seed=4)
     offs, n = _offsets(grads)
-    torch.library.opcheck(torch.ops.fastamp.bucket_pack_.default, (torch.zeros(n, device=device), grads, offs, 0.5))
-    torch.library.opcheck(torch.ops.fastamp.bucket_unpack_.default,
-                          (torch.randn(n, device=device), [torch.empty_like(g) for g in grads], offs,
-                           torch.tensor(0.5, device=device)))
+    torch.library.opcheck(
+        torch.ops.fastamp.bucket_pack_.default, (torch.zeros(n, device=device), grads, offs, 0.5)
+    )
+    torch.library.opcheck(
+        torch.ops.fastamp.bucket_unpack_.default,
+        (
+            torch.randn(n, device=device),
+            [torch.empty_like(g) for g in grads],
+            offs,
+            torch.tensor(0.5, device=device),
+        ),
+    )

@@ -20,8 +20,12 @@ from tests.parallel import _fault_workers as W
 
 
 def _soak(tmp_path, steps, seed, autocast):
-    mp.spawn(W.soak, args=(2, str(tmp_path / "init"), str(tmp_path), steps, seed, autocast), nprocs=2,
-             join=True)
+    mp.spawn(
+        W.soak,
+        args=(2, str(tmp_path / "init"), str(tmp_path), steps, seed, autocast),
+        nprocs=2,
+        join=True,
+    )
     return [torch.load(tmp_path / f"soak.rank{r}.pt", weights_only=False) for r in range(2)]
 
 

@@ -54,8 +54,12 @@ def test_killed_rank_then_resume_is_bit_identical(tmp_path):
     interrupted = tmp_path / "interrupted"
     full.mkdir()
     interrupted.mkdir()
-    assert _launch(W.run, (str(full), "full", STEPS, SAVE_AT, FAULT_AT, timeout), tmp_path, "full") == [0, 0]
-    codes = _launch(W.run, (str(interrupted), "killed", STEPS, SAVE_AT, FAULT_AT, timeout), tmp_path, "killed")
+    assert _launch(
+        W.run, (str(full), "full", STEPS, SAVE_AT, FAULT_AT, timeout), tmp_path, "full"
+    ) == [0, 0]
+    codes = _launch(
+        W.run, (str(interrupted), "killed", STEPS, SAVE_AT, FAULT_AT, timeout), tmp_path, "killed"
+    )
     assert codes[1] == -9, f"rank 1 should have been SIGKILLed mid-backward, exit codes {codes}"
     assert codes[0] == 0, f"rank 0 must raise and exit cleanly, not hang or crash: {codes}"
     seen = _load(interrupted / "killed.rank0.pt")
@@ -63,9 +67,16 @@ def test_killed_rank_then_resume_is_bit_identical(tmp_path):
     assert "peer rank has probably died" in seen["error"], seen["error"]
     assert seen["elapsed"] < timeout, f"rank 0 took {seen['elapsed']:.1f}s (timeout {timeout}s)"
     # the checkpoint: rank 0's shared file and one file per rank
-    assert sorted(os.listdir(interrupted)) == ["ckpt.pt", "ckpt.pt.rank0", "ckpt.pt.rank1", "killed.rank0.pt"]
+    assert sorted(os.listdir(interrupted)) == [
+        "ckpt.pt",
+        "ckpt.pt.rank0",
+        "ckpt.pt.rank1",
+        "killed.rank0.pt",
+    ]
 
-    assert _launch(W.run, (str(interrupted), "resume", STEPS, SAVE_AT, FAULT_AT, timeout), tmp_path, "resume") == [0, 0]
+    assert _launch(
+        W.run, (str(interrupted), "resume", STEPS, SAVE_AT, FAULT_AT, timeout), tmp_path, "resume"
+    ) == [0, 0]
     for rank in range(2):
         ref = _load(full / f"full.rank{rank}.pt")
         got = _load(interrupted / f"resume.rank{rank}.pt")
@@ -80,17 +91,26 @@ def test_killed_rank_then_resume_is_bit_identical(tmp_path):
         assert any(r["skipped"] for r in ref["log"][SAVE_AT:]), "no overflow after the restart"
         assert len({r["scale"] for r in ref["log"]}) > 1
         assert len(ref["buckets"]["bucket_sizes"]) > 1
-        assert ref["initial_buckets"]["order"] != ref["buckets"]["order"], "the rebuild changed nothing"
+        assert ref["initial_buckets"]["order"] != ref["buckets"]["order"], (
+            "the rebuild changed nothing"
+        )
 
 
 def test_stalled_rank_raises_within_timeout(tmp_path):
     timeout = 5.0
     out = tmp_path / "out"
     out.mkdir()
-    codes = _launch(W.run, (str(out), "stalled", STEPS, SAVE_AT, 2, timeout), tmp_path, "stalled",
-                    patience=[60.0, 1.0])
+    codes = _launch(
+        W.run,
+        (str(out), "stalled", STEPS, SAVE_AT, 2, timeout),
+        tmp_path,
+        "stalled",
+        patience=[60.0, 1.0],
+    )
     assert codes[0] == 0 and codes[1] is None, codes  # rank 1 never returned: the parent killed it
     seen = _load(out / "stalled.rank0.pt")
-    assert seen["error"] is not None and "peer rank has probably died or stalled" in seen["error"], seen
+    assert (
+        seen["error"] is not None and "peer rank has probably died or stalled" in seen["error"]
+    ), seen
     # gloo's timeout, not a hang: at least most of the timeout passed, and not much more
     assert timeout * 0.8 <= seen["elapsed"] < timeout + 10.0, seen["elapsed"]

@@ -12,8 +12,12 @@ CASES: list[Case] = []
 case = make_case(CASES)
 
 
-@case("ddp_without_process_group", RuntimeError, r"torch\.distributed is not initialised",
-      r"call torch\.distributed\.init_process_group\(\) first")
+@case(
+    "ddp_without_process_group",
+    RuntimeError,
+    r"torch\.distributed is not initialised",
+    r"call torch\.distributed\.init_process_group\(\) first",
+)
 def _(lib):
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
@@ -27,6 +31,7 @@ def test_misuse_raises_a_clear_error_and_changes_nothing(c: Case):
 
 
 # ================================================================== DDP across 2 gloo ranks
+
 
 def _ddp_model_differs(rank):
     model = nn.Sequential(nn.Linear(4, 8 if rank == 0 else 9), nn.Linear(8 if rank == 0 else 9, 2))
@@ -48,17 +53,38 @@ def _ddp_two_device_ids(rank):
 
 # (id, build(rank), exception, argument regex, fix regex)
 DDP_CASES = [
-    ("ddp_model_differs_across_ranks", _ddp_model_differs, RuntimeError,
-     r"differs across ranks \(rank 0 has '0\.weight:\(8, 4\):torch\.float32', rank 1 has '0\.weight:\(9, 4\)",
-     r"Every rank must construct the same model"),
-    ("ddp_bucket_cap_mb_zero", _ddp_bucket_cap_zero, ValueError, r"bucket_cap_mb", r"positive, finite number .*e\.g\. 25"),
-    ("ddp_two_device_ids", _ddp_two_device_ids, ValueError, r"device_ids=\[0, 1\]", r"one device per process"),
+    (
+        "ddp_model_differs_across_ranks",
+        _ddp_model_differs,
+        RuntimeError,
+        r"differs across ranks \(rank 0 has '0\.weight:\(8, 4\):torch\.float32', rank 1 has '0\.weight:\(9, 4\)",
+        r"Every rank must construct the same model",
+    ),
+    (
+        "ddp_bucket_cap_mb_zero",
+        _ddp_bucket_cap_zero,
+        ValueError,
+        r"bucket_cap_mb",
+        r"positive, finite number .*e\.g\. 25",
+    ),
+    (
+        "ddp_two_device_ids",
+        _ddp_two_device_ids,
+        ValueError,
+        r"device_ids=\[0, 1\]",
+        r"one device per process",
+    ),
 ]
 
 
 def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     results = {}
     for cid, build, exc, _, _ in DDP_CASES:
         objects, misuse = build(rank)
@@ -95,4 +121,6 @@ def test_ddp_misuse_on_every_rank(ddp_case, ddp_results):
         assert is_exc, f"{cid}: rank {rank} raised {name}, expected {exc.__name__}: {msg}"
         assert re.search(arg, msg), f"{cid}: rank {rank}: the message does not name {arg!r}: {msg}"
         assert re.search(fix, msg), f"{cid}: rank {rank}: the message does not say {fix!r}: {msg}"
-        assert not r["changed"], f"{cid}: rank {rank} changed state before raising: {r['changed'][:12]}"
+        assert not r["changed"], (
+            f"{cid}: rank {rank} changed state before raising: {r['changed'][:12]}"
+        )

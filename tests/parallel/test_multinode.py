@@ -25,11 +25,29 @@ def test_two_torchrun_nodes_on_one_machine(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     procs = []
     for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-               f"--node_rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id=fastamp-{port}", "--max-restarts=0", str(ROOT / "examples" / "ddp_train.py")]
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=2",
+            f"--node_rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=fastamp-{port}",
+            "--max-restarts=0",
+            str(ROOT / "examples" / "ddp_train.py"),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = []
     for p in procs:
         try:

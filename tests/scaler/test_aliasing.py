@@ -26,7 +26,9 @@ def test_unscale_refuses_shared_elements_and_writes_nothing(views):
     }[views]()
     before = x.clone()
     found, inv, flags = _scalars(2)
-    with pytest.raises(RuntimeError, match=r"grads\[1\] and grads\[0\] (may )?share memory.*Pass each tensor once"):
+    with pytest.raises(
+        RuntimeError, match=r"grads\[1\] and grads\[0\] (may )?share memory.*Pass each tensor once"
+    ):
         ops.non_finite_check_and_unscale_(lists, found, inv, flags)
     assert torch.equal(x, before) and float(found) == 0.0 and not flags.any()
     with pytest.raises(RuntimeError, match=r"share memory"):

@@ -17,7 +17,12 @@ from fastamp.testing import count_host_syncs
 def _model(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+        nn.Linear(16, 32),
+        nn.GELU(),
+        nn.LayerNorm(32),
+        nn.Linear(32, 32),
+        nn.Tanh(),
+        nn.Linear(32, 4),
     ).to(dtype)
 
 
@@ -40,7 +45,9 @@ def _optimizer(kind, model):
     raise ValueError(kind)
 
 
-def _run(scaler_cls, opt_kind, steps, pattern, growth_interval, clip=None, dtype=torch.float32, seed=0):
+def _run(
+    scaler_cls, opt_kind, steps, pattern, growth_interval, clip=None, dtype=torch.float32, seed=0
+):
     """A training loop with inf/NaN injected at the steps in `pattern`; returns the trajectory."""
     model = _model(seed, dtype)
     opt = _optimizer(opt_kind, model)
@@ -57,7 +64,11 @@ def _run(scaler_cls, opt_kind, steps, pattern, growth_interval, clip=None, dtype
         if kind is not None:
             params = [p for p in model.parameters()]
             p = params[(step * 7) % len(params)]
-            p.grad.view(-1)[step % p.numel()] = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}[kind]
+            p.grad.view(-1)[step % p.numel()] = {
+                "inf": math.inf,
+                "-inf": -math.inf,
+                "nan": math.nan,
+            }[kind]
         norm = None
         if clip is not None:
             if isinstance(scaler, fastamp.GradScaler):
@@ -88,8 +99,12 @@ def _pattern(seed, steps, rate=0.15):
 def test_differential_training_matches_torch(opt_kind, growth_interval):
     steps = 60
     pattern = _pattern(growth_interval, steps)
-    t_traj, t_model, t_opt, t_scaler = _run(torch.amp.GradScaler, opt_kind, steps, pattern, growth_interval)
-    f_traj, f_model, f_opt, f_scaler = _run(fastamp.GradScaler, opt_kind, steps, pattern, growth_interval)
+    t_traj, t_model, t_opt, t_scaler = _run(
+        torch.amp.GradScaler, opt_kind, steps, pattern, growth_interval
+    )
+    f_traj, f_model, f_opt, f_scaler = _run(
+        fastamp.GradScaler, opt_kind, steps, pattern, growth_interval
+    )
     assert [s for s, _, _ in f_traj] == [s for s, _, _ in t_traj], "scale trajectories differ"
     assert [k for _, k, _ in f_traj] == [k for _, k, _ in t_traj], "skipped steps differ"
     assert any(k for _, k, _ in t_traj) and not all(k for _, k, _ in t_traj)
@@ -123,8 +138,12 @@ def test_clip_grad_norm_matches_torch_recipe(opt_kind, max_norm):
 def test_bf16_model_matches_torch():
     steps = 30
     pattern = _pattern(3, steps)
-    t_traj, t_model, _, _ = _run(torch.amp.GradScaler, "adamw", steps, pattern, 2, dtype=torch.bfloat16)
-    f_traj, f_model, _, _ = _run(fastamp.GradScaler, "adamw", steps, pattern, 2, dtype=torch.bfloat16)
+    t_traj, t_model, _, _ = _run(
+        torch.amp.GradScaler, "adamw", steps, pattern, 2, dtype=torch.bfloat16
+    )
+    f_traj, f_model, _, _ = _run(
+        fastamp.GradScaler, "adamw", steps, pattern, 2, dtype=torch.bfloat16
+    )
     assert [(s, k) for s, k, _ in f_traj] == [(s, k) for s, k, _ in t_traj]
     for a, b in zip(f_model.parameters(), t_model.parameters()):
         assert torch.equal(a, b)
@@ -152,7 +171,9 @@ def test_several_optimizers_and_step_return_value():
 
 
 def test_state_dict_round_trips_both_ways():
-    t = torch.amp.GradScaler("cpu", init_scale=512.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
+    t = torch.amp.GradScaler(
+        "cpu", init_scale=512.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7
+    )
     f = fastamp.GradScaler("cpu")
     model = _model()
     opt = _optimizer("sgd", model)
@@ -164,7 +185,13 @@ def test_state_dict_round_trips_both_ways():
             s.update()
     f.load_state_dict(t.state_dict())
     assert f.state_dict() == t.state_dict()
-    assert set(f.state_dict()) == {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+    assert set(f.state_dict()) == {
+        "scale",
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "_growth_tracker",
+    }
     t2 = torch.amp.GradScaler("cpu")
     t2.load_state_dict(f.state_dict())
     assert t2.state_dict() == f.state_dict()
@@ -296,8 +323,17 @@ def _misuse_cases():
         s.scale(torch.ones(()))
         s.step(opt)
 
-    return [unscale_twice, unscale_after_step, step_twice, step_without_scale,
-            update_without_inf_checks, closure, empty_state_dict, fp16_grads, no_grads]
+    return [
+        unscale_twice,
+        unscale_after_step,
+        step_twice,
+        step_without_scale,
+        update_without_inf_checks,
+        closure,
+        empty_state_dict,
+        fp16_grads,
+        no_grads,
+    ]
 
 
 @pytest.mark.parametrize("case", _misuse_cases(), ids=lambda f: f.__name__)
@@ -419,7 +455,9 @@ def test_warns_once_when_scale_drops_below_one():
 def test_hysteresis_and_bounds_in_training():
     model = _model()
     opt = _optimizer("sgd", model)
-    s = fastamp.GradScaler("cpu", init_scale=64.0, hysteresis=2, min_scale=16.0, growth_interval=1000)
+    s = fastamp.GradScaler(
+        "cpu", init_scale=64.0, hysteresis=2, min_scale=16.0, growth_interval=1000
+    )
     scales = []
     for _ in range(6):
         opt.zero_grad()
@@ -432,7 +470,9 @@ def test_hysteresis_and_bounds_in_training():
     assert scales == [64.0, 32.0, 16.0, 16.0, 16.0, 16.0]
 
 
-@pytest.mark.parametrize("opt_kind,expected", [("adamw_fused", 0), ("sgd_fused", 0), ("adamw", 1), ("sgd", 1)])
+@pytest.mark.parametrize(
+    "opt_kind,expected", [("adamw_fused", 0), ("sgd_fused", 0), ("adamw", 1), ("sgd", 1)]
+)
 def test_host_syncs_per_step_match_torch(opt_kind, expected):
     counts = {}
     for cls in (torch.amp.GradScaler, fastamp.GradScaler):

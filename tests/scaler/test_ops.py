@@ -133,7 +133,9 @@ def test_unscale_flags_nonfinite_and_accumulates(device, value):
 
 def test_unscale_non_contiguous_and_empty(device):
     shapes = [(7, 9), (0,), (3, 0, 2), (64, 130)]
-    grads = make_grads(shapes, torch.float32, device, seed=11, non_contiguous=[True, False, False, True])
+    grads = make_grads(
+        shapes, torch.float32, device, seed=11, non_contiguous=[True, False, False, True]
+    )
     assert not grads[0].is_contiguous() and not grads[3].is_contiguous()
     base3 = grads[3]._base
     base_before = base3.clone()
@@ -248,13 +250,17 @@ def test_errors_name_the_argument_and_write_nothing(device):
     inv = torch.tensor(0.5, device=device)
     found = torch.zeros((), device=device)
     with pytest.raises(NotImplementedError, match=r"grads\[2\] has dtype Long"):
-        ops.non_finite_check_and_unscale_(good + [torch.ones(3, dtype=torch.long, device=device)], found, inv)
+        ops.non_finite_check_and_unscale_(
+            good + [torch.ones(3, dtype=torch.long, device=device)], found, inv
+        )
     with pytest.raises(RuntimeError, match="inv_scale has dtype Double"):
         ops.non_finite_check_and_unscale_(good, found, inv.double())
     with pytest.raises(RuntimeError, match="inv_scale has 2 elements"):
         ops.grad_stats(good, torch.ones(2, device=device))
     with pytest.raises(RuntimeError, match=r"grads\[1\] is a view whose elements overlap"):
-        ops.non_finite_check_and_unscale_([good[0], torch.ones(1, device=device).expand(5)], found, inv)
+        ops.non_finite_check_and_unscale_(
+            [good[0], torch.ones(1, device=device).expand(5)], found, inv
+        )
     with pytest.raises(RuntimeError, match=r"grads\[0\] has layout"):
         ops.grad_stats([torch.ones(3, device=device).to_sparse()], inv)
     with pytest.raises(RuntimeError, match="norm_type must be a positive"):
@@ -262,13 +268,31 @@ def test_errors_name_the_argument_and_write_nothing(device):
     with pytest.raises(RuntimeError, match="max_norm must be a non-negative"):
         ops.clip_unscale_(good, inv, torch.tensor(1.0, device=device), -1.0)
     with pytest.raises(RuntimeError, match="growth_interval must be >= 1"):
-        ops.update_scale_(torch.tensor(1.0, device=device), torch.zeros((), dtype=torch.int32, device=device),
-                          torch.ones((), dtype=torch.int32, device=device), found, 2.0, 0.5, 0)
+        ops.update_scale_(
+            torch.tensor(1.0, device=device),
+            torch.zeros((), dtype=torch.int32, device=device),
+            torch.ones((), dtype=torch.int32, device=device),
+            found,
+            2.0,
+            0.5,
+            0,
+        )
     with pytest.raises(RuntimeError, match="growth_tracker has dtype Float"):
-        ops.update_scale_(torch.tensor(1.0, device=device), torch.zeros((), device=device),
-                          torch.ones((), dtype=torch.int32, device=device), found, 2.0, 0.5, 1)
-    with pytest.raises(RuntimeError, match="tensor_found_inf must be a contiguous 1-D tensor of len"):
-        ops.non_finite_check_and_unscale_(good, found, inv, torch.zeros(5, dtype=torch.bool, device=device))
+        ops.update_scale_(
+            torch.tensor(1.0, device=device),
+            torch.zeros((), device=device),
+            torch.ones((), dtype=torch.int32, device=device),
+            found,
+            2.0,
+            0.5,
+            1,
+        )
+    with pytest.raises(
+        RuntimeError, match="tensor_found_inf must be a contiguous 1-D tensor of len"
+    ):
+        ops.non_finite_check_and_unscale_(
+            good, found, inv, torch.zeros(5, dtype=torch.bool, device=device)
+        )
     assert float(found) == 0.0
     for g, s in zip(good, snapshot):
         assert torch.equal(g, s)
@@ -306,9 +330,15 @@ def _opcheck(op, args, kwargs=None):
 
 def test_opcheck_grad_stats(device):
     grads = _mixed(device, seed=17)
-    _opcheck(torch.ops.fastamp.grad_stats.default, (grads, torch.tensor(0.5, device=device)), {"norm_type": 2.0})
+    _opcheck(
+        torch.ops.fastamp.grad_stats.default,
+        (grads, torch.tensor(0.5, device=device)),
+        {"norm_type": 2.0},
+    )
     _inject(grads, [0], math.inf)
-    _opcheck(torch.ops.fastamp.grad_stats.default, (grads, torch.tensor(0.5, device=device), math.inf))
+    _opcheck(
+        torch.ops.fastamp.grad_stats.default, (grads, torch.tensor(0.5, device=device), math.inf)
+    )
 
 
 def test_opcheck_unscale(device):
@@ -316,8 +346,12 @@ def test_opcheck_unscale(device):
     _inject(grads, [2], math.nan)
     _opcheck(
         torch.ops.fastamp.non_finite_check_and_unscale_.default,
-        (grads, torch.zeros((), device=device), torch.tensor(0.5, device=device),
-         torch.zeros(len(grads), dtype=torch.bool, device=device)),
+        (
+            grads,
+            torch.zeros((), device=device),
+            torch.tensor(0.5, device=device),
+            torch.zeros(len(grads), dtype=torch.bool, device=device),
+        ),
     )
 
 
@@ -335,7 +369,12 @@ def test_opcheck_update_scale(device):
         torch.tensor(2, dtype=torch.int32, device=device),
         torch.tensor(1, dtype=torch.int32, device=device),
         torch.tensor(0.0, device=device),
-        2.0, 0.5, 3, 1, 0.0, math.inf,
+        2.0,
+        0.5,
+        3,
+        1,
+        0.0,
+        math.inf,
     )
     _opcheck(torch.ops.fastamp.update_scale_.default, args)
 

@@ -38,7 +38,9 @@ def test_complex_grads_raise_torchs_class_and_change_nothing(method):
         before = [q.grad.clone(), p.grad.clone(), q.detach().clone(), scaler.state_dict()]
         classes.append(_outcome(lambda: getattr(scaler, method)(opt)))
         if scaler_cls is fastamp.GradScaler:
-            assert_bitwise_equal([q.grad.clone(), p.grad.clone(), q.detach().clone(), scaler.state_dict()], before)
+            assert_bitwise_equal(
+                [q.grad.clone(), p.grad.clone(), q.detach().clone(), scaler.state_dict()], before
+            )
             assert id(opt) not in scaler._per_optimizer_states  # no half-recorded stage
     assert classes[0] is not None and classes[1] is classes[0], classes
 
@@ -51,15 +53,25 @@ def _unscale_cases():
         "found_inf 2 elements": (g, lambda: f32(2), lambda: torch.ones(1)),
         "inv_scale float64": (g, lambda: f32(), lambda: torch.ones(1, dtype=torch.float64)),
         "inv_scale 3 elements": (g, lambda: f32(), lambda: torch.ones(3)),
-        "grads int64": (lambda: [torch.ones(3, dtype=torch.int64)], lambda: f32(), lambda: torch.ones(1)),
-        "grads complex": (lambda: [torch.ones(3, dtype=torch.complex64)], lambda: f32(), lambda: torch.ones(1)),
+        "grads int64": (
+            lambda: [torch.ones(3, dtype=torch.int64)],
+            lambda: f32(),
+            lambda: torch.ones(1),
+        ),
+        "grads complex": (
+            lambda: [torch.ones(3, dtype=torch.complex64)],
+            lambda: f32(),
+            lambda: torch.ones(1),
+        ),
     }
 
 
 @pytest.mark.parametrize("case", list(_unscale_cases()))
 def test_raw_unscale_op_raises_like_torchs(case):
     grads_fn, found_fn, inv_fn = _unscale_cases()[case]
-    want = _outcome(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads_fn(), found_fn(), inv_fn()))
+    want = _outcome(
+        lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads_fn(), found_fn(), inv_fn())
+    )
     assert want is not None and issubclass(want, RuntimeError)
     grads, found, inv = grads_fn(), found_fn(), inv_fn()
     before = [t.clone() for t in grads] + [found.clone()]
@@ -86,13 +98,18 @@ def _update_cases():
 @pytest.mark.parametrize("case", list(_update_cases()))
 def test_raw_update_scale_op_raises_like_torchs(case):
     scale_fn, tracker_fn, found_fn = _update_cases()[case]
-    want = _outcome(lambda: torch._amp_update_scale_(scale_fn(), tracker_fn(), found_fn(), 2.0, 0.5, 3))
+    want = _outcome(
+        lambda: torch._amp_update_scale_(scale_fn(), tracker_fn(), found_fn(), 2.0, 0.5, 3)
+    )
     assert want is not None and issubclass(want, RuntimeError)
     scale, tracker, found = scale_fn(), tracker_fn(), found_fn()
     hyst = torch.ones(1, dtype=torch.int32)
     before = [scale.clone(), tracker.clone(), hyst.clone()]
-    got = _outcome(lambda: torch.ops.fastamp.update_scale_(scale, tracker, hyst, found, 2.0, 0.5, 3, 1, 0.0,
-                                                            float("inf")))
+    got = _outcome(
+        lambda: torch.ops.fastamp.update_scale_(
+            scale, tracker, hyst, found, 2.0, 0.5, 3, 1, 0.0, float("inf")
+        )
+    )
     assert got is want, (got, want)
     assert_bitwise_equal([scale.clone(), tracker.clone(), hyst.clone()], before)
 

@@ -12,7 +12,9 @@ import fastamp
 
 
 def test_doctor_passes_on_this_machine():
-    out = subprocess.run([sys.executable, "-m", "fastamp", "doctor"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "fastamp", "doctor"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all checks passed" in out.stdout and "self-test on cpu" in out.stdout
     assert f"torch                        {torch.__version__}" in out.stdout

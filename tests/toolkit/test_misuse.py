@@ -17,19 +17,30 @@ def _(lib):
     model, opt, sc = _trained(lib)
     return _world(model, opt, sc), lambda: fastamp.GradientAccumulator(opt, 0, scaler=sc)
 
-@case("accumulator_given_parameters", TypeError, r"optimizer must be a torch\.optim\.Optimizer",
-      r"expected GradientAccumulator\(torch\.optim")
+
+@case(
+    "accumulator_given_parameters",
+    TypeError,
+    r"optimizer must be a torch\.optim\.Optimizer",
+    r"expected GradientAccumulator\(torch\.optim",
+)
 def _(lib):
     model, opt, sc = _trained(lib)
     return _world(model, opt, sc), lambda: fastamp.GradientAccumulator(model.parameters(), 4)
+
 
 @case("accumulator_max_grad_norm_negative", ValueError, r"max_grad_norm", r"number > 0")
 def _(lib):
     model, opt, sc = _trained(lib)
     return _world(model, opt, sc), lambda: fastamp.GradientAccumulator(opt, 2, max_grad_norm=-1.0)
 
-@case("accumulator_backward_outside_with", RuntimeError, r"micro\.backward\(loss\) was called outside",
-      r"with micro: micro\.backward\(loss\)")
+
+@case(
+    "accumulator_backward_outside_with",
+    RuntimeError,
+    r"micro\.backward\(loss\) was called outside",
+    r"with micro: micro\.backward\(loss\)",
+)
 def _(lib):
     model, opt, sc = _trained(lib, backward=False)
     acc = fastamp.GradientAccumulator(opt, 2, scaler=sc)
@@ -37,7 +48,13 @@ def _(lib):
     loss = _loss(model)
     return _world(model, opt, sc, acc=acc), lambda: micro.backward(loss)
 
-@case("accumulator_block_without_backward", RuntimeError, r"call micro\.backward\(loss\)", r"inside `with micro:`")
+
+@case(
+    "accumulator_block_without_backward",
+    RuntimeError,
+    r"call micro\.backward\(loss\)",
+    r"inside `with micro:`",
+)
 def _(lib):
     # The last micro-batch of a group: leaving the block would step the optimizer.
     model, opt, sc = _trained(lib, backward=True)
@@ -50,8 +67,13 @@ def _(lib):
 
     return _world(model, opt, sc, acc=acc), misuse
 
-@case("accumulator_backward_of_float", TypeError, r"micro\.backward\(loss\) takes the loss tensor",
-      r"was \.item\(\) called")
+
+@case(
+    "accumulator_backward_of_float",
+    TypeError,
+    r"micro\.backward\(loss\) takes the loss tensor",
+    r"was \.item\(\) called",
+)
 def _(lib):
     model, opt, sc = _trained(lib, backward=False)
     acc = fastamp.GradientAccumulator(opt, 2, scaler=sc)
@@ -64,11 +86,13 @@ def _(lib):
 
     return _world(model, opt, sc, acc=acc), misuse
 
+
 @case("memory_track_cuda_without_gpu", RuntimeError, r"device='cuda'", r"expected device='cpu'")
 def _(lib):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the misuse needs a machine without it")
     return {}, lambda: _enter(fastamp.memory.track("cuda"))
+
 
 @case("memory_track_meta", ValueError, r"device='meta'", r"expected 'cpu' or a CUDA device")
 def _(lib):

@@ -18,8 +18,17 @@ from tests.toolkit import test_misuse as toolkit_misuse
 
 
 def test_the_catalogue_is_large_and_distinct():
-    cases = [c for m in (scaler_misuse, optim_misuse, checkpoint_misuse, distributed_misuse, toolkit_misuse)
-             for c in m.CASES]
+    cases = [
+        c
+        for m in (
+            scaler_misuse,
+            optim_misuse,
+            checkpoint_misuse,
+            distributed_misuse,
+            toolkit_misuse,
+        )
+        for c in m.CASES
+    ]
     ids = [c.id for c in cases] + [c[0] for c in distributed_misuse.DDP_CASES]
     assert len(ids) == len(set(ids))
     assert len(ids) >= 90
@@ -44,7 +53,9 @@ def test_snapshot_sees_a_single_changed_byte_anywhere():
         "scaler._scale": sc._scale,
         "scaler._growth_tracker": sc._growth_tracker,
         "scaler._hysteresis_tracker": sc._hysteresis_tracker,
-        "found_inf_per_device": sc._per_optimizer_states[id(opt)]["found_inf_per_device"][torch.device("cpu")],
+        "found_inf_per_device": sc._per_optimizer_states[id(opt)]["found_inf_per_device"][
+            torch.device("cpu")
+        ],
     }
     for name, t in targets.items():
         raw = _np_bytes(t)
@@ -70,7 +81,9 @@ def test_snapshot_is_nan_safe_and_sees_signed_zero_versions_and_python_state():
     world = _world(model, opt, sc)
     base = _snapshot(world)
     sc._per_optimizer_states[id(object())]  # the defaultdict grows an entry: pickling now fails
-    assert any(x.startswith("+ scaler._per_optimizer_states[") for x in _diff(base, _snapshot(world)))
+    assert any(
+        x.startswith("+ scaler._per_optimizer_states[") for x in _diff(base, _snapshot(world))
+    )
     sc._per_optimizer_states.clear()
     opt.param_groups[1]["lr"] = math.nextafter(opt.param_groups[1]["lr"], 1.0)
     assert _diff(base, _snapshot(world)) == ["~ optimizer.param_groups[1]['lr']"]

@@ -65,7 +65,9 @@ def _grad_copy(p):
 
 def _snapshot(w):
     scaler = w["scaler"]
-    stages = {k: (v.get("stage"), sorted(v.keys())) for k, v in scaler._per_optimizer_states.items()}
+    stages = {
+        k: (v.get("stage"), sorted(v.keys())) for k, v in scaler._per_optimizer_states.items()
+    }
     return {
         "params": [p.detach().clone() for p in w["net"].parameters()],
         "grads": [_grad_copy(p) for p in w["net"].parameters()],
@@ -74,8 +76,11 @@ def _snapshot(w):
         "scaler": scaler.state_dict(),
         "scale": None if scaler._scale is None else scaler._scale.clone(),
         "stages": repr(stages),
-        "rng": [torch.get_rng_state(), repr(random.getstate()),
-                torch.from_numpy(np.random.get_state()[1].astype("int64"))],
+        "rng": [
+            torch.get_rng_state(),
+            repr(random.getstate()),
+            torch.from_numpy(np.random.get_state()[1].astype("int64")),
+        ],
         "files": _files(w["dir"]),
     }
 
@@ -93,11 +98,28 @@ def _op(data, w):
     """One drawn call; returns a label (for hypothesis' statistics) and the thunk."""
     net, scaler, opt = w["net"], w["scaler"], w["opt"]
     params = list(net.parameters())
-    kind = data.draw(st.sampled_from([
-        "backward", "backward_inf", "step", "unscale", "update", "update_new_scale", "clip",
-        "opt_step", "bad_grad", "load_opt", "load_scaler", "setters", "checkpoint", "save", "load",
-        "add_group",
-    ]))
+    kind = data.draw(
+        st.sampled_from(
+            [
+                "backward",
+                "backward_inf",
+                "step",
+                "unscale",
+                "update",
+                "update_new_scale",
+                "clip",
+                "opt_step",
+                "bad_grad",
+                "load_opt",
+                "load_scaler",
+                "setters",
+                "checkpoint",
+                "save",
+                "load",
+                "add_group",
+            ]
+        )
+    )
     if kind == "backward":
         return kind, lambda: _backward(w)
     if kind == "backward_inf":
@@ -114,8 +136,12 @@ def _op(data, w):
     if kind == "update":
         return kind, lambda: scaler.update()
     if kind == "update_new_scale":
-        v = data.draw(st.sampled_from(BAD_NUMBERS + (torch.tensor(2.0), torch.tensor([1.0, 2.0]),
-                                                     torch.tensor(2, dtype=torch.int32))))
+        v = data.draw(
+            st.sampled_from(
+                BAD_NUMBERS
+                + (torch.tensor(2.0), torch.tensor([1.0, 2.0]), torch.tensor(2, dtype=torch.int32))
+            )
+        )
         return kind, lambda: scaler.update(v)
     if kind == "clip":
         max_norm = data.draw(st.sampled_from(BAD_NUMBERS + (1.0, 0.5)))
@@ -127,8 +153,20 @@ def _op(data, w):
         return kind, lambda: opt.step()
     if kind == "bad_grad":
         i = data.draw(st.integers(0, len(params) - 1))
-        how = data.draw(st.sampled_from(["float64", "complex", "sparse", "wrong_shape", "int", "meta",
-                                         "non_contiguous", "none"]))
+        how = data.draw(
+            st.sampled_from(
+                [
+                    "float64",
+                    "complex",
+                    "sparse",
+                    "wrong_shape",
+                    "int",
+                    "meta",
+                    "non_contiguous",
+                    "none",
+                ]
+            )
+        )
         p = params[i]
 
         def set_bad():
@@ -149,8 +187,11 @@ def _op(data, w):
             elif how == "meta":
                 force(torch.empty(p.shape, device="meta"))
             elif how == "non_contiguous":
-                p.grad = torch.randn(tuple(reversed(p.shape))).t() if p.dim() == 2 else torch.randn(
-                    p.numel() * 2)[::2]
+                p.grad = (
+                    torch.randn(tuple(reversed(p.shape))).t()
+                    if p.dim() == 2
+                    else torch.randn(p.numel() * 2)[::2]
+                )
             else:
                 p.grad = None
 
@@ -166,30 +207,62 @@ def _op(data, w):
             return f"bad_grad:{how}:clip", lambda: scaler.clip_grad_norm_(opt, 1.0)
         return f"bad_grad:{how}:opt_step", lambda: opt.step()
     if kind == "add_group":
-        options = data.draw(st.fixed_dictionaries({}, optional={
-            "state_dtype": st.sampled_from([torch.float32, torch.bfloat16, "int8", "int4", torch.float16]),
-            "state_seed": st.sampled_from([0, 5, -1, 2**32, True]),
-            "amsgrad": st.booleans(),
-            "lr": st.sampled_from([1e-3, -1.0]),
-        }))
+        options = data.draw(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "state_dtype": st.sampled_from(
+                        [torch.float32, torch.bfloat16, "int8", "int4", torch.float16]
+                    ),
+                    "state_seed": st.sampled_from([0, 5, -1, 2**32, True]),
+                    "amsgrad": st.booleans(),
+                    "lr": st.sampled_from([1e-3, -1.0]),
+                },
+            )
+        )
         again = data.draw(st.booleans())  # a param already in the optimizer: torch refuses it
         p = params[0] if again else nn.Parameter(torch.randn(4096) * 0.1)
-        return f"add_group:{sorted(options)}", lambda: opt.add_param_group({"params": [p], **options})
+        return f"add_group:{sorted(options)}", lambda: opt.add_param_group(
+            {"params": [p], **options}
+        )
     if kind == "load_opt":
         sd = copy.deepcopy(opt.state_dict())
-        defect = data.draw(st.sampled_from(["none", "no_state", "groups", "lr", "shape", "type", "step",
-                                            "no_scales", "short_scales", "int_codes", "float_codes",
-                                            "int_moments", "transposed"]))
+        defect = data.draw(
+            st.sampled_from(
+                [
+                    "none",
+                    "no_state",
+                    "groups",
+                    "lr",
+                    "shape",
+                    "type",
+                    "step",
+                    "no_scales",
+                    "short_scales",
+                    "int_codes",
+                    "float_codes",
+                    "int_moments",
+                    "transposed",
+                ]
+            )
+        )
         lowbit_state = next((v for v in sd["state"].values() if "exp_avg_codes" in v), None)
-        float_state = next((v for v in sd["state"].values()
-                            if isinstance(v.get("exp_avg", v.get("momentum_buffer")), torch.Tensor)), None)
+        float_state = next(
+            (
+                v
+                for v in sd["state"].values()
+                if isinstance(v.get("exp_avg", v.get("momentum_buffer")), torch.Tensor)
+            ),
+            None,
+        )
         if defect == "no_scales" and lowbit_state:
             del lowbit_state["exp_avg_sq_absmax"]
         elif defect == "short_scales" and lowbit_state:
             lowbit_state["exp_avg_absmax"] = lowbit_state["exp_avg_absmax"][:-1].clone()
         elif defect in ("int_codes", "float_codes") and lowbit_state:
             lowbit_state["exp_avg_codes"] = lowbit_state["exp_avg_codes"].to(
-                torch.int16 if defect == "int_codes" else torch.float32)
+                torch.int16 if defect == "int_codes" else torch.float32
+            )
         elif defect == "int_moments" and float_state:
             key = "exp_avg" if "exp_avg" in float_state else "momentum_buffer"
             float_state[key] = float_state[key].to(torch.int8)
@@ -216,7 +289,9 @@ def _op(data, w):
         return f"load_opt:{defect}", lambda: opt.load_state_dict(sd)
     if kind == "load_scaler":
         sd = scaler.state_dict()
-        defect = data.draw(st.sampled_from(["none", "empty", "scale0", "scale_nan", "missing", "tracker", "type"]))
+        defect = data.draw(
+            st.sampled_from(["none", "empty", "scale0", "scale_nan", "missing", "tracker", "type"])
+        )
         if defect == "empty":
             sd = {}
         elif defect == "scale0":
@@ -231,16 +306,26 @@ def _op(data, w):
             sd = [1, 2]
         return f"load_scaler:{defect}", lambda: scaler.load_state_dict(sd)
     if kind == "setters":
-        which = data.draw(st.sampled_from(["set_growth_factor", "set_backoff_factor", "set_growth_interval"]))
+        which = data.draw(
+            st.sampled_from(["set_growth_factor", "set_backoff_factor", "set_growth_interval"])
+        )
         v = data.draw(st.sampled_from(BAD_NUMBERS + (0.9, 1.5, 7)))
         return f"{which}", lambda: getattr(scaler, which)(v)
     if kind == "checkpoint":
         block = w["block"]
-        kwargs = data.draw(st.sampled_from([
-            {}, {"use_reentrant": True}, {"use_reentrant": "no"}, {"determinism_check": "exact"},
-            {"determinism_check": "bitwise", "debug": True}, {"context_fn": 3},
-            {"preserve_rng_state": False},
-        ]))
+        kwargs = data.draw(
+            st.sampled_from(
+                [
+                    {},
+                    {"use_reentrant": True},
+                    {"use_reentrant": "no"},
+                    {"determinism_check": "exact"},
+                    {"determinism_check": "bitwise", "debug": True},
+                    {"context_fn": 3},
+                    {"preserve_rng_state": False},
+                ]
+            )
+        )
         requires_grad = data.draw(st.booleans())
         freeze = data.draw(st.booleans())
 
@@ -258,14 +343,31 @@ def _op(data, w):
         return f"checkpoint:{sorted(kwargs)}", run
     if kind == "save":
         target = data.draw(st.sampled_from(["file", "dir", "missing_dir"]))
-        extra = data.draw(st.sampled_from([None, {"epoch": 1}, {"p": pathlib.Path("x")}, {"bad": object()},
-                                           {"s": {1, 2}}, "notadict", {"arr": np.ones(2)}]))
-        path = {"file": os.path.join(w["dir"], "c.pt"), "dir": w["dir"],
-                "missing_dir": os.path.join(w["dir"], "nope", "c.pt")}[target]
+        extra = data.draw(
+            st.sampled_from(
+                [
+                    None,
+                    {"epoch": 1},
+                    {"p": pathlib.Path("x")},
+                    {"bad": object()},
+                    {"s": {1, 2}},
+                    "notadict",
+                    {"arr": np.ones(2)},
+                ]
+            )
+        )
+        path = {
+            "file": os.path.join(w["dir"], "c.pt"),
+            "dir": w["dir"],
+            "missing_dir": os.path.join(w["dir"], "nope", "c.pt"),
+        }[target]
         return f"save:{target}", lambda: fastamp.save_training_state(
-            path, model=net, optimizer=opt, scaler=scaler, step=1, extra=extra)
+            path, model=net, optimizer=opt, scaler=scaler, step=1, extra=extra
+        )
     # load
-    defect = data.draw(st.sampled_from(["none", "rng", "scaler_empty", "exp_avg", "groups", "missing_file"]))
+    defect = data.draw(
+        st.sampled_from(["none", "rng", "scaler_empty", "exp_avg", "groups", "missing_file"])
+    )
     path = os.path.join(w["dir"], "c.pt")
 
     def load():
@@ -303,12 +405,24 @@ def _check_public_api_misuse_changes_nothing(data):
     big = {"params": [net.big]}
     if data.draw(st.booleans()):  # a group of its own format
         big["state_dtype"] = data.draw(st.sampled_from(formats))
-    opt = cls([{"params": [net.a.weight, net.a.bias]}, {"params": list(net.bn.parameters()) + list(net.b.parameters())},
-               big], **kw)
+    opt = cls(
+        [
+            {"params": [net.a.weight, net.a.bias]},
+            {"params": list(net.bn.parameters()) + list(net.b.parameters())},
+            big,
+        ],
+        **kw,
+    )
     d = tempfile.mkdtemp(prefix="fastamp-fuzz-")
     scratch = tempfile.mkdtemp(prefix="fastamp-fuzz-scratch-")
-    w = {"net": net, "opt": opt, "scaler": fastamp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2),
-         "dir": d, "scratch": scratch, "block": nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.3))}
+    w = {
+        "net": net,
+        "opt": opt,
+        "scaler": fastamp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2),
+        "dir": d,
+        "scratch": scratch,
+        "block": nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.3)),
+    }
     try:
         for _ in range(data.draw(st.integers(1, 8))):
             label, thunk = _op(data, w)
@@ -326,7 +440,9 @@ def _check_public_api_misuse_changes_nothing(data):
                 try:
                     assert_bitwise_equal(_snapshot(w), before)
                 except AssertionError as diff:
-                    raise AssertionError(f"{label} raised {type(e).__name__}: {e}\nand changed {diff}") from e
+                    raise AssertionError(
+                        f"{label} raised {type(e).__name__}: {e}\nand changed {diff}"
+                    ) from e
                 if label.startswith("bad_grad"):  # put sane grads back, as a user would
                     _backward(w)
     finally:
@@ -335,4 +451,5 @@ def _check_public_api_misuse_changes_nothing(data):
 
 
 test_public_api_misuse_changes_nothing, test_public_api_misuse_changes_nothing_slow = tiered(
-    default=60, slow=1500, data=st.data())(_check_public_api_misuse_changes_nothing)
+    default=60, slow=1500, data=st.data()
+)(_check_public_api_misuse_changes_nothing)

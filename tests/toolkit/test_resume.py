@@ -64,15 +64,23 @@ def test_resume_is_bit_identical(tmp_path):
     net, scaler, opt, sched = _make()
     for i in range(5):
         _step(net, scaler, opt, sched, i)
-    fastamp.save_training_state(tmp_path / "c.pt", model=net, optimizer=opt, scaler=scaler,
-                                lr_scheduler=sched, step=5, extra={"epoch": 0})
+    fastamp.save_training_state(
+        tmp_path / "c.pt",
+        model=net,
+        optimizer=opt,
+        scaler=scaler,
+        lr_scheduler=sched,
+        step=5,
+        extra={"epoch": 0},
+    )
     for i in range(5, 7):  # the interrupted run goes on a little and is lost
         _step(net, scaler, opt, sched, i)
     random.seed(99)
     np.random.seed(99)
     net, scaler, opt, sched = _make(seed=7)
-    st = fastamp.load_training_state(tmp_path / "c.pt", model=net, optimizer=opt, scaler=scaler,
-                                     lr_scheduler=sched)
+    st = fastamp.load_training_state(
+        tmp_path / "c.pt", model=net, optimizer=opt, scaler=scaler, lr_scheduler=sched
+    )
     assert st.step == 5 and st.extra == {"epoch": 0} and st.world_size == 1
     rest = [_step(net, scaler, opt, sched, i) for i in range(5, 10)]
     assert rest == full[5:]
@@ -102,32 +110,45 @@ def test_load_errors_leave_everything_untouched(tmp_path):
     net, scaler, opt, sched = _make(seed=3)
     objs = (net, scaler, opt)
     wide = nn.Sequential(nn.Linear(8, 16))
-    opt2 = torch.optim.AdamW([{"params": [net.a.weight]}, {"params": [net.a.bias, net.b.weight, net.b.bias]}])
+    opt2 = torch.optim.AdamW(
+        [{"params": [net.a.weight]}, {"params": [net.a.bias, net.b.weight, net.b.bias]}]
+    )
     torch.save(net.state_dict(), tmp_path / "plain.pt")
 
     def other_model():
         with pytest.raises(RuntimeError, match="the model does not match .*Build the same model"):
             fastamp.load_training_state(tmp_path / "c.pt", model=wide)
+
     _unchanged_after(other_model, objs)
 
     def no_sched_saved():
-        with pytest.raises(ValueError, match="lr_scheduler was given but .* holds no lr_scheduler state"):
-            fastamp.load_training_state(tmp_path / "c.pt", model=net, optimizer=opt, lr_scheduler=sched)
+        with pytest.raises(
+            ValueError, match="lr_scheduler was given but .* holds no lr_scheduler state"
+        ):
+            fastamp.load_training_state(
+                tmp_path / "c.pt", model=net, optimizer=opt, lr_scheduler=sched
+            )
+
     _unchanged_after(no_sched_saved, objs)
 
     def wrong_groups():
-        with pytest.raises(ValueError, match="optimizer has .* build the optimizer as the saved run did"):
+        with pytest.raises(
+            ValueError, match="optimizer has .* build the optimizer as the saved run did"
+        ):
             fastamp.load_training_state(tmp_path / "c.pt", model=net, optimizer=opt2)
+
     _unchanged_after(wrong_groups, objs)
 
     def foreign_file():
         with pytest.raises(RuntimeError, match="not a fastamp training state"):
             fastamp.load_training_state(tmp_path / "plain.pt", model=net)
+
     _unchanged_after(foreign_file, objs)
 
     def missing():
         with pytest.raises(FileNotFoundError, match="does not exist"):
             fastamp.load_training_state(tmp_path / "nope.pt", model=net)
+
     _unchanged_after(missing, objs)
 
 
@@ -135,11 +156,23 @@ def test_interrupted_distributed_save_and_world_size_change_are_refused(tmp_path
     # Files of a 2-rank save whose rank file belongs to another save (killed mid-save).
     net, scaler, opt, _ = _make()
     base = tmp_path / "c.pt"
-    shared = {"format": 1, "save_id": "aaaa", "world_size": 2, "step": 1, "extra": {},
-              "model": net.state_dict(), "ddp_buckets": None, "optimizer": None, "scaler": None,
-              "lr_scheduler": None, "torch_version": "x"}
+    shared = {
+        "format": 1,
+        "save_id": "aaaa",
+        "world_size": 2,
+        "step": 1,
+        "extra": {},
+        "model": net.state_dict(),
+        "ddp_buckets": None,
+        "optimizer": None,
+        "scaler": None,
+        "lr_scheduler": None,
+        "torch_version": "x",
+    }
     torch.save(shared, base)
-    torch.save({"format": 1, "save_id": "bbbb", "rank": 0, "world_size": 2, "rng": {}}, f"{base}.rank0")
+    torch.save(
+        {"format": 1, "save_id": "bbbb", "rank": 0, "world_size": 2, "rng": {}}, f"{base}.rank0"
+    )
     with pytest.raises(RuntimeError, match="saved by 2 process.*restore_rng=False"):
         fastamp.load_training_state(base, model=net)  # this process is not distributed: world 1
     st = fastamp.load_training_state(base, model=net, restore_rng=False)
@@ -149,7 +182,9 @@ def test_interrupted_distributed_save_and_world_size_change_are_refused(tmp_path
 
     monkeypatch.setattr(resume, "_dist_info", lambda: (0, 2, False))
     rng = torch.get_rng_state()
-    with pytest.raises(RuntimeError, match="belongs to another save .* previous complete checkpoint"):
+    with pytest.raises(
+        RuntimeError, match="belongs to another save .* previous complete checkpoint"
+    ):
         fastamp.load_training_state(base, model=net)
     assert torch.equal(torch.get_rng_state(), rng)
 
@@ -170,9 +205,15 @@ def test_save_refuses_mid_step_scaler(tmp_path):
 
 
 def _full_snapshot(net, opt, scaler, sched):
-    return ([t.clone() for t in net.state_dict().values()], opt.state_dict(), scaler.state_dict(),
-            sched.state_dict(), torch.get_rng_state(), random.getstate(),
-            torch.from_numpy(np.random.get_state()[1].astype("int64")))
+    return (
+        [t.clone() for t in net.state_dict().values()],
+        opt.state_dict(),
+        scaler.state_dict(),
+        sched.state_dict(),
+        torch.get_rng_state(),
+        random.getstate(),
+        torch.from_numpy(np.random.get_state()[1].astype("int64")),
+    )
 
 
 def _tamper(path, fn):
@@ -210,8 +251,9 @@ def _save_variant(tmp_path, optimizer_cls=None, scaler_enabled=True):
         scaler = fastamp.GradScaler("cpu", enabled=False)
     for i in range(2):
         _step(net, scaler, opt, sched, i)
-    fastamp.save_training_state(tmp_path / "c.pt", model=net, optimizer=opt, scaler=scaler,
-                                lr_scheduler=sched, step=2)
+    fastamp.save_training_state(
+        tmp_path / "c.pt", model=net, optimizer=opt, scaler=scaler, lr_scheduler=sched, step=2
+    )
     return tmp_path / "c.pt"
 
 
@@ -219,24 +261,55 @@ BAD_FILES = {
     # name: (how the file is made, what the load raises)
     "SGD state into AdamW": (lambda p: _save_variant(p, fastamp.optim.SGD), ValueError),
     "torch SGD state into AdamW": (lambda p: _save_variant(p, torch.optim.SGD), ValueError),
-    "disabled scaler's empty state": (lambda p: _save_variant(p, scaler_enabled=False), RuntimeError),
-    "scale 0": (lambda p: _tamper(_save_variant(p), _set("scaler", "scale", 0.0)) or p / "c.pt", ValueError),
+    "disabled scaler's empty state": (
+        lambda p: _save_variant(p, scaler_enabled=False),
+        RuntimeError,
+    ),
+    "scale 0": (
+        lambda p: _tamper(_save_variant(p), _set("scaler", "scale", 0.0)) or p / "c.pt",
+        ValueError,
+    ),
     "exp_avg of the wrong shape": (
-        lambda p: _tamper(_save_variant(p), _set("optimizer", "state", 0, "exp_avg", torch.zeros(3))) or p / "c.pt",
-        ValueError),
-    "RNG entry missing": (lambda p: _tamper(_save_variant(p), _pop("rng")) or p / "c.pt", ValueError),
+        lambda p: (
+            _tamper(_save_variant(p), _set("optimizer", "state", 0, "exp_avg", torch.zeros(3)))
+            or p / "c.pt"
+        ),
+        ValueError,
+    ),
+    "RNG entry missing": (
+        lambda p: _tamper(_save_variant(p), _pop("rng")) or p / "c.pt",
+        ValueError,
+    ),
     # a KeyError naming the entry and the file (was a bare KeyError: 'model')
-    "model entry missing": (lambda p: _tamper(_save_variant(p), _pop("model")) or p / "c.pt", KeyError),
-    "world_size entry missing": (lambda p: _tamper(_save_variant(p), _pop("world_size")) or p / "c.pt",
-                                 KeyError),
-    "python RNG entry missing": (lambda p: _tamper(_save_variant(p), _pop("rng", "python")) or p / "c.pt",
-                                 ValueError),
+    "model entry missing": (
+        lambda p: _tamper(_save_variant(p), _pop("model")) or p / "c.pt",
+        KeyError,
+    ),
+    "world_size entry missing": (
+        lambda p: _tamper(_save_variant(p), _pop("world_size")) or p / "c.pt",
+        KeyError,
+    ),
+    "python RNG entry missing": (
+        lambda p: _tamper(_save_variant(p), _pop("rng", "python")) or p / "c.pt",
+        ValueError,
+    ),
     "torch RNG entry corrupt": (
-        lambda p: _tamper(_save_variant(p), _set("rng", "torch", torch.zeros(7, dtype=torch.uint8))) or p / "c.pt",
-        ValueError),
+        lambda p: (
+            _tamper(_save_variant(p), _set("rng", "torch", torch.zeros(7, dtype=torch.uint8)))
+            or p / "c.pt"
+        ),
+        ValueError,
+    ),
     "numpy RNG entry corrupt": (
-        lambda p: _tamper(_save_variant(p), _set("rng", "numpy", ("MT19937", torch.zeros(3, dtype=torch.int64), 0, 0,
-                                                                  0.0))) or p / "c.pt", ValueError),
+        lambda p: (
+            _tamper(
+                _save_variant(p),
+                _set("rng", "numpy", ("MT19937", torch.zeros(3, dtype=torch.int64), 0, 0, 0.0)),
+            )
+            or p / "c.pt"
+        ),
+        ValueError,
+    ),
 }
 
 
@@ -251,7 +324,9 @@ def test_bad_file_is_refused_before_anything_is_restored(tmp_path, case):
         _step(net, scaler, opt, sched, i)
     before = _full_snapshot(net, opt, scaler, sched)
     with pytest.raises(error) as info:
-        fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler, lr_scheduler=sched)
+        fastamp.load_training_state(
+            path, model=net, optimizer=opt, scaler=scaler, lr_scheduler=sched
+        )
     if error is KeyError:
         assert "load_training_state" in str(info.value) and "has no" in str(info.value)
     assert_bitwise_equal(_full_snapshot(net, opt, scaler, sched), before)
@@ -269,7 +344,9 @@ def test_a_load_failing_late_undoes_what_it_restored(tmp_path, monkeypatch):
 
     monkeypatch.setattr(net, "load_state_dict", broken)
     with pytest.raises(RuntimeError, match="injected"):
-        fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler, lr_scheduler=sched)
+        fastamp.load_training_state(
+            path, model=net, optimizer=opt, scaler=scaler, lr_scheduler=sched
+        )
     monkeypatch.undo()
     assert_bitwise_equal(_full_snapshot(net, opt, scaler, sched), before)
     # and the objects still work: a step after the failed load equals one without it
@@ -282,9 +359,13 @@ def test_extra_common_types_round_trip(tmp_path):
 
     net, *_ = _make()
     extra = {
-        "np_f32": np.float32(1.5), "np_i64": np.int64(-3), "np_bool": np.bool_(True),
-        "arr": np.arange(6, dtype=np.int16).reshape(2, 3), "farr": np.linspace(0, 1, 4),
-        "path": pathlib.Path("/data/run1"), "args": argparse.Namespace(lr=0.1, tag="x", dims=[1, 2]),
+        "np_f32": np.float32(1.5),
+        "np_i64": np.int64(-3),
+        "np_bool": np.bool_(True),
+        "arr": np.arange(6, dtype=np.int16).reshape(2, 3),
+        "farr": np.linspace(0, 1, 4),
+        "path": pathlib.Path("/data/run1"),
+        "args": argparse.Namespace(lr=0.1, tag="x", dims=[1, 2]),
         "nested": [{"p": pathlib.Path("a")}, (np.float64(2.0),)],
     }
     fastamp.save_training_state(tmp_path / "c.pt", model=net, extra=extra)
@@ -318,7 +399,9 @@ def test_concurrent_saves_from_threads_all_succeed(tmp_path):
 
     def save(i):
         try:
-            fastamp.save_training_state(tmp_path / "c.pt", model=net, optimizer=opt, scaler=scaler, step=i)
+            fastamp.save_training_state(
+                tmp_path / "c.pt", model=net, optimizer=opt, scaler=scaler, step=i
+            )
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 

@@ -17,7 +17,13 @@ from torch.utils.checkpoint import CheckpointError
 from fastamp.checkpoint._ops import tensor_digest
 
 # Factories whose output is uninitialised memory: their bytes legitimately differ.
-_NONDETERMINISTIC_BY_DESIGN = ("empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided")
+_NONDETERMINISTIC_BY_DESIGN = (
+    "empty",
+    "new_empty",
+    "empty_like",
+    "empty_strided",
+    "new_empty_strided",
+)
 
 
 def _digests(out: Any) -> list[tuple[int, Tensor]]:
@@ -105,12 +111,18 @@ def checked_context_fn(context_fn: Callable[[], Any]) -> Callable[[], tuple[Any,
 
     def checked():
         out = context_fn()
-        ok = isinstance(out, tuple) and len(out) == 2 and all(
-            hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in out)
+        ok = (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in out)
+        )
         if not ok:
             hint = (
                 " -- a function: was the policy factory passed uncalled (context_fn=selective "
-                "instead of context_fn=selective())?" if callable(out) else "")
+                "instead of context_fn=selective())?"
+                if callable(out)
+                else ""
+            )
             raise TypeError(
                 "fastamp.checkpoint.checkpoint: context_fn must return two context managers "
                 f"(forward, recompute), but it returned a {type(out).__name__}{hint}; expected "
@@ -125,6 +137,8 @@ def bitwise_context_fn(user_context_fn: Callable[[], tuple[Any, Any]]):
     def context_fn():
         fwd, rec = user_context_fn()
         log: list = []
-        return _Both(fwd, _DigestMode(log, compare=False)), _Both(rec, _DigestMode(log, compare=True))
+        return _Both(fwd, _DigestMode(log, compare=False)), _Both(
+            rec, _DigestMode(log, compare=True)
+        )
 
     return context_fn

@@ -69,8 +69,11 @@ class RngReplay:
             if len(before) == 1 and not _cuda_initialized():
                 return out  # no CUDA generator before or after: nothing can have appeared
             after = self._get()
-            newly = [i - 1 for i in range(1, len(after))
-                     if after[i].numel() and not (i < len(before) and before[i].numel())]
+            newly = [
+                i - 1
+                for i in range(1, len(after))
+                if after[i].numel() and not (i < len(before) and before[i].numel())
+            ]
             if newly:
                 self.warn_newly_used(newly)
             return out

@@ -86,18 +86,36 @@ def checkpoint(
     if torch.compiler.is_compiling():
         # A graph break: the block runs eagerly, with the same numbers. (Decorating checkpoint
         # itself with torch.compiler.disable would cost every eager call a frame-hook round trip.)
-        return _checkpoint_eager(function, args, kwargs, preserve_rng_state, context_fn,
-                                 determinism_check, debug, early_stop)
-    return _checkpoint(function, args, kwargs, preserve_rng_state, context_fn, determinism_check,
-                       debug, early_stop)
+        return _checkpoint_eager(
+            function,
+            args,
+            kwargs,
+            preserve_rng_state,
+            context_fn,
+            determinism_check,
+            debug,
+            early_stop,
+        )
+    return _checkpoint(
+        function, args, kwargs, preserve_rng_state, context_fn, determinism_check, debug, early_stop
+    )
 
 
-def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                preserve_rng_state: bool, context_fn: Callable[[], tuple[Any, Any]],
-                determinism_check: str, debug: bool, early_stop: bool) -> Any:
+def _checkpoint(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    preserve_rng_state: bool,
+    context_fn: Callable[[], tuple[Any, Any]],
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+) -> Any:
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and accounting.counting():
-        accounting.note_checkpoint_inputs((args, kwargs))  # the region keeps its inputs until backward
+        accounting.note_checkpoint_inputs(
+            (args, kwargs)
+        )  # the region keeps its inputs until backward
     run = function
     torch_rng = False  # whether torch's own RNG stash does the replay
     if preserve_rng_state and grad_enabled:
@@ -134,7 +152,9 @@ def _checkpoint(function: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
             **kwargs,
         )
     else:
-        out = _run_generator(run, args, kwargs, torch_rng, context_fn, torch_check, debug, early_stop)
+        out = _run_generator(
+            run, args, kwargs, torch_rng, context_fn, torch_check, debug, early_stop
+        )
     if torch_rng and _cuda_initialized():
         RngReplay.warn_newly_used("all initialised")
     return out
@@ -154,22 +174,38 @@ def _find_generator() -> Callable[..., Any] | None:
         params = list(inspect.signature(gen).parameters)
     except (TypeError, ValueError):
         return None
-    expected = ["fn", "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
-                "args", "kwargs"]
+    expected = [
+        "fn",
+        "preserve_rng_state",
+        "context_fn",
+        "determinism_check",
+        "debug",
+        "early_stop",
+        "args",
+        "kwargs",
+    ]
     return gen if params == expected else None
 
 
 _GENERATOR = _find_generator()
 
 
-def _run_generator(run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                   preserve_rng_state: bool, context_fn: Callable[[], tuple[Any, Any]], determinism_check: str, debug: bool,
-                   early_stop: bool) -> Any:
+def _run_generator(
+    run: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    preserve_rng_state: bool,
+    context_fn: Callable[[], tuple[Any, Any]],
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+) -> Any:
     """What torch.utils.checkpoint.checkpoint(use_reentrant=False) does around its generator,
     minus its per-call dynamo frame hook (torch.compile gets the disabled path above) and the
     argument parsing this module has already done."""
-    gen = _GENERATOR(run, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args,
-                     **kwargs)
+    gen = _GENERATOR(
+        run, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args, **kwargs
+    )
     next(gen)  # pre-forward: saved-tensor hooks, the forward context
     try:
         out = run(*args, **kwargs)

@@ -72,16 +72,24 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
             into the pool too (pointless for memory, useful to test the path without a GPU).
     """
 
-    def __init__(self, min_bytes: int = 1 << 16, pool: PinnedPool | None = None,
-                 device_types: tuple[str, ...] = ("cuda",)):
+    def __init__(
+        self,
+        min_bytes: int = 1 << 16,
+        pool: PinnedPool | None = None,
+        device_types: tuple[str, ...] = ("cuda",),
+    ):
         if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
-            raise ValueError(f"offload_activations: min_bytes must be an int >= 0, got {min_bytes!r}")
+            raise ValueError(
+                f"offload_activations: min_bytes must be an int >= 0, got {min_bytes!r}"
+            )
         if pool is not None and not isinstance(pool, PinnedPool):
             raise TypeError(
                 f"offload_activations: pool must be a fastamp.checkpoint.PinnedPool, got "
                 f"{type(pool).__name__}"
             )
-        if not isinstance(device_types, (tuple, list)) or not all(isinstance(d, str) for d in device_types):
+        if not isinstance(device_types, (tuple, list)) or not all(
+            isinstance(d, str) for d in device_types
+        ):
             # A bare string would be iterated letter by letter and match no device: nothing offloaded.
             raise TypeError(
                 f"offload_activations: device_types must be a tuple of device type names, got "
@@ -99,7 +107,11 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         return self._stream
 
     def _pack(self, t: Tensor) -> Any:
-        if t.device.type not in self.device_types or t.nbytes < self.min_bytes or t.layout != torch.strided:
+        if (
+            t.device.type not in self.device_types
+            or t.nbytes < self.min_bytes
+            or t.layout != torch.strided
+        ):
             return t
         src = t.detach()
         if not src.is_contiguous():
@@ -133,8 +145,12 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         return out
 
 
-def offload(function: Callable[..., Any], *args: Any, offload_ctx: offload_activations | None = None,
-            **kwargs: Any) -> Any:
+def offload(
+    function: Callable[..., Any],
+    *args: Any,
+    offload_ctx: offload_activations | None = None,
+    **kwargs: Any,
+) -> Any:
     """Runs ``function(*args, **kwargs)`` with its saved activations offloaded to host memory:
     the alternative to :func:`fastamp.checkpoint.checkpoint` that trades PCIe traffic, not compute,
     for memory."""

@@ -26,7 +26,15 @@ from fastamp.checkpoint.accounting import SavedBytes, count_saved_bytes
 from fastamp.checkpoint.core import checkpoint
 from fastamp.checkpoint.policies import selective
 
-__all__ = ["BlockStats", "CheckpointPlan", "SavedBytes", "apply", "count_saved_bytes", "measure_blocks"]
+__all__ = [
+    "BlockStats",
+    "CheckpointPlan",
+    "SavedBytes",
+    "apply",
+    "count_saved_bytes",
+    "measure_blocks",
+]
+
 
 @dataclass
 class BlockStats:
@@ -66,14 +74,18 @@ class CheckpointPlan:
 
     @property
     def recompute_s(self) -> float:
-        return sum(b.forward_s for b in self.blocks if b.name in self.chosen or b.name in self.selective)
+        return sum(
+            b.forward_s for b in self.blocks if b.name in self.chosen or b.name in self.selective
+        )
 
     def install(self, model: nn.Module) -> None:
         """Wraps the forward of each chosen block of ``model`` in a checkpoint (selective for the
         blocks in ``selective``); :meth:`remove` undoes it."""
         for name in self.chosen + self.selective:
             module = model.get_submodule(name)
-            module.forward = functools.partial(_checkpointed_forward, module.forward, name in self.selective)
+            module.forward = functools.partial(
+                _checkpointed_forward, module.forward, name in self.selective
+            )
             self._undo.append(module)
 
     def remove(self) -> None:
@@ -170,8 +182,13 @@ def _check_blocks(model: nn.Module, blocks: Sequence[str]) -> list[str]:
     return list(blocks)
 
 
-def _measure(model: nn.Module, sample_input: Any, names: list[str], modules: dict[str, nn.Module],
-             measure_selective: bool) -> tuple[list[BlockStats], int]:
+def _measure(
+    model: nn.Module,
+    sample_input: Any,
+    names: list[str],
+    modules: dict[str, nn.Module],
+    measure_selective: bool,
+) -> tuple[list[BlockStats], int]:
     stats: dict[str, dict[str, float]] = {n: {"in": 0, "t": 0.0} for n in names}
     inputs: dict[str, Any] = {}
     handles = []
@@ -180,7 +197,9 @@ def _measure(model: nn.Module, sample_input: Any, names: list[str], modules: dic
     def pre(name):
         def hook(mod, args, kwargs):
             counter_ref[0].block = name
-            stats[name]["in"] = sum(t.nbytes for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor))
+            stats[name]["in"] = sum(
+                t.nbytes for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)
+            )
             inputs[name] = (args, kwargs)
             _sync((args, kwargs))
             stats[name]["t0"] = time.perf_counter()
@@ -257,8 +276,11 @@ def apply(
     # Whole blocks are coarse (a 12-block model moves in ~8% steps), so one block may instead be
     # checkpointed selectively: among "the k most efficient blocks in full, plus at most one other
     # block selectively", take the fit closest to the budget from below (then the least recompute).
-    order = [b for b in sorted(stats, key=lambda b: b.freed_bytes / max(b.forward_s, 1e-9), reverse=True)
-             if b.freed_bytes > 0]
+    order = [
+        b
+        for b in sorted(stats, key=lambda b: b.freed_bytes / max(b.forward_s, 1e-9), reverse=True)
+        if b.freed_bytes > 0
+    ]
     best: tuple[int, float, list[str], list[str]] | None = None
     for k in range(len(order) + 1):
         full = [b.name for b in order[:k]]

@@ -28,7 +28,11 @@ _COMPUTE_INTENSIVE = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
-for _name in ("_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"):
+for _name in (
+    "_scaled_dot_product_cudnn_attention",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+):
     if hasattr(torch.ops.aten, _name):
         _COMPUTE_INTENSIVE.add(getattr(torch.ops.aten, _name).default)
 
@@ -73,6 +77,7 @@ def selective(
             f"a list of ops to save, got {type(policy).__name__}; expected e.g. "
             "selective([torch.ops.aten.mm.default]) or selective(save_compute_intensive)"
         )
+
     def context_fn():
         caching, cached = create_selective_checkpoint_contexts(policy)
         # The outputs the policy saves live in this cache, not in autograd's saved tensors; let

@@ -25,7 +25,7 @@ def _in_range(version: str, spec: str) -> bool:
     v = _version_tuple(version)
     for clause in spec.split(","):
         op = clause[:2] if clause[:2] in (">=", "<=", "==") else clause[:1]
-        bound = _version_tuple(clause[len(op):])
+        bound = _version_tuple(clause[len(op) :])
         ok = {
             ">=": v >= bound,
             "<=": v <= bound,

@@ -73,7 +73,8 @@ def install_grad_scaler(accelerator: _Accelerator, scaler: torch.amp.GradScaler 
     if accelerator._optimizers:
         raise RuntimeError(
             "install_grad_scaler: call it before accelerator.prepare(): "
-            f"{len(accelerator._optimizers)} optimizer(s) were already prepared with the old scaler"  # private-ok: as above
+            # private-ok: as above
+            f"{len(accelerator._optimizers)} optimizer(s) were already prepared with the old scaler"
         )
     if scaler is None:
         handler = accelerator.scaler_handler
@@ -95,8 +96,12 @@ def _unwrap(opt: Any) -> torch.optim.Optimizer:
     return opt
 
 
-def clip_grad_norm_(accelerator: _Accelerator, parameters: Iterable[torch.Tensor], max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    accelerator: _Accelerator,
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> torch.Tensor:
     """``accelerator.clip_grad_norm_`` through ``fastamp.GradScaler.clip_grad_norm_`` when the
     scaler is fastamp's and ``parameters`` are exactly one prepared optimizer's; otherwise
     accelerate's own (unscale + ``torch.nn.utils.clip_grad_norm_``)."""

@@ -67,8 +67,12 @@ class FastampPrecision(MixedPrecision):
     scaler: Any
     _after_closure: Callable[..., Any]
 
-    def __init__(self, precision: str = "16-mixed", device: str | None = None,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+    def __init__(
+        self,
+        precision: str = "16-mixed",
+        device: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if not isinstance(device, str):
@@ -82,7 +86,9 @@ class FastampPrecision(MixedPrecision):
         #: the total grad norm of the last clip (a device tensor; nothing syncs to produce it)
         self.last_grad_norm: torch.Tensor | None = None
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -100,8 +106,12 @@ class FastampPrecision(MixedPrecision):
             return step_output
         return closure_result
 
-    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
-                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
         # Skips MixedPrecision's refusal for optimizers that unscale in step(): the scaler folds
         # the clip into their step (fastamp's) or unscales first (torch's fused ones).
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)

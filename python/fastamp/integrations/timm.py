@@ -34,7 +34,13 @@ import torch
 
 import fastamp
 
-__all__ = ["ClipParametersError", "NativeScaler", "OPTIMIZERS", "register_optimizers", "create_optimizer_v2"]
+__all__ = [
+    "ClipParametersError",
+    "NativeScaler",
+    "OPTIMIZERS",
+    "register_optimizers",
+    "create_optimizer_v2",
+]
 
 #: name in timm's registry -> (fastamp class, has_betas, has_momentum)
 OPTIMIZERS: dict[str, tuple[type, bool, bool]] = {
@@ -72,9 +78,16 @@ class NativeScaler:
     def __init__(self, device: str = "cuda", **scaler_kwargs: Any) -> None:
         self._scaler = fastamp.GradScaler(device, **scaler_kwargs)
 
-    def __call__(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, clip_grad: float | None = None,
-                 clip_mode: str = "norm", parameters: Iterable[Any] | None = None,
-                 create_graph: bool = False, need_update: bool = True) -> None:
+    def __call__(
+        self,
+        loss: torch.Tensor,
+        optimizer: torch.optim.Optimizer,
+        clip_grad: float | None = None,
+        clip_mode: str = "norm",
+        parameters: Iterable[Any] | None = None,
+        create_graph: bool = False,
+        need_update: bool = True,
+    ) -> None:
         self._scaler.scale(loss).backward(create_graph=create_graph)
         if not need_update:
             return
@@ -150,14 +163,21 @@ def register_optimizers() -> list[str]:
     for name, (cls, has_betas, has_momentum) in OPTIMIZERS.items():
         if name in have:
             continue
-        default_registry.register(OptimInfo(
-            name=name, opt_class=cls, description=f"fastamp.optim.{cls.__name__} (fused, clip folded in)",
-            has_betas=has_betas, has_momentum=has_momentum,
-        ))
+        default_registry.register(
+            OptimInfo(
+                name=name,
+                opt_class=cls,
+                description=f"fastamp.optim.{cls.__name__} (fused, clip folded in)",
+                has_betas=has_betas,
+                has_momentum=has_momentum,
+            )
+        )
     return list(OPTIMIZERS)
 
 
-def create_optimizer_v2(model_or_params: Any, opt: str = "fastamp-adamw", **kwargs: Any) -> torch.optim.Optimizer:
+def create_optimizer_v2(
+    model_or_params: Any, opt: str = "fastamp-adamw", **kwargs: Any
+) -> torch.optim.Optimizer:
     """timm's ``create_optimizer_v2`` with fastamp's optimizers registered and underscore
     spellings of them refused (see :func:`check_optimizer_name`)."""
     check_optimizer_name(opt)

@@ -57,7 +57,11 @@ class FastampTrainer(transformers.Trainer):
 
     def create_optimizer(self, model: Any = None):
         optim_name = str(getattr(self.args.optim, "value", self.args.optim))
-        if self.optimizer is None and self.optimizer_cls_and_kwargs is None and optim_name in _ADAMW_NAMES:
+        if (
+            self.optimizer is None
+            and self.optimizer_cls_and_kwargs is None
+            and optim_name in _ADAMW_NAMES
+        ):
             # The Trainer's own hook for a class + kwargs, set for this call only.
             self.optimizer_cls_and_kwargs = (
                 fastamp.optim.AdamW,

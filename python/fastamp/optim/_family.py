@@ -41,7 +41,11 @@ class OptimizerFamily:
     def required(self, state: Mapping[str, Any], group: Mapping[str, Any]) -> tuple[str, ...]:
         """Non-moment keys a state with moments must hold (the moments' own keys are the
         format's to check)."""
-        if self.amsgrad and group.get("amsgrad") and lowbit.format_of(state, self.moments) is not None:
+        if (
+            self.amsgrad
+            and group.get("amsgrad")
+            and lowbit.format_of(state, self.moments) is not None
+        ):
             return ("max_exp_avg_sq",)
         return ()
 

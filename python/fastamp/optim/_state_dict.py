@@ -41,7 +41,8 @@ class StateDictChecks:
                 )
         saved_groups, saved_state = sd["param_groups"], sd["state"]
         if not isinstance(saved_groups, (list, tuple)) or not all(
-            isinstance(sg, Mapping) and isinstance(sg.get("params"), (list, tuple)) for sg in saved_groups
+            isinstance(sg, Mapping) and isinstance(sg.get("params"), (list, tuple))
+            for sg in saved_groups
         ):
             raise TypeError(
                 f"{where}: state_dict['param_groups'] must be a list of dicts, each with a "
@@ -60,27 +61,41 @@ class StateDictChecks:
         for g, sg in enumerate(saved_groups):
             missing = [k for k in self.family.group_keys if k not in sg]
             if missing:
-                other = " (it looks like an Adam/AdamW state_dict)" if "betas" in sg else (
-                    " (it looks like an SGD state_dict)" if "momentum" in sg else "")
+                other = (
+                    " (it looks like an Adam/AdamW state_dict)"
+                    if "betas" in sg
+                    else (" (it looks like an SGD state_dict)" if "momentum" in sg else "")
+                )
                 raise KeyError(
                     f"{where}: state_dict['param_groups'][{g}] has no {missing}{other}; expected "
                     f"the state_dict of an {family} optimizer: load the state saved by the same "
                     "optimizer type, or start this optimizer afresh"
                 )
             self._check_hyperparameters(where, g, sg)
-        id_map = dict(zip(chain.from_iterable(sg["params"] for sg in saved_groups),
-                          ((g, i, p) for g, group in enumerate(param_groups)
-                           for i, p in enumerate(group["params"]))))
+        id_map = dict(
+            zip(
+                chain.from_iterable(sg["params"] for sg in saved_groups),
+                (
+                    (g, i, p)
+                    for g, group in enumerate(param_groups)
+                    for i, p in enumerate(group["params"])
+                ),
+            )
+        )
         for pid, st in saved_state.items():
             if pid not in id_map:
                 continue  # kept as is by PyTorch (state of no param)
             g, i, p = id_map[pid]
             entry = f"{where}: state_dict['state'][{pid!r}]"
             if not isinstance(st, Mapping):
-                raise TypeError(f"{entry} is a {type(st).__name__}; expected a dict of state tensors")
+                raise TypeError(
+                    f"{entry} is a {type(st).__name__}; expected a dict of state tensors"
+                )
             moments = self.family.moments_of({**param_groups[g], **saved_groups[g]})
             lowbit.check_any(st, p, moments, entry, any_device=True)
-            for key in tuple(k for k in self.family.elementwise if k not in moments) + ("master_param",):
+            for key in tuple(k for k in self.family.elementwise if k not in moments) + (
+                "master_param",
+            ):
                 v = st.get(key)
                 if v is None:
                     continue
@@ -104,30 +119,44 @@ class StateDictChecks:
                         f"state an {family} optimizer saves for a parameter"
                     )
             step = st.get("step")
-            if step is not None and not (is_real(step) or (isinstance(step, Tensor) and step.numel() == 1)):
-                raise TypeError(f"{entry}['step'] is {step!r}; expected a number or a one-element tensor")
+            if step is not None and not (
+                is_real(step) or (isinstance(step, Tensor) and step.numel() == 1)
+            ):
+                raise TypeError(
+                    f"{entry}['step'] is {step!r}; expected a number or a one-element tensor"
+                )
 
     def _check_hyperparameters(self, where: str, g: int, sg: Mapping[str, Any]) -> None:
         # The constructor's ranges (PyTorch does not check a loaded dict); dampening has none.
         for key in self.family.group_keys:
             v = sg[key]
             if key == "betas":
-                ok = isinstance(v, (list, tuple)) and len(v) == 2 and all(
-                    (is_real(b) or (isinstance(b, Tensor) and b.numel() == 1)) and 0 <= b < 1 for b in v)
+                ok = (
+                    isinstance(v, (list, tuple))
+                    and len(v) == 2
+                    and all(
+                        (is_real(b) or (isinstance(b, Tensor) and b.numel() == 1)) and 0 <= b < 1
+                        for b in v
+                    )
+                )
             elif key == "lr" and isinstance(v, Tensor):
                 ok = v.numel() == 1
             else:
                 ok = is_real(v) and (key == "dampening" or v >= 0)
             if not ok:
-                expected = "two numbers in [0, 1)" if key == "betas" else (
-                    "a number" if key == "dampening" else "a number >= 0")
+                expected = (
+                    "two numbers in [0, 1)"
+                    if key == "betas"
+                    else ("a number" if key == "dampening" else "a number >= 0")
+                )
                 raise ValueError(
                     f"{where}: state_dict['param_groups'][{g}][{key!r}] is {v!r}; expected "
                     f"{expected}, as the constructor accepts"
                 )
 
-    def prepare(self, param_groups: list[dict[str, Any]],
-                sd: Mapping[str, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
+    def prepare(
+        self, param_groups: list[dict[str, Any]], sd: Mapping[str, Any]
+    ) -> list[tuple[Tensor, dict[str, Any]]]:
         """Per param with saved state: its moments in its group's format (and fp32 state kept
         fp32 with master weights), as the load will put them in place."""
         out = []
@@ -137,8 +166,14 @@ class StateDictChecks:
             src = sd["state"].get(pid)
             if not isinstance(src, Mapping) or not src:
                 continue
-            group = {**param_groups[g], **{k: v for k, v in sd["param_groups"][g].items()
-                                                if k not in ("params", "state_dtype", "state_seed")}}
+            group = {
+                **param_groups[g],
+                **{
+                    k: v
+                    for k, v in sd["param_groups"][g].items()
+                    if k not in ("params", "state_dtype", "state_seed")
+                },
+            }
             final: dict[str, Any] = {}
             master = None
             if self.master_weights and p.dtype != torch.float32:
@@ -153,8 +188,15 @@ class StateDictChecks:
                 fmt = fmt if fmt.applies_to(p) else lowbit.FLOAT32
                 like = kernel_like(p)
                 if self.master_weights and p.dtype != torch.float32:
-                    like = master if master is not None else torch.empty_like(like, dtype=torch.float32)
-                moved = {k: v.detach().to(p.device) if isinstance(v, Tensor) else v for k, v in src.items()}
+                    like = (
+                        master
+                        if master is not None
+                        else torch.empty_like(like, dtype=torch.float32)
+                    )
+                moved = {
+                    k: v.detach().to(p.device) if isinstance(v, Tensor) else v
+                    for k, v in src.items()
+                }
                 converted = lowbit.convert(moved, fmt, like, moments)
                 if converted is None:
                     converted = {k: moved[k].clone() for k in fmt.keys(moments)}

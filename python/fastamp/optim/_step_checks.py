@@ -17,6 +17,7 @@ from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import FLOAT_TYPES, where_in_groups
 
+
 class _Where:
     """``"fastamp.optim.<name>: the state of param_groups[g]['params'][i]"``, formatted when an
     error message is (``str(where)``)."""
@@ -43,8 +44,9 @@ class StepChecks:
         self.family = family
         self.master_weights = master_weights
 
-    def params(self, g: int, group: dict[str, Any],
-               state: Mapping[Tensor, dict[str, Any]]) -> tuple[list[Tensor], list[int]]:
+    def params(
+        self, g: int, group: dict[str, Any], state: Mapping[Tensor, dict[str, Any]]
+    ) -> tuple[list[Tensor], list[int]]:
         """Params of group ``g`` that have grads, with all that the kernel needs checked: nothing
         is created or written until every group has passed (so an error leaves the params, the
         grads and the state as they were)."""
@@ -94,8 +96,14 @@ class StepChecks:
             self._state(g, group, state, params, places)
         return params, places
 
-    def _state(self, g: int, group: dict[str, Any], states: Mapping[Tensor, dict[str, Any]],
-               params: list[Tensor], places: list[int]) -> None:
+    def _state(
+        self,
+        g: int,
+        group: dict[str, Any],
+        states: Mapping[Tensor, dict[str, Any]],
+        params: list[Tensor],
+        places: list[int],
+    ) -> None:
         name = self.name
         halves = [i for p, i in zip(params, places) if p.dtype != torch.float32]
         if self.master_weights and halves and len(halves) != len(params):
@@ -107,14 +115,18 @@ class StepChecks:
             )
         if group.get("capturable"):
             # PyTorch's single-tensor and foreach steps assert this (an AssertionError there too).
-            bad = next(((p, i) for p, i in zip(params, places) if p.device.type not in _CAPTURABLE), None)
+            bad = next(
+                ((p, i) for p, i in zip(params, places) if p.device.type not in _CAPTURABLE), None
+            )
             if bad is not None:
                 raise AssertionError(
                     f"If capturable=True, params and state_steps must be on supported devices: "
                     f"{list(_CAPTURABLE)} (fastamp.optim.{name}: {where_in_groups(g, bad[1])} is on "
                     f"{bad[0].device}; expected capturable=False for parameters on the CPU)"
                 )
-        fmt = self.family.group_format(group, f"fastamp.optim.{name}: param_groups[{g}]['state_dtype']")
+        fmt = self.family.group_format(
+            group, f"fastamp.optim.{name}: param_groups[{g}]['state_dtype']"
+        )
         self.family.check_group_options(f"fastamp.optim.{name}: param group {g}", group, fmt)
         moments = self.family.moments_of(group)
         others = tuple(k for k in self.family.elementwise_of(group) if k not in moments)
@@ -141,9 +153,18 @@ class StepChecks:
                     continue
                 # Fast path first: this runs for every parameter at every step. Strides are
                 # not checked: the step re-strides (PyTorch steps state of any layout).
-                if not (isinstance(v, Tensor) and v.shape == p.shape and v.device == p.device
-                        and v.dtype == want):
-                    _state_error(f"fastamp.optim.{name}: state[{key!r}] of {where_in_groups(g, i)}", v, p, want)
+                if not (
+                    isinstance(v, Tensor)
+                    and v.shape == p.shape
+                    and v.device == p.device
+                    and v.dtype == want
+                ):
+                    _state_error(
+                        f"fastamp.optim.{name}: state[{key!r}] of {where_in_groups(g, i)}",
+                        v,
+                        p,
+                        want,
+                    )
             step = state.get("step")
             if step is not None and not (
                 isinstance(step, Tensor) and step.numel() == 1 or is_real(step)
@@ -153,38 +174,48 @@ class StepChecks:
                     "a number or a one-element tensor"
                 )
 
-    def shared_memory(self, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]) -> None:
+    def shared_memory(
+        self, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]
+    ) -> None:
         """Refuses params that share memory (see :func:`check_shared_memory`)."""
         check_shared_memory(self.name, checked)
 
-    def kernel_error(self, e: Exception, g: int, places: list[int], first: bool = True) -> Exception:
+    def kernel_error(
+        self, e: Exception, g: int, places: list[int], first: bool = True
+    ) -> Exception:
         """The kernel's error, with its list positions named as the param group's entries."""
         where = ", ".join(f"[{k}] = {where_in_groups(g, i)}" for k, i in enumerate(places[:8]))
         more = ", ..." if len(places) > 8 else ""
         try:
-            return type(e)(f"{e} (fastamp.optim.{self.name}: list positions {where}{more}; "
-                           "no param group was stepped)" if first else
-                           f"{e} (fastamp.optim.{self.name}: list positions {where}{more})")
+            return type(e)(
+                f"{e} (fastamp.optim.{self.name}: list positions {where}{more}; "
+                "no param group was stepped)"
+                if first
+                else f"{e} (fastamp.optim.{self.name}: list positions {where}{more})"
+            )
         except Exception:  # an exception type that takes other arguments
             return e
 
 
 def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype) -> None:
-        if not isinstance(v, Tensor):
-            raise TypeError(f"{what} is a {type(v).__name__}; expected a tensor like the parameter")
-        if v.shape != p.shape:
-            raise ValueError(
-                f"{what} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}: "
-                "the state belongs to another model (or to parameters in another order). Expected "
-                "state made for these parameters: load the state_dict saved with this model, or "
-                "start from a fresh optimizer"
-            )
-        raise TypeError(
-            f"{what} is a {v.dtype} tensor on {v.device}; expected {want} on {p.device} (the "
-            "parameter's device, and float32 with master_weights=True)"
+    if not isinstance(v, Tensor):
+        raise TypeError(f"{what} is a {type(v).__name__}; expected a tensor like the parameter")
+    if v.shape != p.shape:
+        raise ValueError(
+            f"{what} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}: "
+            "the state belongs to another model (or to parameters in another order). Expected "
+            "state made for these parameters: load the state_dict saved with this model, or "
+            "start from a fresh optimizer"
         )
+    raise TypeError(
+        f"{what} is a {v.dtype} tensor on {v.device}; expected {want} on {p.device} (the "
+        "parameter's device, and float32 with master_weights=True)"
+    )
 
-def check_shared_memory(name: str, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]) -> None:
+
+def check_shared_memory(
+    name: str, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]
+) -> None:
     """Refuses params that share memory -- a view whose own elements overlap (``expand()``),
     or two params over the same elements (overlapping slices of one tensor, a param listed
     twice) -- across all groups, before any is stepped. PyTorch updates such memory once per

@@ -8,6 +8,7 @@ from torch import Tensor
 
 QUANT_BLOCK = 256
 
+
 def _rounded_high_half(y: Tensor) -> tuple[Tensor, Tensor]:
     """The high 16 bits ``h`` of y's float32 bits (y truncated to bfloat16), and ``t``: its
     exponent << 3 | mantissa rounded to 3 bits, to nearest even (int64)."""
@@ -73,7 +74,9 @@ def _quantize_one(x: Tensor, signed: bool) -> tuple[Tensor, Tensor]:
 
 def _dequantize_one(codes: Tensor, scales: Tensor, signed: bool) -> Tensor:
     idx = torch.arange(codes.numel(), device=codes.device) // QUANT_BLOCK
-    vals = (decode_m8 if signed else decode_v8)(codes.reshape(-1)) * scales.float().to(codes.device)[idx]
+    vals = (decode_m8 if signed else decode_v8)(codes.reshape(-1)) * scales.float().to(
+        codes.device
+    )[idx]
     return vals.reshape(codes.shape)
 
 

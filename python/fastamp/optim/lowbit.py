@@ -41,11 +41,32 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp.optim.codec8 import QUANT_BLOCK, _dequantize_one, _quantize_one, nblocks
-from fastamp.optim.codec8 import decode_m8, decode_v8, dequantize, encode_m8, encode_v8, quantize  # noqa: F401
+from fastamp.optim.codec8 import (  # noqa: F401
+    QUANT_BLOCK,
+    _dequantize_one,
+    _quantize_one,
+    decode_m8,
+    decode_v8,
+    dequantize,
+    encode_m8,
+    encode_v8,
+    nblocks,
+    quantize,
+)
 
-__all__ = ["BFLOAT16", "FLOAT32", "INT8", "MIN_LOWBIT_NUMEL", "QUANT_BLOCK", "StateFormat",
-           "dequantize", "float32_state_dict", "format_of", "quantize", "resolve"]
+__all__ = [
+    "BFLOAT16",
+    "FLOAT32",
+    "INT8",
+    "MIN_LOWBIT_NUMEL",
+    "QUANT_BLOCK",
+    "StateFormat",
+    "dequantize",
+    "float32_state_dict",
+    "format_of",
+    "quantize",
+    "resolve",
+]
 
 MIN_LOWBIT_NUMEL = 4096
 
@@ -107,16 +128,26 @@ class StateFormat(abc.ABC):
     def moment_dtype(self, like: Tensor) -> torch.dtype:
         """The dtype the moments of a param laid out as ``like`` are kept in."""
 
-    def check(self, state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: object,
-              any_device: bool = False) -> None:
+    def check(
+        self,
+        state: Mapping[str, Any],
+        p: Tensor,
+        moments: Sequence[str],
+        where: object,
+        any_device: bool = False,
+    ) -> None:
         """Raises (naming ``str(where)``) unless ``state`` holds all of the moments in this format for
         param ``p``: each key present, dtype, shape, device (any, with ``any_device``: a loaded
         state moves to the param's), block scales. Strides are not checked: a state laid out
         otherwise is re-strided (PyTorch steps it as it is)."""
         for k in moments:
             v = state.get(k)
-            if (isinstance(v, Tensor) and v.is_floating_point() and v.shape == p.shape
-                    and (any_device or v.device == p.device)):
+            if (
+                isinstance(v, Tensor)
+                and v.is_floating_point()
+                and v.shape == p.shape
+                and (any_device or v.device == p.device)
+            ):
                 continue  # the fast path: this runs for every parameter at every step
             v = _present(state, k, where)
             if not v.is_floating_point():
@@ -160,15 +191,23 @@ class _BFloat16(StateFormat):
         return torch.bfloat16
 
     def new(self, like: Tensor, moments: Sequence[str]) -> dict[str, Tensor]:
-        return {k: torch.zeros(like.shape, dtype=torch.bfloat16, device=like.device) for k in moments}
+        return {
+            k: torch.zeros(like.shape, dtype=torch.bfloat16, device=like.device) for k in moments
+        }
 
     def encode(self, floats: Mapping[str, Tensor], like: Tensor) -> dict[str, Tensor]:
-        return {k: v.reshape(like.shape).to(torch.bfloat16, memory_format=torch.contiguous_format)
-                for k, v in floats.items()}
+        return {
+            k: v.reshape(like.shape).to(torch.bfloat16, memory_format=torch.contiguous_format)
+            for k, v in floats.items()
+        }
 
     def holds(self, state: Mapping[str, Any], like: Tensor, moments: Sequence[str]) -> bool:
-        return all(isinstance(state.get(k), Tensor) and state[k].dtype == torch.bfloat16
-                   and state[k].is_contiguous() for k in moments)
+        return all(
+            isinstance(state.get(k), Tensor)
+            and state[k].dtype == torch.bfloat16
+            and state[k].is_contiguous()
+            for k in moments
+        )
 
     def nbytes(self, like: Tensor, moments: Sequence[str]) -> int:
         return 2 * like.numel() * len(moments)
@@ -202,17 +241,30 @@ class _Int8(StateFormat):
         return out
 
     def decode(self, state: Mapping[str, Any], moments: Sequence[str]) -> dict[str, Tensor]:
-        return {k: _dequantize_one(state[f"{k}_codes"], state[f"{k}_absmax"], signed=k == "exp_avg")
-                for k in moments}
+        return {
+            k: _dequantize_one(state[f"{k}_codes"], state[f"{k}_absmax"], signed=k == "exp_avg")
+            for k in moments
+        }
 
     def holds(self, state: Mapping[str, Any], like: Tensor, moments: Sequence[str]) -> bool:
-        return all(isinstance(state.get(f"{k}_codes"), Tensor) and state[f"{k}_codes"].dtype == torch.uint8
-                   and state[f"{k}_codes"].is_contiguous() and isinstance(state.get(f"{k}_absmax"), Tensor)
-                   and state[f"{k}_absmax"].dtype == torch.float32 and state[f"{k}_absmax"].is_contiguous()
-                   for k in moments)
+        return all(
+            isinstance(state.get(f"{k}_codes"), Tensor)
+            and state[f"{k}_codes"].dtype == torch.uint8
+            and state[f"{k}_codes"].is_contiguous()
+            and isinstance(state.get(f"{k}_absmax"), Tensor)
+            and state[f"{k}_absmax"].dtype == torch.float32
+            and state[f"{k}_absmax"].is_contiguous()
+            for k in moments
+        )
 
-    def check(self, state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: object,
-              any_device: bool = False) -> None:
+    def check(
+        self,
+        state: Mapping[str, Any],
+        p: Tensor,
+        moments: Sequence[str],
+        where: object,
+        any_device: bool = False,
+    ) -> None:
         blocks = nblocks(p)
         for k in moments:
             codes = _present(state, f"{k}_codes", where)
@@ -224,8 +276,12 @@ class _Int8(StateFormat):
                 )
             _check_like(codes, p, f"{where}[{k + '_codes'!r}]", any_device)
             scales = _present(state, f"{k}_absmax", where)
-            if not (scales.dtype == torch.float32 and scales.dim() == 1 and scales.numel() == blocks
-                    and (any_device or scales.device == p.device)):
+            if not (
+                scales.dtype == torch.float32
+                and scales.dim() == 1
+                and scales.numel() == blocks
+                and (any_device or scales.device == p.device)
+            ):
                 raise ValueError(
                     f"{where}[{k + '_absmax'!r}] is a {scales.dtype} tensor of shape "
                     f"{tuple(scales.shape)} on {scales.device}; expected {blocks} float32 block "
@@ -237,8 +293,10 @@ class _Int8(StateFormat):
         return (like.numel() + 4 * nblocks(like)) * len(moments)  # codes + a float32 per block
 
     def adam_lists(self, states: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], ...]:
-        return tuple([s[k] for s in states] for k in ("exp_avg_codes", "exp_avg_sq_codes",
-                                                      "exp_avg_absmax", "exp_avg_sq_absmax"))
+        return tuple(
+            [s[k] for s in states]
+            for k in ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax")
+        )
 
 
 FLOAT32: StateFormat = _Float32()
@@ -258,7 +316,11 @@ def resolve(value: Any, where: str, moments: Sequence[str] = ADAM_MOMENTS) -> St
     elif isinstance(value, str) and value in _BY_NAME:
         fmt = _BY_NAME[value]
     else:
-        hint = " (the 8-bit format is named 'int8')" if value in ("8bit", torch.int8, torch.uint8) else ""
+        hint = (
+            " (the 8-bit format is named 'int8')"
+            if value in ("8bit", torch.int8, torch.uint8)
+            else ""
+        )
         raise ValueError(
             f"{where}: state_dtype must be torch.float32, torch.bfloat16 or 'int8' (8-bit block-"
             f"quantized moments), got {value!r}{hint}"
@@ -281,21 +343,23 @@ def check_seed(value: Any, where: str) -> int:
 _LEGACY_INT8 = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _int8_keys(moments: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(k for m in moments for k in (f"{m}_codes", f"{m}_absmax"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def moment_keys(moments: tuple[str, ...]) -> tuple[str, ...]:
     """Every state key any format keeps the moments under."""
-    keys = dict.fromkeys(k for f in _BY_NAME.values() if f.supports(moments) for k in f.keys(moments))
+    keys = dict.fromkeys(
+        k for f in _BY_NAME.values() if f.supports(moments) for k in f.keys(moments)
+    )
     if moments == ADAM_MOMENTS:
         keys.update(dict.fromkeys(_LEGACY_INT8))
     return tuple(keys)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _other_keys(fmt: StateFormat, moments: tuple[str, ...]) -> tuple[str, ...]:
     """The moment keys of the other formats (a state holding them beside ``fmt``'s is corrupt)."""
     return tuple(k for k in moment_keys(moments) if k not in fmt.keys(moments))
@@ -316,12 +380,22 @@ def format_of(state: Mapping[str, Any], moments: Sequence[str]) -> StateFormat |
 
 
 def _legacy(state: Mapping[str, Any], moments: Sequence[str]) -> bool:
-    return ("exp_avg_absmax" in state and "exp_avg_codes" not in state and tuple(moments) == ADAM_MOMENTS
-            and isinstance(state.get("exp_avg"), Tensor) and state["exp_avg"].dtype == torch.uint8)
+    return (
+        "exp_avg_absmax" in state
+        and "exp_avg_codes" not in state
+        and tuple(moments) == ADAM_MOMENTS
+        and isinstance(state.get("exp_avg"), Tensor)
+        and state["exp_avg"].dtype == torch.uint8
+    )
 
 
-def check_any(state: Mapping[str, Any], p: Tensor, moments: Sequence[str], where: object,
-              any_device: bool = False) -> None:
+def check_any(
+    state: Mapping[str, Any],
+    p: Tensor,
+    moments: Sequence[str],
+    where: object,
+    any_device: bool = False,
+) -> None:
     """Raises unless ``state`` holds complete moments of ``p`` in one of the formats (which the
     step or load converts to the optimizer's), checked as :meth:`StateFormat.check`."""
     if _legacy(state, moments):
@@ -350,13 +424,17 @@ def decode_any(state: Mapping[str, Any], moments: Sequence[str]) -> dict[str, Te
 
 
 def _legacy_as_int8(state: Mapping[str, Any]) -> dict[str, Any]:
-    return {"exp_avg_codes": state["exp_avg"], "exp_avg_sq_codes": state.get("exp_avg_sq"),
-            "exp_avg_absmax": state.get("exp_avg_absmax"),
-            "exp_avg_sq_absmax": state.get("exp_avg_sq_absmax")}
+    return {
+        "exp_avg_codes": state["exp_avg"],
+        "exp_avg_sq_codes": state.get("exp_avg_sq"),
+        "exp_avg_absmax": state.get("exp_avg_absmax"),
+        "exp_avg_sq_absmax": state.get("exp_avg_sq_absmax"),
+    }
 
 
-def convert(state: Mapping[str, Any], fmt: StateFormat, like: Tensor,
-            moments: Sequence[str]) -> dict[str, Tensor] | None:
+def convert(
+    state: Mapping[str, Any], fmt: StateFormat, like: Tensor, moments: Sequence[str]
+) -> dict[str, Tensor] | None:
     """The moments of ``state`` as ``fmt`` holds them for a param laid out as ``like``, or None
     when ``state`` holds them so already."""
     if _legacy(state, moments):

@@ -93,7 +93,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
         """Before PyTorch's constructor, which makes the param groups with add_param_group."""
         name = type(self).__name__
         self._master_weights = bool(master_weights)
-        self._default_format = lowbit.resolve(state_dtype, f"fastamp.optim.{name}", self._FAMILY.moments)
+        self._default_format = lowbit.resolve(
+            state_dtype, f"fastamp.optim.{name}", self._FAMILY.moments
+        )
         self._default_seed = lowbit.check_seed(state_seed, f"fastamp.optim.{name}")
         self._step_checks = StepChecks(name, self._FAMILY, self._master_weights)
         self._load_checks = StateDictChecks(name, self._FAMILY, self._master_weights)
@@ -108,8 +110,12 @@ class _FusedOptimizer(AmpFusedOptimizer):
     def __getstate__(self) -> dict[str, Any]:
         # PyTorch keeps defaults, state and param_groups; fastamp's options go along.
         state = super().__getstate__()  # type: ignore[misc]
-        state.update(_master_weights=self._master_weights, _default_format=self._default_format,
-                     _default_seed=self._default_seed, stepped=self.stepped)
+        state.update(
+            _master_weights=self._master_weights,
+            _default_format=self._default_format,
+            _default_seed=self._default_seed,
+            stepped=self.stepped,
+        )
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -135,7 +141,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
             super().zero_grad(set_to_none=True)
             return
         grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        with torch.autograd.profiler.record_function(f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"):
+        with torch.autograd.profiler.record_function(
+            f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+        ):
             for group in self.param_groups:
                 for p in group["params"]:
                     g = p.grad
@@ -158,8 +166,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
         if isinstance(param_group, dict):
             where = f"fastamp.optim.{type(self).__name__}: param group {len(self.param_groups)}"
             given = "state_dtype" in param_group or "state_seed" in param_group
-            fmt = lowbit.resolve(param_group.get("state_dtype", self._default_format), where,
-                                 self._FAMILY.moments)
+            fmt = lowbit.resolve(
+                param_group.get("state_dtype", self._default_format), where, self._FAMILY.moments
+            )
             seed = lowbit.check_seed(param_group.get("state_seed", self._default_seed), where)
             options = {**self.defaults, **param_group}
             if options.get("differentiable"):
@@ -192,7 +201,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 f"optimizer.state_dict(), got {type(state_dict).__name__}"
             )
         prepared: list[tuple[Tensor, dict[str, Any]]] = []
-        options = [{k: g[k] for k in ("state_dtype", "state_seed") if k in g} for g in self.param_groups]
+        options = [
+            {k: g[k] for k in ("state_dtype", "state_seed") if k in g} for g in self.param_groups
+        ]
 
         def check(optimizer: Any, sd: Mapping[str, Any]) -> None:
             # Registered last, so it sees the dict as the user's pre-hooks left it; everything the
@@ -224,7 +235,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
         entry), changing nothing."""
         self._load_checks.check(self.param_groups, sd)
 
-    def _master(self, p: Tensor, kp: Tensor, state: dict[str, Any], new: dict[str, Any]) -> Tensor | None:
+    def _master(
+        self, p: Tensor, kp: Tensor, state: dict[str, Any], new: dict[str, Any]
+    ) -> Tensor | None:
         """The fp32 master of ``p`` (with ``master_weights=True``), laid out as ``kp`` (the param
         as the kernel walks it); a new or re-strided one goes into ``new``, which the caller
         commits to the state only once the kernel has run."""
@@ -236,8 +249,14 @@ class _FusedOptimizer(AmpFusedOptimizer):
             master = new["master_param"] = torch.empty_like(kp, dtype=torch.float32).copy_(src)
         return master
 
-    def _moments_for(self, fmt: StateFormat, moments: tuple[str, ...], like: Tensor,
-                     state: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    def _moments_for(
+        self,
+        fmt: StateFormat,
+        moments: tuple[str, ...],
+        like: Tensor,
+        state: dict[str, Any],
+        new: dict[str, Any],
+    ) -> dict[str, Any]:
         """The state as the kernel takes it for ``fmt``: new zero moments, or the present ones
         converted / re-strided when they are not already in ``fmt`` (into ``new``)."""
         if fmt.holds(state, like, moments):  # the fast path: every step but the first
@@ -267,12 +286,16 @@ class _FusedOptimizer(AmpFusedOptimizer):
             self._fastamp_step(inv_scale, found_inf, None)
         return loss
 
-    def _fastamp_step(self, inv_scale: Tensor | None, found_inf: Tensor | None,
-                      clip_coef: Tensor | None) -> None:
+    def _fastamp_step(
+        self, inv_scale: Tensor | None, found_inf: Tensor | None, clip_coef: Tensor | None
+    ) -> None:
         # Every group is checked, and every launch's inputs made (new and converted state
         # included), before the first kernel runs; a launch's state is committed right after it.
         checks = self._step_checks
-        checked = [(g, group, *checks.params(g, group, self.state)) for g, group in enumerate(self.param_groups)]
+        checked = [
+            (g, group, *checks.params(g, group, self.state))
+            for g, group in enumerate(self.param_groups)
+        ]
         checks.shared_memory(checked)
         launches: list[_Launch] = []
         stepped = None
@@ -280,8 +303,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
             if not params:
                 continue
             dev = params[0].device
-            amp = AmpStep(to_device(inv_scale, dev), to_device(found_inf, dev),
-                          to_device(clip_coef, dev))
+            amp = AmpStep(
+                to_device(inv_scale, dev), to_device(found_inf, dev), to_device(clip_coef, dev)
+            )
             by_format: dict[StateFormat, tuple[list[Tensor], list[int]]] = {}
             group_format = self._group_format(group)
             for p, i in zip(params, places):
@@ -292,7 +316,11 @@ class _FusedOptimizer(AmpFusedOptimizer):
             for fmt, (ps, ix) in sorted(by_format.items(), key=lambda kv: kv[0].lowbit):
                 launches.append(self._launch(fmt, g, group, ps, ix, amp))
             if stepped is None:
-                stepped = torch.ones((), dtype=torch.bool, device=dev) if found_inf is None else found_inf == 0
+                stepped = (
+                    torch.ones((), dtype=torch.bool, device=dev)
+                    if found_inf is None
+                    else found_inf == 0
+                )
         for k, launch in enumerate(launches):
             try:
                 launch.run()
@@ -308,8 +336,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
             return 0.0, lr.to(device=device, dtype=torch.float32, non_blocking=True)
         return float(lr), None
 
-    def _step_tensor(self, p: Tensor, state: dict[str, Any], new: dict[str, Any],
-                     key: str = "step") -> Tensor:
+    def _step_tensor(
+        self, p: Tensor, state: dict[str, Any], new: dict[str, Any], key: str = "step"
+    ) -> Tensor:
         step = state.get(key)
         if step is None:
             step = new[key] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -372,20 +401,30 @@ class _AdamBase(_FusedOptimizer):
             news.append(new)
         beta1, beta2 = group["betas"]
         lr, lr_t = self._lr(group, params[0].device)
-        hyper = _ops.AdamHyper(lr, lr_t, float(beta1), float(beta2), float(group["weight_decay"]),
-                               float(group["eps"]),
-                               bool(group.get("decoupled_weight_decay", self._decoupled)),
-                               bool(group["maximize"]), amsgrad)
+        hyper = _ops.AdamHyper(
+            lr,
+            lr_t,
+            float(beta1),
+            float(beta2),
+            float(group["weight_decay"]),
+            float(group["eps"]),
+            bool(group.get("decoupled_weight_decay", self._decoupled)),
+            bool(group["maximize"]),
+            amsgrad,
+        )
         ms, vs, ams, avs = fmt.adam_lists(currents)
         if fmt.lowbit:
             seed = int(group.get("state_seed", 0))
 
             def run() -> None:
-                _ops.adam_lowbit_step_(kparams, grads, ms, vs, ams, avs, steps, masters, seed,
-                                       hyper, amp)
+                _ops.adam_lowbit_step_(
+                    kparams, grads, ms, vs, ams, avs, steps, masters, seed, hyper, amp
+                )
         else:
+
             def run() -> None:
                 _ops.adam_step_(kparams, grads, ms, vs, max_sqs, steps, masters, hyper, amp)
+
         return _Launch(run, g, params, places, news, moments, staged)
 
 
@@ -467,12 +506,16 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
     def _after_load(self) -> None:
         self._updates = {}
 
-    def _updates_of(self, p: Tensor, state: dict[str, Any], new_counts: dict[Tensor, Tensor]) -> Tensor:
+    def _updates_of(
+        self, p: Tensor, state: dict[str, Any], new_counts: dict[Tensor, Tensor]
+    ) -> Tensor:
         n = self._updates.get(p)
         if n is None:
             saved = state.get("step")  # kept in the state with state_dtype=torch.bfloat16
             if isinstance(saved, Tensor) and saved.numel() == 1:
-                n = new_counts[p] = saved.detach().to(device=p.device, dtype=torch.float32).reshape(())
+                n = new_counts[p] = (
+                    saved.detach().to(device=p.device, dtype=torch.float32).reshape(())
+                )
                 return n
             # A buffer loaded from a checkpoint has had its first value already.
             first = 0.0 if state.get("momentum_buffer") is None else 1.0
@@ -507,17 +550,25 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
                 masters.append(master)
             news.append(new)
         lr, lr_t = self._lr(group, params[0].device)
-        hyper = _ops.SgdHyper(lr, lr_t, float(group["weight_decay"]), float(group["momentum"]),
-                              float(group["dampening"]), bool(group["nesterov"]),
-                              bool(group["maximize"]))
+        hyper = _ops.SgdHyper(
+            lr,
+            lr_t,
+            float(group["weight_decay"]),
+            float(group["momentum"]),
+            float(group["dampening"]),
+            bool(group["nesterov"]),
+            bool(group["maximize"]),
+        )
         if fmt.lowbit:
             seed = int(group.get("state_seed", 0))
 
             def run() -> None:
                 _ops.sgd_lowbit_step_(kparams, grads, bufs, counts, masters, seed, hyper, amp)
         else:
+
             def run() -> None:
                 _ops.sgd_step_(kparams, grads, bufs, counts, masters, hyper, amp)
+
         return _Launch(run, g, params, places, news, moments, staged, new_counts)
 
     def _commit(self, launch: _Launch) -> None:

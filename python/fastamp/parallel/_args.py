@@ -25,11 +25,21 @@ def collective_error(what: str, rank: int, e: Exception) -> RuntimeError:
     )
 
 
-def check_arguments(module: nn.Module, device_ids: Any, output_device: Any, broadcast_buffers: Any,
-                    process_group: Any, bucket_cap_mb: Any, check_reduction: bool,
-                    delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any,
-                    mixed_precision: Any, device_mesh: Any, bucket_cap_mb_list: Any,
-                    forward_sync_buffers: Any) -> tuple[set[str], list[nn.Parameter], str, bool, Any, Any]:
+def check_arguments(
+    module: nn.Module,
+    device_ids: Any,
+    output_device: Any,
+    broadcast_buffers: Any,
+    process_group: Any,
+    bucket_cap_mb: Any,
+    check_reduction: bool,
+    delay_all_reduce_named_params: Any,
+    param_to_hook_all_reduce: Any,
+    mixed_precision: Any,
+    device_mesh: Any,
+    bucket_cap_mb_list: Any,
+    forward_sync_buffers: Any,
+) -> tuple[set[str], list[nn.Parameter], str, bool, Any, Any]:
     """Raises (before anything is set up) for arguments torch refuses or fastamp cannot honour;
     returns ``(ignored names, the module's parameters, device type, whether the module spans
     several devices, device_ids, output_device)``."""
@@ -70,7 +80,8 @@ def check_arguments(module: nn.Module, device_ids: Any, output_device: Any, broa
                 "reducer; pass a 1-D mesh of the data-parallel ranks, or use torch's DDP.",
             )
     if bucket_cap_mb is not None and (
-        isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+        isinstance(bucket_cap_mb, bool)
+        or not isinstance(bucket_cap_mb, (int, float))
         or not 0 < bucket_cap_mb < float("inf")
     ):
         raise ValueError(
@@ -80,7 +91,8 @@ def check_arguments(module: nn.Module, device_ids: Any, output_device: Any, broa
     if bucket_cap_mb_list is not None:
         caps = list(bucket_cap_mb_list)
         if not caps or any(
-            isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf") for c in caps
+            isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < float("inf")
+            for c in caps
         ):
             raise ValueError(
                 f"{_NAME}: bucket_cap_mb_list must be a non-empty list of positive, finite "
@@ -121,9 +133,15 @@ def check_arguments(module: nn.Module, device_ids: Any, output_device: Any, broa
         from torch._utils import _get_device_index
 
         device_ids_ = [_get_device_index(x, True) for x in device_ids]
-        output_device_ = _get_device_index(output_device if output_device is not None else device_ids[0], True)
+        output_device_ = _get_device_index(
+            output_device if output_device is not None else device_ids[0], True
+        )
     for name, sub in module.named_modules():
-        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+        if (
+            isinstance(sub, (nn.Embedding, nn.EmbeddingBag))
+            and sub.sparse
+            and sub.weight.requires_grad
+        ):
             raise refuse(
                 f"sparse gradients ({name or 'module'} is an {type(sub).__name__} with sparse=True)",
                 "the gradient buckets are dense; construct it with sparse=False, or use torch's DDP",

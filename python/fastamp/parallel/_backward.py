@@ -28,9 +28,19 @@ class GradSync:
     hook fired: collectives may be in flight); autograd's end-of-backward callback finishes it.
     Grads of an unarmed backward (under ``no_sync``) only accumulate locally."""
 
-    def __init__(self, layout: BucketLayout, names: dict[int, str], *, world_size: int, rank: int,
-                 process_group: Any, device: torch.device, find_unused_parameters: bool,
-                 static_graph: bool, views: bool):
+    def __init__(
+        self,
+        layout: BucketLayout,
+        names: dict[int, str],
+        *,
+        world_size: int,
+        rank: int,
+        process_group: Any,
+        device: torch.device,
+        find_unused_parameters: bool,
+        static_graph: bool,
+        views: bool,
+    ):
         self.layout = layout
         self.names = names
         self.world_size = world_size
@@ -226,12 +236,19 @@ class GradSync:
                     else:
                         late.append((p.grad.contiguous(), off))
                 if late:
-                    _ops.bucket_pack_(bucket.buffer, [g for g, _ in late], [o for _, o in late], factor)
+                    _ops.bucket_pack_(
+                        bucket.buffer, [g for g, _ in late], [o for _, o in late], factor
+                    )
             if self.comm_hook is not None:
                 hook, state = self.comm_hook
-                bucket.work = hook(state, bucket.comm_bucket(bucket.buffer, bucket.index == len(self.layout.buckets) - 1))
+                bucket.work = hook(
+                    state,
+                    bucket.comm_bucket(bucket.buffer, bucket.index == len(self.layout.buckets) - 1),
+                )
             elif self.world_size > 1:
-                bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+                bucket.work = dist.all_reduce(
+                    bucket.buffer, group=self.process_group, async_op=True
+                )
         bucket.launched = True
 
     def _wait(self, bucket: Bucket) -> Tensor:
@@ -245,10 +262,16 @@ class GradSync:
                 return bucket.buffer
             out = work.wait()
         except Exception as e:
-            raise collective_error(f"the all-reduce of gradient bucket {bucket.index}", self.rank, e) from e
+            raise collective_error(
+                f"the all-reduce of gradient bucket {bucket.index}", self.rank, e
+            ) from e
         if isinstance(out, (list, tuple)) and len(out) == 1:
             out = out[0]
-        if not isinstance(out, Tensor) or out.numel() != bucket.numel or out.device != bucket.buffer.device:
+        if (
+            not isinstance(out, Tensor)
+            or out.numel() != bucket.numel
+            or out.device != bucket.buffer.device
+        ):
             raise RuntimeError(
                 f"{_NAME}: the comm hook's future for bucket {bucket.index} must hold one tensor of "
                 f"{bucket.numel} elements on {bucket.buffer.device} (the reduced bucket.buffer()), got "
@@ -307,8 +330,9 @@ class GradSync:
                 noted.extend(zip((p for p in b.params if id(p) not in global_unused), grads))
         if noted and self.scaler is not None and scale is not None:
             found, sq = self.grad_stats()
-            self.scaler.note_grad_stats(GradStats.measured(
-                found, sq, [p for p, _ in noted], [g for _, g in noted], scale))
+            self.scaler.note_grad_stats(
+                GradStats.measured(found, sq, [p for p, _ in noted], [g for _, g in noted], scale)
+            )
         if not layout.rebuilt:
             layout.rebuild_from_rank0()
         self._used = set()
@@ -330,12 +354,16 @@ class GradSync:
             return self._global_unused
         params = self.layout.params
         mine = self._last_global_used if joined else self._used
-        used = torch.tensor([1 if id(p) in mine else 0 for p in params], dtype=torch.int32, device=self.device)
+        used = torch.tensor(
+            [1 if id(p) in mine else 0 for p in params], dtype=torch.int32, device=self.device
+        )
         if self.world_size > 1:
             try:
                 dist.all_reduce(used, group=self.process_group)
             except Exception as e:
-                raise collective_error("the all-reduce of the used-parameter map", self.rank, e) from e
+                raise collective_error(
+                    "the all-reduce of the used-parameter map", self.rank, e
+                ) from e
         counts = used.tolist()
         unused = {id(p) for p, u in zip(params, counts) if u == 0}
         self._last_global_used = {id(p) for p, u in zip(params, counts) if u != 0}
@@ -351,7 +379,10 @@ class GradSync:
             for b in buckets:
                 if self.comm_hook is not None:
                     hook, state = self.comm_hook
-                    b.work = hook(state, b.comm_bucket(torch.zeros_like(b.buffer), b.index == len(buckets) - 1))
+                    b.work = hook(
+                        state,
+                        b.comm_bucket(torch.zeros_like(b.buffer), b.index == len(buckets) - 1),
+                    )
                 else:
                     b.buffer.zero_()
                     b.work = dist.all_reduce(b.buffer, group=self.process_group, async_op=True)

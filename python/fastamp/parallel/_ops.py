@@ -15,14 +15,17 @@ __all__ = ["bucket_pack_", "bucket_unpack_"]
 _ops = torch.ops.fastamp
 
 
-def bucket_pack_(bucket: Tensor, grads: Sequence[Tensor], offsets: Sequence[int], scale: float) -> None:
+def bucket_pack_(
+    bucket: Tensor, grads: Sequence[Tensor], offsets: Sequence[int], scale: float
+) -> None:
     """``bucket[offsets[i] : offsets[i] + grads[i].numel()] = grads[i] * scale`` for every grad, in
     one multi-tensor pass (the bucket flat and contiguous)."""
     _ops.bucket_pack_(bucket, grads, list(offsets), float(scale))
 
 
-def bucket_unpack_(bucket: Tensor, grads: Sequence[Tensor], offsets: Sequence[int],
-                   inv_scale: Tensor) -> tuple[Tensor, Tensor]:
+def bucket_unpack_(
+    bucket: Tensor, grads: Sequence[Tensor], offsets: Sequence[int], inv_scale: Tensor
+) -> tuple[Tensor, Tensor]:
     """Copies each grad's span of the reduced ``bucket`` into it; returns ``(found_inf, sum of
     (g * inv_scale)^2)``, computed with the scaler's stats kernel over the same chunks (so equal
     bit for bit to ``fastamp::grad_stats`` over the grads)."""
@@ -31,12 +34,19 @@ def bucket_unpack_(bucket: Tensor, grads: Sequence[Tensor], offsets: Sequence[in
 
 @torch.library.register_fake("fastamp::bucket_pack_")
 def _bucket_pack_fake(bucket, grads, offsets, scale):
-    check_fake_devices("bucket_pack_", bucket.device, [("grads", grads)], anchor="the bucket's device")
+    check_fake_devices(
+        "bucket_pack_", bucket.device, [("grads", grads)], anchor="the bucket's device"
+    )
     return None
 
 
 @torch.library.register_fake("fastamp::bucket_unpack_")
 def _bucket_unpack_fake(bucket, grads, offsets, inv_scale):
-    check_fake_devices("bucket_unpack_", bucket.device, [("grads", grads)],
-                       {"inv_scale": inv_scale}, anchor="the bucket's device")
+    check_fake_devices(
+        "bucket_unpack_",
+        bucket.device,
+        [("grads", grads)],
+        {"inv_scale": inv_scale},
+        anchor="the bucket's device",
+    )
     return (bucket.new_empty((), dtype=torch.float32), bucket.new_empty((), dtype=torch.float32))

@@ -15,7 +15,6 @@ from fastamp.parallel._args import _NAME, refuse
 from fastamp.parallel._backward import GradSync
 
 
-
 class ReducerShim:
     """Stands where torch's C++ reducer was: ``prepare_for_backward`` (accelerate's
     ``trigger_sync_in_backward``) arms the next backward; anything else raises naming itself."""
@@ -65,11 +64,15 @@ class TorchCompat:
 
     def _check_reducer_finalized(self) -> None:
         if self._sync.pending or self._sync.started:
-            raise RuntimeError(f"{_NAME}: the last backward has not finished synchronising gradients")
+            raise RuntimeError(
+                f"{_NAME}: the last backward has not finished synchronising gradients"
+            )
 
     def _set_static_graph(self) -> None:
         if self._sync.has_run():
-            raise RuntimeError("_set_static_graph: static graph can only be set before the first iteration")
+            raise RuntimeError(
+                "_set_static_graph: static graph can only be set before the first iteration"
+            )
         self.static_graph = True
         self._sync.static_graph = True
 
@@ -77,7 +80,10 @@ class TorchCompat:
         raise refuse("_register_fused_optim", "use fastamp.optim's fused optimizers after backward")
 
     def _register_buffer_comm_hook(self, *args: Any, **kwargs: Any) -> None:
-        raise refuse("_register_buffer_comm_hook", "buffers are broadcast from rank 0 as with torch's default")
+        raise refuse(
+            "_register_buffer_comm_hook",
+            "buffers are broadcast from rank 0 as with torch's default",
+        )
 
     def _set_sparse_metadata(self, *args: Any, **kwargs: Any) -> None:
         raise refuse("_set_sparse_metadata", "sparse gradients are not supported")
@@ -87,11 +93,17 @@ class TorchCompat:
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         layout = self._sync.layout
-        return {"bucket_sizes": ", ".join(str(b.numel * b.buffer.element_size()) for b in layout.buckets),
-                "has_rebuilt_buckets": int(layout.rebuilt), "world_size": self.world_size,
-                "find_unused_parameters": int(self.find_unused_parameters),
-                "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-                "static_graph": int(self.static_graph), "backend_name": dist.get_backend(self.process_group)}
+        return {
+            "bucket_sizes": ", ".join(
+                str(b.numel * b.buffer.element_size()) for b in layout.buckets
+            ),
+            "has_rebuilt_buckets": int(layout.rebuilt),
+            "world_size": self.world_size,
+            "find_unused_parameters": int(self.find_unused_parameters),
+            "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+            "static_graph": int(self.static_graph),
+            "backend_name": dist.get_backend(self.process_group),
+        }
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
         if sample_rate < 1:

@@ -24,8 +24,16 @@ class GradBucket:
     ``buffer()`` holds the local grads of the bucket's parameters, flattened, *not* divided by the
     world size (as in torch: the hook averages)."""
 
-    def __init__(self, index: int, buffer: Tensor, params: list[Tensor], offsets: list[int], last: bool):
-        self._index, self._buffer, self._params, self._offsets, self._last = index, buffer, params, offsets, last
+    def __init__(
+        self, index: int, buffer: Tensor, params: list[Tensor], offsets: list[int], last: bool
+    ):
+        self._index, self._buffer, self._params, self._offsets, self._last = (
+            index,
+            buffer,
+            params,
+            offsets,
+            last,
+        )
 
     def index(self) -> int:
         return self._index
@@ -37,7 +45,10 @@ class GradBucket:
         self._buffer = tensor
 
     def gradients(self) -> list[Tensor]:
-        return [self._buffer.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(self._params, self._offsets)]
+        return [
+            self._buffer.narrow(0, o, p.numel()).view(p.shape)
+            for p, o in zip(self._params, self._offsets)
+        ]
 
     def parameters(self) -> list[Tensor]:
         return list(self._params)
@@ -52,7 +63,17 @@ class Bucket:
     them). ``pending`` (grads not yet ready), ``work`` (the collective in flight) and ``launched``
     are the current backward's; :class:`fastamp.parallel._backward.GradSync` sets them."""
 
-    __slots__ = ("params", "offsets", "buffer", "views", "pending", "work", "launched", "index", "numel")
+    __slots__ = (
+        "params",
+        "offsets",
+        "buffer",
+        "views",
+        "pending",
+        "work",
+        "launched",
+        "index",
+        "numel",
+    )
 
     def __init__(self, params: list[nn.Parameter], index: int):
         self.params = params
@@ -64,7 +85,9 @@ class Bucket:
             n += p.numel()
         self.numel = n
         self.buffer = torch.zeros(n, dtype=params[0].dtype, device=params[0].device)
-        self.views = [self.buffer.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, self.offsets)]
+        self.views = [
+            self.buffer.narrow(0, o, p.numel()).view(p.shape) for p, o in zip(params, self.offsets)
+        ]
         self.pending = len(params)
         self.work: Any = None
         self.launched = False
@@ -83,9 +106,19 @@ class BucketLayout:
     ``custom_caps``); ``default_cap`` says ``bucket_cap_mb`` was not given (torch then makes the
     rebuilt first bucket 1 MiB). ``views``: grads that are bucket views move with the buckets."""
 
-    def __init__(self, params: list[nn.Parameter], *, caps: list[int], custom_caps: bool,
-                 default_cap: bool, find_unused_parameters: bool, static_graph: bool, views: bool,
-                 process_group: Any, world_size: int):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        *,
+        caps: list[int],
+        custom_caps: bool,
+        default_cap: bool,
+        find_unused_parameters: bool,
+        static_graph: bool,
+        views: bool,
+        process_group: Any,
+        world_size: int,
+    ):
         self.params = params
         self.index = {id(p): i for i, p in enumerate(params)}
         self.caps = caps
@@ -137,7 +170,8 @@ class BucketLayout:
             indices = list(reversed(indices))
         else:
             indices, _ = dist._compute_bucket_assignment_by_size(
-                [self.params[i] for i in order], limits, [False] * n, list(order))
+                [self.params[i] for i in order], limits, [False] * n, list(order)
+            )
         self._build([self.params[i] for b in indices for i in b], [len(b) for b in indices])
 
     def _build(self, order: list[nn.Parameter], sizes: list[int]) -> None:
@@ -146,7 +180,7 @@ class BucketLayout:
         self.buckets, self.bucket_of = [], {}
         start = 0
         for n in sizes:
-            b = Bucket(order[start:start + n], len(self.buckets))
+            b = Bucket(order[start : start + n], len(self.buckets))
             self.buckets.append(b)
             for i, p in enumerate(b.params):
                 self.bucket_of[id(p)] = (b, i)
@@ -173,7 +207,11 @@ class BucketLayout:
         order += [i for i in reversed(range(len(self.params))) if id(self.params[i]) not in seen]
         if self.world_size > 1:
             box = [order]
-            src = dist.get_global_rank(self.process_group, 0) if self.process_group is not dist.group.WORLD else 0
+            src = (
+                dist.get_global_rank(self.process_group, 0)
+                if self.process_group is not dist.group.WORLD
+                else 0
+            )
             dist.broadcast_object_list(box, src=src, group=self.process_group)
             order = box[0]
         self.ready_order = []
@@ -192,7 +230,10 @@ class BucketLayout:
     def load_dict(self, layout: Any) -> None:
         """Restores a layout from :meth:`to_dict` (validated before anything changes)."""
         n = len(self.params)
-        if not isinstance(layout, dict) or not {"order", "bucket_sizes", "rebuilt"} <= layout.keys():
+        if (
+            not isinstance(layout, dict)
+            or not {"order", "bucket_sizes", "rebuilt"} <= layout.keys()
+        ):
             raise ValueError(
                 f"{_WHERE}: layout must be the dict returned by bucket_layout() (keys order, "
                 f"bucket_sizes, rebuilt); got {layout!r:.200}"
@@ -207,7 +248,7 @@ class BucketLayout:
         params = [self.params[i] for i in order]
         start = 0
         for s in sizes:
-            group = params[start:start + s]
+            group = params[start : start + s]
             if any(p.dtype != group[0].dtype or p.device != group[0].device for p in group):
                 raise ValueError(
                     f"{_WHERE}: a bucket would mix dtypes or devices; the layout was saved from a "

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -53,6 +52,7 @@ __all__ = ["DistributedDataParallel", "GradBucket"]
 
 _DEFAULT_BUCKET_MB = 25.0
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
+
 
 class DistributedDataParallel(TorchCompat, _TorchDDP):
     """Mirrors :class:`torch.nn.parallel.DistributedDataParallel` (same arguments, same
@@ -103,11 +103,16 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
             self.forward_sync_buffers = bool(forward_sync_buffers)
             init_sync_buffers = True
         else:
-            self.forward_sync_buffers = True if broadcast_buffers is None else bool(broadcast_buffers)
+            self.forward_sync_buffers = (
+                True if broadcast_buffers is None else bool(broadcast_buffers)
+            )
             init_sync_buffers = self.forward_sync_buffers
         self.process_group = (
-            device_mesh.get_group(mesh_dim=0) if device_mesh is not None
-            else process_group if process_group is not None else dist.group.WORLD
+            device_mesh.get_group(mesh_dim=0)
+            if device_mesh is not None
+            else process_group
+            if process_group is not None
+            else dist.group.WORLD
         )
         if device_mesh is not None:
             self.device_mesh = device_mesh
@@ -128,7 +133,9 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
         self.broadcast_bucket_size = 250 * 1024 * 1024
         self.bucket_bytes_cap = int((bucket_cap_mb or _DEFAULT_BUCKET_MB) * 2**20)
         self._bucket_caps = (
-            [int(c * 2**20) for c in bucket_cap_mb_list] if bucket_cap_mb_list else [self.bucket_bytes_cap]
+            [int(c * 2**20) for c in bucket_cap_mb_list]
+            if bucket_cap_mb_list
+            else [self.bucket_bytes_cap]
         )
         self._custom_bucket_caps = bool(bucket_cap_mb_list)
         self._default_bucket_cap = bucket_cap_mb is None
@@ -137,10 +144,14 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
         self.rank = dist.get_rank(self.process_group)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
-        self._comm_hooks: list[tuple[Callable, object]] = []  # torch's attribute: the registered hook
+        self._comm_hooks: list[
+            tuple[Callable, object]
+        ] = []  # torch's attribute: the registered hook
         self._assign_modules_buffers()  # torch's: self.modules_buffers, self.named_module_buffers
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignore]
+        named = [
+            (n, p) for n, p in module.named_parameters() if p.requires_grad and n not in ignore
+        ]
         params = [p for _, p in named]
         self._checked_same_model = False
         if init_sync:
@@ -148,18 +159,30 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
             self._sync_initial_states(init_sync_buffers)
 
         layout = BucketLayout(
-            params, caps=self._bucket_caps, custom_caps=self._custom_bucket_caps,
-            default_cap=self._default_bucket_cap, find_unused_parameters=self.find_unused_parameters,
-            static_graph=self.static_graph, views=self.gradient_as_bucket_view,
-            process_group=self.process_group, world_size=self.world_size,
+            params,
+            caps=self._bucket_caps,
+            custom_caps=self._custom_bucket_caps,
+            default_cap=self._default_bucket_cap,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            views=self.gradient_as_bucket_view,
+            process_group=self.process_group,
+            world_size=self.world_size,
         )
         self._sync = GradSync(
-            layout, {id(p): n for n, p in named}, world_size=self.world_size, rank=self.rank,
-            process_group=self.process_group, device=self.device,
-            find_unused_parameters=self.find_unused_parameters, static_graph=self.static_graph,
+            layout,
+            {id(p): n for n, p in named},
+            world_size=self.world_size,
+            rank=self.rank,
+            process_group=self.process_group,
+            device=self.device,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
             views=self.gradient_as_bucket_view,
         )
-        self._hooks = [p.register_post_accumulate_grad_hook(self._sync.on_grad_ready) for p in params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._sync.on_grad_ready) for p in params
+        ]
 
     # ------------------------------------------------------------------ what torch's reducer was
     @property
@@ -171,9 +194,14 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
 
     # ------------------------------------------------------------------ construction
     def _describe(self) -> list[str]:
-        desc = [f"{n}:{tuple(p.shape)}:{p.dtype}" + ("" if p.requires_grad else ":frozen")
-                for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
-        desc += [f"buffer {n}:{tuple(b.shape)}:{b.dtype}" for n, b in self.named_module_buffers.items()]
+        desc = [
+            f"{n}:{tuple(p.shape)}:{p.dtype}" + ("" if p.requires_grad else ":frozen")
+            for n, p in self.module.named_parameters()
+            if n not in self.parameters_to_ignore
+        ]
+        desc += [
+            f"buffer {n}:{tuple(b.shape)}:{b.dtype}" for n, b in self.named_module_buffers.items()
+        ]
         return desc
 
     def _check_same_model(self) -> None:
@@ -191,9 +219,13 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
             if d == ref_digest:
                 continue
             diff = next(
-                (f"rank 0 has {a!r}, rank {r} has {b!r}" for a, b in zip(ref_desc, other) if a != b),
-                f"rank 0 has {len(ref_desc)} parameters and buffers ({ref_desc[len(other):][:1]} "
-                f"more), rank {r} has {len(other)} ({other[len(ref_desc):][:1]} more)",
+                (
+                    f"rank 0 has {a!r}, rank {r} has {b!r}"
+                    for a, b in zip(ref_desc, other)
+                    if a != b
+                ),
+                f"rank 0 has {len(ref_desc)} parameters and buffers ({ref_desc[len(other) :][:1]} "
+                f"more), rank {r} has {len(other)} ({other[len(ref_desc) :][:1]} more)",
             )
             raise RuntimeError(
                 f"{_NAME}: the model differs across ranks ({diff}). Every rank must construct the "
@@ -238,8 +270,12 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
         if self.device_ids:
             from torch.distributed.utils import _to_kwargs
 
-            moved, moved_kw = _to_kwargs(inputs, kwargs, torch.device(self.device_type, self.device_ids[0]),
-                                         self.use_side_stream_for_tensor_copies)
+            moved, moved_kw = _to_kwargs(
+                inputs,
+                kwargs,
+                torch.device(self.device_type, self.device_ids[0]),
+                self.use_side_stream_for_tensor_copies,
+            )
             return moved[0], moved_kw[0]
         return inputs, kwargs
 
@@ -274,7 +310,9 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
         there is no unpack and no statistics, hook or not."""
         self._check_comm_hook(hook)  # torch's checks (callable, annotations, bf16 support)
         if self._sync.comm_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
+            )
         if self._sync.has_run():
             raise RuntimeError(
                 "register_comm_hook: communication hook can only be registered before the first backward"
@@ -285,19 +323,32 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        hooks = {"ALLREDUCE": default_hooks.allreduce_hook, "FP16_COMPRESS": default_hooks.fp16_compress_hook}
+        hooks = {
+            "ALLREDUCE": default_hooks.allreduce_hook,
+            "FP16_COMPRESS": default_hooks.fp16_compress_hook,
+        }
         name = getattr(comm_hook_type, "name", str(comm_hook_type))
         if name not in hooks:
-            raise ValueError(f"{_NAME}: unknown built-in comm hook {comm_hook_type!r}; expected ALLREDUCE or FP16_COMPRESS")
+            raise ValueError(
+                f"{_NAME}: unknown built-in comm hook {comm_hook_type!r}; expected ALLREDUCE or FP16_COMPRESS"
+            )
         self.register_comm_hook(self.process_group, hooks[name])
 
     # ------------------------------------------------------------------ join (uneven inputs)
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
         """As torch's: a context manager in which ranks with fewer batches shadow the others'
         collectives until every rank is done (then the last rank to finish broadcasts the model)."""
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         self._sync.divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
@@ -350,7 +401,9 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
     def load_bucket_layout(self, layout: dict[str, Any]) -> None:
         """Restores a layout from :meth:`bucket_layout` (validated before anything changes)."""
         if self._sync.pending:
-            raise RuntimeError("DistributedDataParallel.load_bucket_layout: cannot change buckets during backward")
+            raise RuntimeError(
+                "DistributedDataParallel.load_bucket_layout: cannot change buckets during backward"
+            )
         self._sync.layout.load_dict(layout)
 
     # ------------------------------------------------------------------ module protocol

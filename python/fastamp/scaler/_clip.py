@@ -51,9 +51,13 @@ def check_clip_arguments(optimizer: object, max_norm: object, norm_type: object)
     return value
 
 
-def grad_norm(per_device: dict[torch.device, DeviceGrads], invs: dict[torch.device, Tensor],
-              norm_type: float, scale_device: torch.device,
-              reuse: tuple[Tensor, Tensor] | None) -> GradNorm:
+def grad_norm(
+    per_device: dict[torch.device, DeviceGrads],
+    invs: dict[torch.device, Tensor],
+    norm_type: float,
+    scale_device: torch.device,
+    reuse: tuple[Tensor, Tensor] | None,
+) -> GradNorm:
     """The read-only stats pass over the grads (each multiplied by its device's ``invs``), or
     ``reuse``'s (found_inf, sum of squares) measured by DDP over the same grads."""
     found: dict[torch.device, Tensor] = {}
@@ -82,8 +86,13 @@ def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
     return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
 
 
-def unscale_and_clip(per_device: dict[torch.device, DeviceGrads], invs: dict[torch.device, Tensor],
-                     total_norm: Tensor, max_norm: float, written: Callable[[], None]) -> None:
+def unscale_and_clip(
+    per_device: dict[torch.device, DeviceGrads],
+    invs: dict[torch.device, Tensor],
+    total_norm: Tensor,
+    max_norm: float,
+    written: Callable[[], None],
+) -> None:
     """The write pass: each grad multiplied by ``inv_scale * clip_coef`` in one launch per
     device; ``written()`` after each (a launch checks all its input before writing any)."""
     for dev, entry in per_device.items():

@@ -1,5 +1,5 @@
-"""An optimizer's grads as the scaler's ops take them (:class:`DeviceGrads`): grouped by device (all dtypes in one list),
-validated before the first one is touched."""
+"""An optimizer's grads as the scaler's ops take them (:class:`DeviceGrads`): grouped by device
+(all dtypes in one list), validated before the first one is touched."""
 
 from __future__ import annotations
 

@@ -100,7 +100,9 @@ def update_scale_(
 
 @torch.library.register_fake("fastamp::grad_stats")
 def _grad_stats_fake(grads, inv_scale, norm_type=2.0):
-    check_fake_devices("grad_stats", inv_scale.device, [("grads", grads)], anchor="the device of inv_scale")
+    check_fake_devices(
+        "grad_stats", inv_scale.device, [("grads", grads)], anchor="the device of inv_scale"
+    )
     dev = inv_scale.device
     return (
         inv_scale.new_empty((), dtype=torch.float32, device=dev),
@@ -111,16 +113,25 @@ def _grad_stats_fake(grads, inv_scale, norm_type=2.0):
 
 @torch.library.register_fake("fastamp::non_finite_check_and_unscale_")
 def _unscale_fake(grads, found_inf, inv_scale, tensor_found_inf):
-    check_fake_devices("non_finite_check_and_unscale_", inv_scale.device, [("grads", grads)],
-                       {"found_inf": found_inf, "tensor_found_inf": tensor_found_inf},
-                       anchor="the device of inv_scale")
+    check_fake_devices(
+        "non_finite_check_and_unscale_",
+        inv_scale.device,
+        [("grads", grads)],
+        {"found_inf": found_inf, "tensor_found_inf": tensor_found_inf},
+        anchor="the device of inv_scale",
+    )
     return None
 
 
 @torch.library.register_fake("fastamp::clip_unscale_")
 def _clip_unscale_fake(grads, inv_scale, total_norm, max_norm):
-    check_fake_devices("clip_unscale_", inv_scale.device, [("grads", grads)],
-                       {"total_norm": total_norm}, anchor="the device of inv_scale")
+    check_fake_devices(
+        "clip_unscale_",
+        inv_scale.device,
+        [("grads", grads)],
+        {"total_norm": total_norm},
+        anchor="the device of inv_scale",
+    )
     return None
 
 
@@ -137,7 +148,15 @@ def _update_scale_fake(
     min_scale,
     max_scale,
 ):
-    check_fake_devices("update_scale_", scale.device, (),
-                       {"growth_tracker": growth_tracker, "hysteresis_tracker": hysteresis_tracker,
-                        "found_inf": found_inf}, anchor="the device of scale")
+    check_fake_devices(
+        "update_scale_",
+        scale.device,
+        (),
+        {
+            "growth_tracker": growth_tracker,
+            "hysteresis_tracker": hysteresis_tracker,
+            "found_inf": found_inf,
+        },
+        anchor="the device of scale",
+    )
     return None

@@ -57,7 +57,13 @@ class ScalerState:
             )
         missing = [
             k
-            for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+            for k in (
+                "scale",
+                "growth_factor",
+                "backoff_factor",
+                "growth_interval",
+                "_growth_tracker",
+            )
             if k not in state_dict
         ]
         if missing:

@@ -50,8 +50,13 @@ class Transaction:
     and a failing fused step would leave inf checks that a retry then mixes with new ones. Once a
     grad has been written the new stage is the truth and is kept."""
 
-    def __init__(self, states: Any, iterations: dict[int, OptimizerIteration], key: int,
-                 outer: Transaction | None) -> None:
+    def __init__(
+        self,
+        states: Any,
+        iterations: dict[int, OptimizerIteration],
+        key: int,
+        outer: Transaction | None,
+    ) -> None:
         self.states = states
         self.iterations = iterations
         self.key = key

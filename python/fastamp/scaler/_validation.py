@@ -36,14 +36,18 @@ def check_scale(value: Any, where: str, arg: str) -> float:
 def check_growth_factor(value: Any, where: str, arg: str) -> float:
     v = real(value, where, arg, "a finite number > 1.0")
     if not (math.isfinite(v) and v > 1.0):
-        raise ValueError(f"{where}: {arg} must be a finite number > 1.0, got {value!r} (expected e.g. 2.0)")
+        raise ValueError(
+            f"{where}: {arg} must be a finite number > 1.0, got {value!r} (expected e.g. 2.0)"
+        )
     return v
 
 
 def check_backoff_factor(value: Any, where: str, arg: str) -> float:
     v = real(value, where, arg, "a number in (0, 1)")
     if not (0.0 < v < 1.0):
-        raise ValueError(f"{where}: {arg} must be a number in (0, 1), got {value!r} (expected e.g. 0.5)")
+        raise ValueError(
+            f"{where}: {arg} must be a number in (0, 1), got {value!r} (expected e.g. 0.5)"
+        )
     return v
 
 
@@ -86,8 +90,12 @@ def check_state_dict(sd: Mapping[str, Any], where: str = "GradScaler.load_state_
             )
     if "hysteresis" in sd:
         check_hysteresis(sd["hysteresis"], where, "state_dict['hysteresis']")
-        lo = real(sd.get("min_scale", 0.0), where, "state_dict['min_scale']", "a finite number >= 0")
-        hi = real(sd.get("max_scale", math.inf), where, "state_dict['max_scale']", "a number >= min_scale")
+        lo = real(
+            sd.get("min_scale", 0.0), where, "state_dict['min_scale']", "a finite number >= 0"
+        )
+        hi = real(
+            sd.get("max_scale", math.inf), where, "state_dict['max_scale']", "a number >= min_scale"
+        )
         if not (0.0 <= lo <= FLOAT32_MAX and hi >= lo):
             raise ValueError(
                 f"{where}: state_dict['min_scale'], state_dict['max_scale'] = {lo!r}, {hi!r}; "

@@ -1,8 +1,9 @@
 """What the scaler remembers of overflows, on the device, and the report it builds from it.
 
-Per optimizer, :func:`record` keeps (in an :class:`OverflowRecord`) the per-parameter inf/NaN flags of the last step that
-overflowed, with device ops only (no host sync in the training step); :func:`report` reads them
-back (one sync, meant for after a NaN loss) as an :class:`OverflowReport`.
+Per optimizer, :func:`record` keeps (in an :class:`OverflowRecord`) the per-parameter inf/NaN
+flags of the last step that overflowed, with device ops only (no host sync in the training
+step); :func:`report` reads them back (one sync, meant for after a NaN loss) as an
+:class:`OverflowReport`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ class OverflowReport:
     def __str__(self) -> str:
         if self.update is None:
             return "no overflow recorded"
-        names = ", ".join(self.parameters) if self.parameters else "(none: inf/NaN came from outside the grads)"
+        names = (
+            ", ".join(self.parameters)
+            if self.parameters
+            else "(none: inf/NaN came from outside the grads)"
+        )
         return f"overflow at update #{self.update}: non-finite grads in {names}"
 
 
@@ -53,20 +58,30 @@ class OverflowRecord:
         self.update = update
 
 
-def record(records: dict[int, OverflowRecord], opt_id: int, keys: tuple[int, ...],
-           places: list[tuple[int, int]], flags: Tensor, overflowed: Tensor,
-           update_count: Tensor) -> None:
+def record(
+    records: dict[int, OverflowRecord],
+    opt_id: int,
+    keys: tuple[int, ...],
+    places: list[tuple[int, int]],
+    flags: Tensor,
+    overflowed: Tensor,
+    update_count: Tensor,
+) -> None:
     """Keeps ``flags`` (one per parameter, on ``update_count``'s device) as optimizer
     ``opt_id``'s record when ``overflowed`` (a device bool): device ops only."""
     rec = records.get(opt_id)
     if rec is None or rec.keys != keys:
-        rec = OverflowRecord(keys, places, torch.zeros_like(flags), torch.full_like(update_count, -1))
+        rec = OverflowRecord(
+            keys, places, torch.zeros_like(flags), torch.full_like(update_count, -1)
+        )
         records[opt_id] = rec
     rec.flags = torch.where(overflowed, flags, rec.flags)
     rec.update = torch.where(overflowed, update_count, rec.update)
 
 
-def report(records: dict[int, OverflowRecord], model: torch.nn.Module | None = None) -> OverflowReport:
+def report(
+    records: dict[int, OverflowRecord], model: torch.nn.Module | None = None
+) -> OverflowReport:
     """The parameters whose grads were inf/NaN at the most recent overflow (syncs)."""
     names: dict[int, str] = {}
     if model is not None:

@@ -54,7 +54,6 @@ from fastamp.scaler.diagnostics import OverflowReport
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
 
 
-
 def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, AmpFusedOptimizer)
 
@@ -105,8 +104,16 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
             check_backoff_factor(backoff_factor, "GradScaler", "backoff_factor")
             check_growth_interval(growth_interval, "GradScaler", "growth_interval")
         check_hysteresis(hysteresis, "GradScaler", "hysteresis")
-        lo = 0.0 if min_scale is None else real(min_scale, "GradScaler", "min_scale", "a finite number >= 0")
-        hi = math.inf if max_scale is None else real(max_scale, "GradScaler", "max_scale", "a number >= min_scale")
+        lo = (
+            0.0
+            if min_scale is None
+            else real(min_scale, "GradScaler", "min_scale", "a finite number >= 0")
+        )
+        hi = (
+            math.inf
+            if max_scale is None
+            else real(max_scale, "GradScaler", "max_scale", "a number >= min_scale")
+        )
         if not (0.0 <= lo <= FLOAT32_MAX):
             raise ValueError(
                 f"GradScaler: min_scale must be a finite number >= 0 (within float32's range), got "
@@ -193,8 +200,9 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         """The call inside, all or nothing for the optimizer's per-iteration state (see
         :class:`Transaction`)."""
         outer = self._transaction
-        tx = self._transaction = Transaction(self._per_optimizer_states, self._iterations,
-                                             id(optimizer), outer)
+        tx = self._transaction = Transaction(
+            self._per_optimizer_states, self._iterations, id(optimizer), outer
+        )
         try:
             yield tx
         except BaseException:
@@ -220,7 +228,9 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         with torch.no_grad():
             for dev, entry in per_device.items():
                 f = found_inf.to(device=dev, non_blocking=True, copy=True)
-                flags[dev] = _ops.non_finite_check_and_unscale_(entry.grads, f, to_device(inv_scale, dev))
+                flags[dev] = _ops.non_finite_check_and_unscale_(
+                    entry.grads, f, to_device(inv_scale, dev)
+                )
                 self._grads_written()  # the op checks all its input before writing any
                 found[dev] = f
         self._record_flags(optimizer, per_device, flags)
@@ -288,8 +298,14 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         with self._restore_on_error(optimizer) as tx:
             return self._clip_grad_norm(optimizer, scale, float(max_norm), norm, tx)
 
-    def _clip_grad_norm(self, optimizer: torch.optim.Optimizer, scale: Tensor, max_norm: float,
-                        norm_type: float, tx: Transaction) -> Tensor:
+    def _clip_grad_norm(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scale: Tensor,
+        max_norm: float,
+        norm_type: float,
+        tx: Transaction,
+    ) -> Tensor:
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError(
@@ -308,7 +324,12 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
             inv_scale = scale.double().reciprocal().float()
         invs = {dev: to_device(inv_scale, dev) for dev in per_device}
         reuse = None
-        if norm_type == 2.0 and not already_unscaled and len(per_device) == 1 and self._ddp_stats is not None:
+        if (
+            norm_type == 2.0
+            and not already_unscaled
+            and len(per_device) == 1
+            and self._ddp_stats is not None
+        ):
             # DDP's unpack already read these grads for the inf check and the sum of squares.
             params = [p for g in optimizer.param_groups for p in g["params"]]
             if self._ddp_stats.current_for(params, self._scale):
@@ -316,7 +337,9 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         with torch.no_grad():
             found, flags, total_norm = grad_norm(per_device, invs, norm_type, scale.device, reuse)
             if fused:  # the step's scalars but found_inf (summed over devices at step())
-                self._iteration(optimizer).clip = ClipStep(inv_scale, clip_coefficient(total_norm, max_norm))
+                self._iteration(optimizer).clip = ClipStep(
+                    inv_scale, clip_coefficient(total_norm, max_norm)
+                )
             else:
                 unscale_and_clip(per_device, invs, total_norm, max_norm, tx.grads_written)
         if already_unscaled:
@@ -354,7 +377,10 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         record = self._iterations.setdefault(key, OptimizerIteration())
         if record.found_total is None:
             assert self._scale is not None
-            values = [to_device(v, self._scale.device) for v in optimizer_state["found_inf_per_device"].values()]
+            values = [
+                to_device(v, self._scale.device)
+                for v in optimizer_state["found_inf_per_device"].values()
+            ]
             total = values[0]
             for v in values[1:]:
                 total = total + v
@@ -475,7 +501,9 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         ``step`` and its ``update()`` (when a checkpoint of the scaler would be half a step)."""
         if not self._enabled:  # a disabled scaler has no per-optimizer state (as torch's)
             return False
-        return any(state["stage"] is not OptState.READY for state in self._per_optimizer_states.values())
+        return any(
+            state["stage"] is not OptState.READY for state in self._per_optimizer_states.values()
+        )
 
     def last_step_skipped(self) -> Tensor:
         """A device bool tensor: did the most recent :meth:`step` skip ``optimizer.step()``?

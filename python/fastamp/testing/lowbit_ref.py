@@ -43,6 +43,10 @@ def bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
     """float32 ``x`` rounded to bfloat16 with the random bits ``r`` (low 16 used), as the kernels:
     the carry of the sum does the rounding; a NaN becomes the quiet NaN 0x7FC0."""
     x = x.float()
-    b = torch.where(torch.isnan(x), 0x7FC00000, x.contiguous().view(torch.int32).to(torch.int64) & _M32)
+    b = torch.where(
+        torch.isnan(x), 0x7FC00000, x.contiguous().view(torch.int32).to(torch.int64) & _M32
+    )
     h = ((b + (r & 0xFFFF)) >> 16) & 0xFFFF
-    return torch.where(h >= 2**15, h - 2**16, h).to(torch.int16).view(torch.bfloat16).reshape(x.shape)
+    return (
+        torch.where(h >= 2**15, h - 2**16, h).to(torch.int16).view(torch.bfloat16).reshape(x.shape)
+    )

@@ -33,16 +33,26 @@ def make_grads(
     for shape, dtype, nc in zip(shapes, dtypes, non_contiguous):
         if nc:
             # Every other column of a wider tensor: a view with gaps between rows' elements.
-            big = torch.randn(*shape[:-1], shape[-1] * 2, generator=gen, dtype=torch.float64) if shape else torch.randn((), generator=gen, dtype=torch.float64)
+            big = (
+                torch.randn(*shape[:-1], shape[-1] * 2, generator=gen, dtype=torch.float64)
+                if shape
+                else torch.randn((), generator=gen, dtype=torch.float64)
+            )
             base = (big * scale).to(dtype).to(device)
             t = base[..., ::2] if shape else base
         else:
-            t = (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype).to(device)
+            t = (
+                (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale)
+                .to(dtype)
+                .to(device)
+            )
         out.append(t)
     return out
 
 
-def transformer_like_shapes(n_params: int, hidden: int | None = None, vocab: int = 32000) -> list[tuple[int, ...]]:
+def transformer_like_shapes(
+    n_params: int, hidden: int | None = None, vocab: int = 32000
+) -> list[tuple[int, ...]]:
     """Parameter shapes of a GPT-style stack whose total size is about ``n_params``.
 
     Per layer: QKV and output projections, a 4x MLP, two LayerNorms (weights and biases); plus an
@@ -56,9 +66,18 @@ def transformer_like_shapes(n_params: int, hidden: int | None = None, vocab: int
                 hidden = h
     shapes: list[tuple[int, ...]] = [(vocab, hidden)]
     per_layer = [
-        (3 * hidden, hidden), (3 * hidden,), (hidden, hidden), (hidden,),
-        (4 * hidden, hidden), (4 * hidden,), (hidden, 4 * hidden), (hidden,),
-        (hidden,), (hidden,), (hidden,), (hidden,),
+        (3 * hidden, hidden),
+        (3 * hidden,),
+        (hidden, hidden),
+        (hidden,),
+        (4 * hidden, hidden),
+        (4 * hidden,),
+        (hidden, 4 * hidden),
+        (hidden,),
+        (hidden,),
+        (hidden,),
+        (hidden,),
+        (hidden,),
     ]
     layer_size = sum(math.prod(s) for s in per_layer)
     total = vocab * hidden
@@ -86,7 +105,9 @@ def grad_stats_ref(
     if not parts:
         total = 0.0
     elif math.isinf(norm_type):
-        total = float(torch.stack(parts).max()) if not any(torch.isnan(p) for p in parts) else math.nan
+        total = (
+            float(torch.stack(parts).max()) if not any(torch.isnan(p) for p in parts) else math.nan
+        )
     else:
         total = float(torch.stack(parts).sum())
     return (1.0 if any(flags) else 0.0), total, flags
@@ -97,7 +118,9 @@ def unscale_ref(grads: Sequence[Tensor], inv_scale: float) -> list[Tensor]:
     return [(g.detach().cpu().double() * inv_scale).to(g.dtype) for g in grads]
 
 
-def clip_unscale_ref(grads: Sequence[Tensor], inv_scale: float, total_norm: float, max_norm: float) -> list[Tensor]:
+def clip_unscale_ref(
+    grads: Sequence[Tensor], inv_scale: float, total_norm: float, max_norm: float
+) -> list[Tensor]:
     coef = max_norm / (total_norm + 1e-6)
     coef = coef if (coef != coef or coef <= 1.0) else 1.0
     return [(g.detach().cpu().double() * inv_scale * coef).to(g.dtype) for g in grads]
@@ -121,7 +144,11 @@ def update_scale_ref(
         growth_tracker = 0
         hysteresis_tracker -= 1
         if hysteresis_tracker <= 0:
-            scale = max(f32(scale * backoff_factor), f32(min_scale)) if min_scale > 0 else f32(scale * backoff_factor)
+            scale = (
+                max(f32(scale * backoff_factor), f32(min_scale))
+                if min_scale > 0
+                else f32(scale * backoff_factor)
+            )
             hysteresis_tracker = 0
     else:
         if growth_tracker + 1 == growth_interval:
@@ -135,8 +162,25 @@ def update_scale_ref(
     return scale, growth_tracker, hysteresis_tracker
 
 
-def adam_ref(p, g, m, v, vmax, step, *, lr, beta1, beta2, eps, weight_decay, amsgrad, decoupled,
-             maximize, inv_scale=1.0, clip_coef=1.0):
+def adam_ref(
+    p,
+    g,
+    m,
+    v,
+    vmax,
+    step,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    amsgrad,
+    decoupled,
+    maximize,
+    inv_scale=1.0,
+    clip_coef=1.0,
+):
     """One Adam/AdamW step in float64 (the textbook rule); returns new (p, m, v, vmax)."""
     p, g, m, v = (t.detach().double().cpu() for t in (p, g, m, v))
     vmax = vmax.detach().double().cpu() if vmax is not None else None
@@ -159,8 +203,21 @@ def adam_ref(p, g, m, v, vmax, step, *, lr, beta1, beta2, eps, weight_decay, ams
     return p, m, v, vmax
 
 
-def sgd_ref(p, g, buf, first, *, lr, momentum, dampening, weight_decay, nesterov, maximize,
-            inv_scale=1.0, clip_coef=1.0):
+def sgd_ref(
+    p,
+    g,
+    buf,
+    first,
+    *,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    maximize,
+    inv_scale=1.0,
+    clip_coef=1.0,
+):
     """One SGD step in float64; returns new (p, buf)."""
     p, g = p.detach().double().cpu(), g.detach().double().cpu() * inv_scale * clip_coef
     if maximize:
