@@ -45,7 +45,9 @@ def _versions(r: _Report) -> None:
     except Exception:
         nccl = None
     r.info("NCCL", nccl or "not available")
-    r.info("distributed backends", ", ".join(b for b in ("gloo", "nccl") if _has_backend(b)) or "none")
+    r.info(
+        "distributed backends", ", ".join(b for b in ("gloo", "nccl") if _has_backend(b)) or "none"
+    )
 
 
 def _has_backend(name: str) -> bool:
@@ -76,17 +78,23 @@ def _build(r: _Report) -> bool:
 
     r.section("fastamp build")
     if fastamp.LOAD_ERROR is not None:
-        r.problem(f"fastamp's compiled library did not load: {fastamp.LOAD_ERROR}",
-                  "rebuild fastamp against this torch: pip install --no-build-isolation "
-                  "--force-reinstall --no-deps <fastamp source> (or `make test` in a checkout)")
+        r.problem(
+            f"fastamp's compiled library did not load: {fastamp.LOAD_ERROR}",
+            "rebuild fastamp against this torch: pip install --no-build-isolation "
+            "--force-reinstall --no-deps <fastamp source> (or `make test` in a checkout)",
+        )
         return False
     info = fastamp.build_info()
     r.info("fastamp", info["fastamp_version"])
     r.info("built for torch", info["torch_version"])
-    r.info("CUDA kernels", f"yes, archs {' '.join(info['cuda_archs'])}" if info["with_cuda"] else "no")
+    r.info(
+        "CUDA kernels", f"yes, archs {' '.join(info['cuda_archs'])}" if info["with_cuda"] else "no"
+    )
     if torch.cuda.is_available() and not info["with_cuda"]:
-        r.problem("a GPU is visible but fastamp was built without CUDA kernels",
-                  "install a CUDA build of torch and nvcc, then rebuild fastamp (FASTAMP_CUDA=ON)")
+        r.problem(
+            "a GPU is visible but fastamp was built without CUDA kernels",
+            "install a CUDA build of torch and nvcc, then rebuild fastamp (FASTAMP_CUDA=ON)",
+        )
     if torch.cuda.is_available() and info["with_cuda"]:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
@@ -94,11 +102,15 @@ def _build(r: _Report) -> bool:
             cc = f"{p.major}.{p.minor}"
             ptx = any(a.endswith("+PTX") and float(a[:-4]) <= float(cc) for a in info["cuda_archs"])
             if cc not in have and not ptx:
-                r.problem(f"cuda:{i} has compute capability {cc}, not among the built archs {have}",
-                          f"rebuild with TORCH_CUDA_ARCH_LIST=\"{cc}\" (or add +PTX to an older arch)")
+                r.problem(
+                    f"cuda:{i} has compute capability {cc}, not among the built archs {have}",
+                    f'rebuild with TORCH_CUDA_ARCH_LIST="{cc}" (or add +PTX to an older arch)',
+                )
     missing = [op for op, keys in info["ops"].items() if "CPU" not in keys]
     if missing:
-        r.problem(f"ops without a CPU kernel: {missing}", "rebuild fastamp; the build is incomplete")
+        r.problem(
+            f"ops without a CPU kernel: {missing}", "rebuild fastamp; the build is incomplete"
+        )
     return True
 
 
@@ -145,7 +157,9 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
     def clip():
         g = make_grads(shapes, torch.float32, device, seed=3, scale=100.0)
         exp = clip_unscale_ref(g, 0.5, 3.0, 1.0)
-        ops.clip_unscale_(g, torch.tensor(0.5, device=device), torch.tensor(3.0, device=device), 1.0)
+        ops.clip_unscale_(
+            g, torch.tensor(0.5, device=device), torch.tensor(3.0, device=device), 1.0
+        )
         for a, b in zip(g, exp):
             close(a, b, 1e-6)
 
@@ -159,14 +173,23 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
             ref = update_scale_ref(*ref, inf, 2.0, 0.5, 2)
             assert (float(s), int(gt), int(ht)) == ref
 
+    # The AdamW step both Adam checks run: its hyper-parameters and the float64 reference.
+    ADAMW = optim_ops.AdamHyper(
+        1e-2, None, 0.9, 0.999, 0.01, 1e-8, decoupled_weight_decay=True, maximize=False
+    )
+
+    def adamw_expected(p, g, m, v):
+        kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+        return adam_ref(p, g, m, v, None, 1, **kw, amsgrad=False, decoupled=True, maximize=False)
+
     def adam():
-        p, g = make_grads([(999,)], torch.float32, device, seed=4), make_grads([(999,)], torch.float32, device, seed=5)
+        p, g = (
+            make_grads([(999,)], torch.float32, device, seed=4),
+            make_grads([(999,)], torch.float32, device, seed=5),
+        )
         m, v = [torch.zeros_like(p[0])], [torch.zeros_like(p[0])]
-        exp = adam_ref(p[0], g[0], m[0], v[0], None, 1, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                       weight_decay=0.01, amsgrad=False, decoupled=True, maximize=False)
-        hyper = optim_ops.AdamHyper(1e-2, None, 0.9, 0.999, 0.01, 1e-8, decoupled_weight_decay=True,
-                                    maximize=False)
-        optim_ops.adam_step_(p, g, m, v, [], [torch.zeros((), device=device)], [], hyper)
+        exp = adamw_expected(p[0], g[0], m[0], v[0])
+        optim_ops.adam_step_(p, g, m, v, [], [torch.zeros((), device=device)], [], ADAMW)
         close(p[0], exp[0], 1e-5)
 
     def adam_lowbit():
@@ -180,22 +203,33 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
             form = lowbit.resolve(fmt, "fastamp doctor")
             st = form.encode({"exp_avg": m, "exp_avg_sq": v}, p)
             floats = form.decode(st, lowbit.ADAM_MOMENTS)
-            exp = adam_ref(p, g, floats["exp_avg"], floats["exp_avg_sq"], None, 1, lr=1e-2, beta1=0.9,
-                           beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False, decoupled=True,
-                           maximize=False)
-            hyper = optim_ops.AdamHyper(1e-2, None, 0.9, 0.999, 0.01, 1e-8,
-                                        decoupled_weight_decay=True, maximize=False)
-            optim_ops.adam_lowbit_step_([p], [g], *form.adam_lists([st]),
-                                        [torch.zeros((), device=device)], [], 0, hyper)
+            exp = adamw_expected(p, g, floats["exp_avg"], floats["exp_avg_sq"])
+            optim_ops.adam_lowbit_step_(
+                [p], [g], *form.adam_lists([st]), [torch.zeros((), device=device)], [], 0, ADAMW
+            )
             close(p, exp[0], 1e-5)
 
     def sgd():
-        p, g = make_grads([(999,)], torch.float32, device, seed=6), make_grads([(999,)], torch.float32, device, seed=7)
+        p, g = (
+            make_grads([(999,)], torch.float32, device, seed=6),
+            make_grads([(999,)], torch.float32, device, seed=7),
+        )
         b = [torch.zeros_like(p[0])]
-        exp = sgd_ref(p[0], g[0], None, True, lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0,
-                      nesterov=False, maximize=False)
-        hyper = optim_ops.SgdHyper(0.1, None, weight_decay=0.0, momentum=0.9, dampening=0.0,
-                                   nesterov=False, maximize=False)
+        exp = sgd_ref(
+            p[0],
+            g[0],
+            None,
+            True,
+            lr=0.1,
+            momentum=0.9,
+            dampening=0.0,
+            weight_decay=0.0,
+            nesterov=False,
+            maximize=False,
+        )
+        hyper = optim_ops.SgdHyper(
+            0.1, None, weight_decay=0.0, momentum=0.9, dampening=0.0, nesterov=False, maximize=False
+        )
         optim_ops.sgd_step_(p, g, b, [torch.zeros((), device=device)], [], hyper)
         close(p[0], exp[0], 1e-6)
 
@@ -215,19 +249,34 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         bucket = torch.zeros(70010, device=device)
         parallel_ops.bucket_pack_(bucket, g, [0, 10], 0.5)
         out = [torch.empty_like(t) for t in g]
-        found, sq = parallel_ops.bucket_unpack_(bucket, out, [0, 10], torch.tensor(1.0, device=device))
+        found, sq = parallel_ops.bucket_unpack_(
+            bucket, out, [0, 10], torch.tensor(1.0, device=device)
+        )
         for a, b in zip(out, g):
             close(a, b.double().cpu() * 0.5, 1e-7)
-        assert float(found) == 0.0 and math.isclose(float(sq), sum(float((t.double() * 0.5).square().sum()) for t in g), rel_tol=1e-5)
+        assert float(found) == 0.0 and math.isclose(
+            float(sq), sum(float((t.double() * 0.5).square().sum()) for t in g), rel_tol=1e-5
+        )
 
-    return [("grad_stats", grad_stats), ("non_finite_check_and_unscale_", unscale), ("clip_unscale_", clip),
-            ("update_scale_", update_scale), ("adam_step_", adam), ("adam_lowbit_step_", adam_lowbit),
-            ("sgd_step_", sgd),
-            ("tensor_digest + rng_get/set_state", digest_and_rng), ("bucket_pack_/unpack_", buckets)]
+    return [
+        ("grad_stats", grad_stats),
+        ("non_finite_check_and_unscale_", unscale),
+        ("clip_unscale_", clip),
+        ("update_scale_", update_scale),
+        ("adam_step_", adam),
+        ("adam_lowbit_step_", adam_lowbit),
+        ("sgd_step_", sgd),
+        ("tensor_digest + rng_get/set_state", digest_and_rng),
+        ("bucket_pack_/unpack_", buckets),
+    ]
 
 
 def _selftest(r: _Report) -> None:
-    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else ["cpu"]
+    devices = (
+        ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else ["cpu"]
+    )
     import fastamp
 
     if torch.cuda.is_available() and not fastamp.build_info()["with_cuda"]:
@@ -239,8 +288,10 @@ def _selftest(r: _Report) -> None:
                 fn()
                 r.info(name, "ok")
             except Exception as e:
-                r.problem(f"{name} on {device} gave a wrong result or failed: {e!r}",
-                          "report it with this output; meanwhile use the torch counterparts on this device")
+                r.problem(
+                    f"{name} on {device} gave a wrong result or failed: {e!r}",
+                    "report it with this output; meanwhile use the torch counterparts on this device",
+                )
                 if not r.quiet:
                     traceback.print_exc()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,13 +19,25 @@ from torch import Tensor
 from fastamp._library import check_fake_devices  # (importing it loads the operator library)
 from fastamp.handoff import AmpStep
 
-__all__ = ["AdamHyper", "SgdHyper", "adam_lowbit_step_", "adam_step_", "sgd_lowbit_step_",
-           "sgd_step_", "shared_memory_pair"]
+__all__ = [
+    "AdamHyper",
+    "SgdHyper",
+    "adam_lowbit_step_",
+    "adam_step_",
+    "sgd_lowbit_step_",
+    "sgd_step_",
+    "shared_memory_pair",
+]
 
 _ops = torch.ops.fastamp
 
 # No scaler: grads taken as they are, the step unconditional, no clipping.
 _NO_AMP = AmpStep(None, None, None)
+
+
+def _amp_args(a: AmpStep) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The scaler's device scalars in the schemas' order (the last three arguments of each)."""
+    return a.inv_scale, a.found_inf, a.clip_coef
 
 
 @dataclass(frozen=True)
@@ -42,6 +55,13 @@ class AdamHyper:
     maximize: bool
     amsgrad: bool = False
 
+    def schema_args(self, with_amsgrad: bool) -> tuple[Any, ...]:
+        """The hyper-parameters in the schema's order (``amsgrad`` only in adam_step_'s)."""
+        head = (float(self.lr), self.lr_tensor, float(self.beta1), float(self.beta2))
+        head += (float(self.weight_decay), float(self.eps))
+        ams = (bool(self.amsgrad),) if with_amsgrad else ()
+        return head + ams + (bool(self.decoupled_weight_decay), bool(self.maximize))
+
 
 @dataclass(frozen=True)
 class SgdHyper:
@@ -56,66 +76,98 @@ class SgdHyper:
     nesterov: bool
     maximize: bool
 
+    def schema_args(self) -> tuple[Any, ...]:
+        """The hyper-parameters in the schema's order."""
+        return (float(self.lr), self.lr_tensor, float(self.weight_decay), float(self.momentum),
+                float(self.dampening), bool(self.nesterov), bool(self.maximize))  # fmt: skip
 
-def adam_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-               exp_avg_sqs: Sequence[Tensor], max_exp_avg_sqs: Sequence[Tensor],
-               state_steps: Sequence[Tensor], master_params: Sequence[Tensor], hyper: AdamHyper,
-               amp: AmpStep | None = None) -> None:
+
+def adam_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    max_exp_avg_sqs: Sequence[Tensor],
+    state_steps: Sequence[Tensor],
+    master_params: Sequence[Tensor],
+    hyper: AdamHyper,
+    amp: AmpStep | None = None,
+) -> None:
     """One Adam (AdamW with ``decoupled_weight_decay``) step over a list of params, in one pass:
     each grad is read once and multiplied in registers by ``amp.inv_scale * amp.clip_coef``; when
     ``amp.found_inf`` is non-zero nothing is written and ``state_steps`` hold. ``master_params``
     (fp32) are updated in place of half params when given."""
     h, a = hyper, amp or _NO_AMP
-    _ops.adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                    master_params, float(h.lr), h.lr_tensor, float(h.beta1), float(h.beta2),
-                    float(h.weight_decay), float(h.eps), bool(h.amsgrad),
-                    bool(h.decoupled_weight_decay), bool(h.maximize), a.inv_scale, a.found_inf,
-                    a.clip_coef)
+    _ops.adam_step_(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
+        *h.schema_args(with_amsgrad=True), *_amp_args(a),
+    )  # fmt: skip
 
 
-def adam_lowbit_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
-                      exp_avg_sqs: Sequence[Tensor], exp_avg_absmax: Sequence[Tensor],
-                      exp_avg_sq_absmax: Sequence[Tensor], state_steps: Sequence[Tensor],
-                      master_params: Sequence[Tensor], seed: int, hyper: AdamHyper,
-                      amp: AmpStep | None = None) -> None:
+def adam_lowbit_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    exp_avg_absmax: Sequence[Tensor],
+    exp_avg_sq_absmax: Sequence[Tensor],
+    state_steps: Sequence[Tensor],
+    master_params: Sequence[Tensor],
+    seed: int,
+    hyper: AdamHyper,
+    amp: AmpStep | None = None,
+) -> None:
     """:func:`adam_step_` with low-precision moments (fastamp.optim.lowbit): bfloat16 ones,
     written with stochastic rounding keyed by ``seed``, or uint8 codes of 256-element blocks with
     their float32 scales in ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (empty lists for
     bfloat16). One pass; with ``amp.found_inf`` non-zero nothing is written. No amsgrad."""
     h, a = hyper, amp or _NO_AMP
     if h.amsgrad:
-        raise ValueError("fastamp::adam_lowbit_step_: amsgrad is not supported with low-precision "
-                         "state (hyper.amsgrad must be False)")
-    _ops.adam_lowbit_step_(params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
-                           state_steps, master_params, int(seed), float(h.lr), h.lr_tensor,
-                           float(h.beta1), float(h.beta2), float(h.weight_decay), float(h.eps),
-                           bool(h.decoupled_weight_decay), bool(h.maximize), a.inv_scale,
-                           a.found_inf, a.clip_coef)
+        raise ValueError(
+            "fastamp::adam_lowbit_step_: amsgrad is not supported with low-precision "
+            "state (hyper.amsgrad must be False)"
+        )
+    _ops.adam_lowbit_step_(
+        params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
+        master_params, int(seed), *h.schema_args(with_amsgrad=False), *_amp_args(a),
+    )  # fmt: skip
 
 
-def sgd_step_(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_buffers: Sequence[Tensor],
-              state_steps: Sequence[Tensor], master_params: Sequence[Tensor], hyper: SgdHyper,
-              amp: AmpStep | None = None) -> None:
+def sgd_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    state_steps: Sequence[Tensor],
+    master_params: Sequence[Tensor],
+    hyper: SgdHyper,
+    amp: AmpStep | None = None,
+) -> None:
     """One SGD step (torch.optim.SGD's rule), fused as :func:`adam_step_`; ``state_steps`` count
     each param's updates (a buffer's first update takes the grad as is)."""
     h, a = hyper, amp or _NO_AMP
-    _ops.sgd_step_(params, grads, momentum_buffers, state_steps, master_params, float(h.lr),
-                   h.lr_tensor, float(h.weight_decay), float(h.momentum), float(h.dampening),
-                   bool(h.nesterov), bool(h.maximize), a.inv_scale, a.found_inf, a.clip_coef)
+    _ops.sgd_step_(
+        params, grads, momentum_buffers, state_steps, master_params, *h.schema_args(), *_amp_args(a),
+    )  # fmt: skip
 
 
-def sgd_lowbit_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
-                     momentum_buffers: Sequence[Tensor], state_steps: Sequence[Tensor],
-                     master_params: Sequence[Tensor], seed: int, hyper: SgdHyper,
-                     amp: AmpStep | None = None) -> None:
+def sgd_lowbit_step_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    state_steps: Sequence[Tensor],
+    master_params: Sequence[Tensor],
+    seed: int,
+    hyper: SgdHyper,
+    amp: AmpStep | None = None,
+) -> None:
     """:func:`sgd_step_` (momentum != 0) with bfloat16 momentum buffers, written with stochastic
     rounding keyed by ``seed`` (fastamp.optim.lowbit). One pass; with ``amp.found_inf`` non-zero
     nothing is written."""
     h, a = hyper, amp or _NO_AMP
-    _ops.sgd_lowbit_step_(params, grads, momentum_buffers, state_steps, master_params, int(seed),
-                          float(h.lr), h.lr_tensor, float(h.weight_decay), float(h.momentum),
-                          float(h.dampening), bool(h.nesterov), bool(h.maximize), a.inv_scale,
-                          a.found_inf, a.clip_coef)
+    _ops.sgd_lowbit_step_(
+        params, grads, momentum_buffers, state_steps, master_params, int(seed), *h.schema_args(),
+        *_amp_args(a),
+    )  # fmt: skip
 
 
 def shared_memory_pair(tensors: Sequence[Tensor]) -> list[int]:
@@ -131,15 +183,23 @@ def _register_step_fake(name: str) -> None:
     args = getattr(_ops, name).default._schema.arguments
     names = [a.name for a in args]
     lists = [a.name for a in args if a.type.isSubtypeOf(torch._C.ListType.ofTensors())]
-    scalars = [a.name for a in args if a.type.isSubtypeOf(torch._C.OptionalType.ofTensor())
-               and a.name not in lists]
+    scalars = [
+        a.name
+        for a in args
+        if a.type.isSubtypeOf(torch._C.OptionalType.ofTensor()) and a.name not in lists
+    ]
 
     def fake(*values, **kwargs):
         bound = {**dict(zip(names, values)), **kwargs}
         params = bound["params"]
         if params:
-            check_fake_devices(name, params[0].device, [(n, bound[n]) for n in lists],
-                               {n: bound[n] for n in scalars}, anchor="the device of params[0]")
+            check_fake_devices(
+                name,
+                params[0].device,
+                [(n, bound[n]) for n in lists],
+                {n: bound[n] for n in scalars},
+                anchor="the device of params[0]",
+            )
         return None
 
     torch.library.register_fake(f"fastamp::{name}")(fake)
