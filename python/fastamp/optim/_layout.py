@@ -13,12 +13,10 @@ def where_in_groups(g: int, i: int) -> str:
     return f"param_groups[{g}]['params'][{i}]"
 
 
-def grad_like(p: Tensor, like: Tensor) -> Tensor:
-    """The grad of ``p`` with the strides of ``like`` (the param as the kernel sees it): the kernel
+def grad_like(g: Tensor, like: Tensor) -> Tensor:
+    """The grad ``g`` with the strides of ``like`` (the param as the kernel sees it): the kernel
     walks both as one flat span. PyTorch accepts a grad of any layout; a re-strided copy
     (read-only, so a temporary) keeps that working."""
-    g = p.grad
-    assert g is not None
     return g if g.stride() == like.stride() else torch.empty_like(like).copy_(g)
 
 

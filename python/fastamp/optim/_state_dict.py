@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import is_real
+from fastamp._sharding import is_dtensor, local, local_state, wrap_like
 from fastamp.optim import lowbit
 from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import kernel_like, where_in_groups
@@ -91,6 +92,9 @@ class StateDictChecks:
                 raise TypeError(
                     f"{entry} is a {type(st).__name__}; expected a dict of state tensors"
                 )
+            if is_dtensor(p):  # a sharded param's state: checked as its local shards
+                _check_sharded(entry, p, st)
+                p, st = local(p), local_state(st)
             moments = self.family.moments_of({**param_groups[g], **saved_groups[g]})
             lowbit.check_any(st, p, moments, entry, any_device=True)
             for key in tuple(k for k in self.family.elementwise if k not in moments) + (
@@ -166,6 +170,9 @@ class StateDictChecks:
             src = sd["state"].get(pid)
             if not isinstance(src, Mapping) or not src:
                 continue
+            # A sharded param's state is made from the local shards, then laid out as it is.
+            sharded, p = p, local(p)
+            src = local_state(src)
             group = {
                 **param_groups[g],
                 **{
@@ -185,7 +192,7 @@ class StateDictChecks:
             moments = self.family.moments_of(group)
             if moments and lowbit.format_of(src, moments) is not None:
                 fmt = self.family.group_format(group, f"fastamp.optim.{self.name}")
-                fmt = fmt if fmt.applies_to(p) else lowbit.FLOAT32
+                fmt = fmt if fmt.applies_to(sharded) else lowbit.FLOAT32  # as the step decides
                 like = kernel_like(p)
                 if self.master_weights and p.dtype != torch.float32:
                     like = (
@@ -201,5 +208,22 @@ class StateDictChecks:
                 if converted is None:
                     converted = {k: moved[k].clone() for k in fmt.keys(moments)}
                 final.update(converted)
-            out.append((p, final))
+            out.append((sharded, {k: wrap_like(sharded, v) for k, v in final.items()}))
         return out
+
+
+def _check_sharded(entry: str, p: Tensor, st: Mapping[str, Any]) -> None:
+    """The state tensors of a DTensor param's shape must be DTensors laid out as the param (a
+    full tensor loaded into a sharded optimizer would be taken for this rank's shard)."""
+    for key, v in st.items():
+        if not (isinstance(v, Tensor) and v.dim() > 0 and v.shape == p.shape):
+            continue
+        if not is_dtensor(v) or tuple(v.placements) != tuple(p.placements):
+            got = f"laid out as {tuple(v.placements)}" if is_dtensor(v) else "a plain tensor"
+            raise ValueError(
+                f"{entry}[{key!r}] is {got}, but the parameter it loads into is a DTensor laid "
+                f"out as {tuple(p.placements)}; expected the state sharded as the parameter: "
+                "load a sharded model's optimizer state with torch.distributed.checkpoint "
+                "(torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, which "
+                "shards a full state dict too)"
+            )

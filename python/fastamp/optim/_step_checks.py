@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import is_real
+from fastamp._sharding import is_dtensor, local, local_state
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import FLOAT_TYPES, where_in_groups
@@ -82,6 +83,8 @@ class StepChecks:
                     "expected a grad of the parameter's shape on its device (was .grad assigned "
                     "by hand?)"
                 )
+            if is_dtensor(p) or is_dtensor(p.grad):
+                self._sharded(g, i, p)
             if params and p.device != params[0].device:
                 raise RuntimeError(
                     f"fastamp.optim.{name}: {where_in_groups(g, i)} is on {p.device} but "
@@ -95,6 +98,26 @@ class StepChecks:
         if params:
             self._state(g, group, state, params, places)
         return params, places
+
+    def _sharded(self, g: int, i: int, p: Tensor) -> None:
+        """A DTensor param (FSDP2) steps as its local shard with its grad's local shard: both
+        must be DTensors laid out alike."""
+        grad = p.grad
+        if not (is_dtensor(p) and is_dtensor(grad)):
+            raise RuntimeError(
+                f"fastamp.optim.{self.name}: {where_in_groups(g, i)} is a "
+                f"{type(p).__name__} but its grad is a {type(grad).__name__}; expected both "
+                "DTensors (a sharded model's params and grads, as fully_shard makes them) or "
+                "both plain tensors"
+            )
+        if grad.device_mesh != p.device_mesh or tuple(grad.placements) != tuple(p.placements):
+            raise RuntimeError(
+                f"fastamp.optim.{self.name}: {where_in_groups(g, i)} is laid out as "
+                f"{tuple(p.placements)} on {p.device_mesh} but its grad as "
+                f"{tuple(grad.placements)} on {grad.device_mesh}; expected the grad sharded as "
+                "its parameter (the fused kernel updates each rank's shard with that shard's "
+                "grad)"
+            )
 
     def _state(
         self,
@@ -130,10 +153,14 @@ class StepChecks:
         self.family.check_group_options(f"fastamp.optim.{name}: param group {g}", group, fmt)
         moments = self.family.moments_of(group)
         others = tuple(k for k in self.family.elementwise_of(group) if k not in moments)
-        for p, i in zip(params, places):
-            state = states.get(p)  # .get: reading must not create an entry
+        for q, i in zip(params, places):
+            state = states.get(q)  # .get: reading must not create an entry
             if not state:
                 continue
+            # A DTensor param's state is checked as the kernel takes it: the local shards.
+            if is_dtensor(q):
+                self._sharded_state(g, i, q, state)
+            p, state = local(q), local_state(state)
             master = self.master_weights and p.dtype != torch.float32
             want = torch.float32 if master else p.dtype
             # Formatted only if a check fails (this runs for every parameter at every step).
@@ -173,6 +200,25 @@ class StepChecks:
                     f"fastamp.optim.{name}: state['step'] of {where_in_groups(g, i)} is {step!r}; expected "
                     "a number or a one-element tensor"
                 )
+
+    def _sharded_state(self, g: int, i: int, p: Tensor, state: Mapping[str, Any]) -> None:
+        """The state tensors of a DTensor param's shape must be DTensors laid out as it is."""
+        for key, v in state.items():
+            if isinstance(v, Tensor) and v.shape == p.shape and v.dim() > 0:
+                ok = is_dtensor(v) and tuple(v.placements) == tuple(p.placements)
+                if not ok:
+                    got = (
+                        f"a DTensor laid out as {tuple(v.placements)}"
+                        if is_dtensor(v)
+                        else f"a plain {type(v).__name__}"
+                    )
+                    raise RuntimeError(
+                        f"fastamp.optim.{self.name}: state[{key!r}] of {where_in_groups(g, i)} "
+                        f"is {got}, but the parameter is a DTensor laid out as "
+                        f"{tuple(p.placements)}; expected its state sharded as it is (load a "
+                        "sharded model's optimizer state with "
+                        "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)"
+                    )
 
     def shared_memory(
         self, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]
@@ -226,7 +272,7 @@ def check_shared_memory(
     for g, _, params, places in checked:
         for p, i in zip(params, places):
             ts, where = by_device.setdefault(p.device, ([], []))
-            ts.append(p)
+            ts.append(local(p))
             where.append((g, i))
     for ts, where in by_device.values():
         pair = _ops.shared_memory_pair(ts)

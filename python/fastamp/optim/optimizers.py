@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from fastamp._devices import to_device
+from fastamp._sharding import is_dtensor, local, local_state, wrap_like
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, take
 from fastamp.optim import _family as family
 from fastamp.optim import _ops, lowbit
@@ -41,7 +42,7 @@ from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import grad_like, kernel_view
 from fastamp.optim._state_dict import StateDictChecks
 from fastamp.optim._step_checks import StepChecks
-from fastamp.optim.lowbit import FLOAT32, StateFormat
+from fastamp.optim.lowbit import FLOAT32, INT8, StateFormat
 
 __all__ = ["SGD", "Adam", "AdamW"]
 
@@ -227,6 +228,30 @@ class _FusedOptimizer(AmpFusedOptimizer):
             state.update(final)
         self._after_load()
 
+    def state_dict(self) -> dict[str, Any]:
+        """PyTorch's ``state_dict``; the 8-bit state of a DTensor (sharded) param is given as its
+        float32 moments, DTensors laid out as the param, under PyTorch's keys.
+
+        8-bit codes are scaled per block of this rank's shard: saved as they are, the block
+        scales would be a different tensor on every rank under one name, which
+        ``torch.distributed.checkpoint`` can neither tell apart nor reshard. Decoded moments
+        reshard like any DTensor, and :meth:`load_state_dict` encodes them again (the codec
+        maps its own decoded values back to the same codes and scales)."""
+        sd = super().state_dict()  # type: ignore[misc]
+        params = [p for group in self.param_groups for p in group["params"]]
+        moments = self._FAMILY.moments
+        state = dict(sd["state"])
+        for pid, st in sd["state"].items():
+            p = params[pid] if isinstance(pid, int) and pid < len(params) else None
+            if p is None or not is_dtensor(p) or lowbit.format_of(st, moments) is not INT8:
+                continue
+            floats = INT8.decode(local_state(st), moments)
+            out = {k: v for k, v in st.items() if k not in lowbit.moment_keys(moments)}
+            out.update({k: wrap_like(p, v.reshape(local(p).shape)) for k, v in floats.items()})
+            state[pid] = out
+        sd["state"] = state
+        return sd
+
     def _after_load(self) -> None:
         """What an optimizer resets after a load (SGD: its update counts)."""
 
@@ -351,7 +376,8 @@ class _FusedOptimizer(AmpFusedOptimizer):
 
     def _commit(self, launch: _Launch) -> None:
         """After the kernel: copy staged params back, and put the state the launch made in place
-        (moments converted to another format drop that format's keys)."""
+        (moments converted to another format drop that format's keys; a DTensor param's new
+        state tensors of its local shape become DTensors laid out as it is, as torch keeps it)."""
         for p, kp in launch.staged:
             p.copy_(kp)
         for p, new in zip(launch.params, launch.news):
@@ -362,7 +388,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 for k in lowbit.moment_keys(launch.moments):
                     if k not in new:
                         state.pop(k, None)
-            state.update(new)
+            state.update({k: wrap_like(p, v) for k, v in new.items()})
 
 
 class _AdamBase(_FusedOptimizer):
@@ -378,12 +404,15 @@ class _AdamBase(_FusedOptimizer):
         news: list[dict[str, Any]] = []
         staged: list[tuple[Tensor, Tensor]] = []
         for p in params:
-            state = self.state.get(p) or {}  # .get: no entry is created before the kernel ran
+            # .get: no entry is created before the kernel ran. A DTensor param (FSDP2) steps as
+            # its local shard, with its state's local shards.
+            state = local_state(self.state.get(p) or {})
             new: dict[str, Any] = {}
-            kp = kernel_view(p)
-            if kp is not p:
-                staged.append((p, kp))
-            master = self._master(p, kp, state, new)
+            lp = local(p)
+            kp = kernel_view(lp)
+            if kp is not lp:
+                staged.append((lp, kp))
+            master = self._master(lp, kp, state, new)
             like = master if master is not None else kp
             currents.append(self._moments_for(fmt, moments, like, state, new))
             if amsgrad:
@@ -393,9 +422,9 @@ class _AdamBase(_FusedOptimizer):
                 elif mx.stride() != like.stride():  # re-strided, as the moments
                     mx = new["max_exp_avg_sq"] = torch.empty_like(like).copy_(mx)
                 max_sqs.append(mx)
-            steps.append(self._step_tensor(p, state, new))
+            steps.append(self._step_tensor(lp, state, new))
             kparams.append(kp)
-            grads.append(grad_like(p, kp))
+            grads.append(grad_like(local(p.grad), kp))
             if master is not None:
                 masters.append(master)
             news.append(new)
@@ -531,12 +560,13 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
         for p in params:
             # Like torch.optim.SGD, momentum-free SGD keeps no per-param state at all (an entry,
             # even empty, would show up in state_dict()); .get creates none.
-            state = self.state.get(p) or {}
+            state = local_state(self.state.get(p) or {})
             new: dict[str, Any] = {}
-            kp = kernel_view(p)
-            if kp is not p:
-                staged.append((p, kp))
-            master = self._master(p, kp, state, new)
+            lp = local(p)
+            kp = kernel_view(lp)
+            if kp is not lp:
+                staged.append((lp, kp))
+            master = self._master(lp, kp, state, new)
             count = self._updates_of(p, state, new_counts)
             if fmt.lowbit and state.get("step") is not count:
                 new["step"] = count  # keys the rounding: saved with the state
@@ -545,7 +575,7 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
                 bufs.append(self._moments_for(fmt, moments, like, state, new)["momentum_buffer"])
             counts.append(count)
             kparams.append(kp)
-            grads.append(grad_like(p, kp))
+            grads.append(grad_like(local(p.grad), kp))
             if master is not None:
                 masters.append(master)
             news.append(new)

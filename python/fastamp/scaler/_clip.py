@@ -1,7 +1,8 @@
 """The arithmetic of ``GradScaler.clip_grad_norm_`` over an optimizer's grads, as functions of
 explicit inputs (the scaler keeps the per-iteration state): the argument checks, the read-only
-stats pass (inf flags and the norm, a :class:`GradNorm`, or DDP's measured statistics reused), and the write pass
-(unscale and clip together) for optimizers that do not take the clip into their own kernel."""
+stats pass (inf flags and the norm, a :class:`GradNorm`, or DDP's measured statistics reused;
+over a sharded model's shards, both in one all-reduce), and the write pass (unscale and clip
+together) for optimizers that do not take the clip into their own kernel."""
 
 from __future__ import annotations
 
@@ -69,7 +70,10 @@ def grad_norm(
         pow_sums.append(to_device(reuse[1], scale_device))
     else:
         for dev, entry in per_device.items():
-            found[dev], pow_sum, flags[dev] = _ops.grad_stats(entry.grads, invs[dev], norm_type)
+            f, pow_sum, flags[dev] = _ops.grad_stats(entry.grads, invs[dev], norm_type)
+            if entry.shard is not None:  # sharded grads (FSDP2): both over every shard, at once
+                f, pow_sum = entry.shard.reduce_stats(f, pow_sum, norm_type)
+            found[dev] = f
             pow_sums.append(to_device(pow_sum, scale_device))
     if not pow_sums:
         return GradNorm(found, flags, torch.zeros((), dtype=torch.float32, device=scale_device))

@@ -1,5 +1,6 @@
 """An optimizer's grads as the scaler's ops take them (:class:`DeviceGrads`): grouped by device
-(all dtypes in one list), validated before the first one is touched."""
+(all dtypes in one list; a DTensor grad as this rank's shard, with the :class:`ShardGroup` its
+statistics are reduced over), validated before the first one is touched."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from fastamp._sharding import ShardGroup, local, shard_group
+
 
 class DeviceGrads(NamedTuple):
-    """An optimizer's grads on one device, with each one's parameter id and (group, index)."""
+    """An optimizer's grads on one device, with each one's parameter id and (group, index), and
+    ``shard``: the ranks their inf flags and norm are reduced over (None: not sharded)."""
 
     grads: list[Tensor]
     param_ids: list[int]
     places: list[tuple[int, int]]
+    shard: ShardGroup | None = None
 
 
 def collect_grads(
@@ -48,6 +53,7 @@ def collect_grads(
                     "model before training (model.to_empty(device=...), then initialise or "
                     "load its weights)"
                 )
+    shards = _shard_groups(optimizer, caller)
     per_device: dict[torch.device, DeviceGrads] = {}
     for g, group in enumerate(optimizer.param_groups):
         for i, param in enumerate(group["params"]):
@@ -62,9 +68,43 @@ def collect_grads(
                 # tensor's values (torch.amp.GradScaler unscales them through it too).
                 grad = param.grad._values()
             else:
-                grad = param.grad
-            entry = per_device.setdefault(grad.device, DeviceGrads([], [], []))
+                grad = local(param.grad)
+            entry = per_device.setdefault(
+                grad.device, DeviceGrads([], [], [], shards.get(grad.device))
+            )
             entry.grads.append(grad)
             entry.param_ids.append(id(param))
             entry.places.append((g, i))
     return per_device
+
+
+def _shard_groups(
+    optimizer: torch.optim.Optimizer, caller: str
+) -> dict[torch.device, ShardGroup | None]:
+    """Each device's :class:`ShardGroup`, after checking that all its grads share one: one
+    launch per device measures them together, so they must reduce over the same ranks."""
+    seen: dict[torch.device, tuple[ShardGroup | None, tuple[int, int]]] = {}
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if param.grad is None:
+                continue
+            where = f"optimizer.param_groups[{g}]['params'][{i}]"
+            sg = shard_group(param.grad, f"GradScaler.{caller}: the grad of {where}")
+            dev = local(param.grad).device
+            first = seen.setdefault(dev, (sg, (g, i)))
+            if first[0] != sg:
+                raise NotImplementedError(
+                    f"GradScaler.{caller}: the grads on {dev} are sharded differently: "
+                    f"{where} {_describe(sg)}, but optimizer.param_groups[{first[1][0]}]"
+                    f"['params'][{first[1][1]}] {_describe(first[0])}. fastamp reduces the inf "
+                    "check and the norm of a device's grads over one set of ranks. Expected "
+                    "every parameter sharded alike (fully_shard every module, root included), "
+                    "or one optimizer per sharding"
+                )
+    return {dev: sg for dev, (sg, _) in seen.items()}
+
+
+def _describe(sg: ShardGroup | None) -> str:
+    if sg is None:
+        return "is not sharded (a plain tensor or a replicated DTensor)"
+    return f"is sharded over dimensions {sg.dims} of {sg.mesh}"

@@ -232,7 +232,8 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
                     entry.grads, f, to_device(inv_scale, dev)
                 )
                 self._grads_written()  # the op checks all its input before writing any
-                found[dev] = f
+                # Sharded grads (FSDP2): every rank skips if any rank's shard overflowed.
+                found[dev] = f if entry.shard is None else entry.shard.reduce_found(f)
         self._record_flags(optimizer, per_device, flags)
         return found
 
@@ -246,7 +247,8 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         flags: dict[torch.device, Tensor] = {}
         with torch.no_grad():
             for dev, entry in per_device.items():
-                found[dev], _, flags[dev] = _ops.grad_stats(entry.grads, to_device(one, dev))
+                f, _, flags[dev] = _ops.grad_stats(entry.grads, to_device(one, dev))
+                found[dev] = f if entry.shard is None else entry.shard.reduce_found(f)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         self._record_flags(optimizer, per_device, flags)
         return found

@@ -1,0 +1,335 @@
+"""Worker processes of the FSDP2 tests (``fully_shard`` on a CPU mesh, gloo): fastamp's recipe
+(``fastamp.GradScaler`` + ``clip_grad_norm_`` + ``fastamp.optim``) against torch's
+(``torch.amp.GradScaler`` + ``unscale_`` + ``torch.nn.utils.clip_grad_norm_`` + ``torch.optim``) on
+the same sharded model and batches. Each worker asserts by itself, on every rank."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import fastamp
+from fastamp.testing.syncs import count_host_syncs
+from tests.parallel._workers import _finish, _init
+
+GLOBAL_BATCH = 8
+
+
+def _model(mesh, seed: int = 0, width: int = 32) -> nn.Module:
+    torch.manual_seed(seed)
+    # The last bias has 3 elements: on 4 ranks one rank's shard of it is empty.
+    m = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 3))
+    fully_shard(m[0], mesh=mesh)
+    fully_shard(m[2], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _batch(step: int, rank: int, world: int, replicas: int = 1):
+    """This rank's rows of the global batch of ``step`` (HSDP: ranks of a replica group share
+    nothing; every rank holds its own rows)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(GLOBAL_BATCH, 16, generator=g)
+    y = torch.randn(GLOBAL_BATCH, 3, generator=g)
+    n = GLOBAL_BATCH // world
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+
+def _train(
+    m, opt, scaler, rank, world, steps, *, start=0, clip=None, inject=None, counts=None,
+    inject_ranks=None, autocast=True,
+):  # fmt: skip
+    """``steps`` steps of the recipe; returns the scale after each (the skip decisions). An inf
+    goes into the first weight's grad shard at step ``inject``, on ``inject_ranks`` (default:
+    the last rank only)."""
+    inject_ranks = (world - 1,) if inject_ranks is None else inject_ranks
+    fast = isinstance(scaler, fastamp.GradScaler)
+    scales = []
+    for s in range(start, start + steps):
+        x, y = _batch(s, rank, world)
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            loss = nn.functional.mse_loss(m(x).float(), y)
+        scaler.scale(loss).backward()
+        if inject is not None and s == inject and rank in inject_ranks:
+            shard = m[0].weight.grad.to_local()
+            assert shard.numel() > 0
+            shard.view(-1)[0] = math.inf
+        mode = CommDebugMode()
+        with mode, count_host_syncs(("fastamp",)) as reads:
+            if fast:
+                if clip is not None:
+                    scaler.clip_grad_norm_(opt, clip)
+            elif clip is not None:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            scaler.step(opt)
+            scaler.update()
+        if counts is not None:
+            counts.append(mode.get_total_counts())
+        if fast and isinstance(opt, fastamp.optim.AdamW | fastamp.optim.SGD):
+            assert reads == [], reads  # the fused optimizer skips on the device: no host sync
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def _same_on_every_rank(value, what: str) -> None:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    assert all(v == values[0] for v in values), f"{what} differs between ranks: {values}"
+
+
+def _close_shards(a: nn.Module, b: nn.Module, rtol=1e-5, atol=1e-7, exact=False) -> None:
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert isinstance(p, DTensor) and isinstance(q, DTensor), n
+        assert p.placements == q.placements, n
+        if exact:
+            assert torch.equal(p.to_local(), q.to_local()), n
+        else:
+            torch.testing.assert_close(
+                p.to_local(), q.to_local(), rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}"
+            )
+
+
+def recipe_parity(rank: int, world: int, init_file: str) -> None:
+    """fastamp's recipe == torch's on FSDP2: params (every rank's shard), the skip decision with an
+    inf in one rank's shard only, one all-reduce per step (torch: two with clipping)."""
+    _init(rank, world, init_file)
+    mesh = init_device_mesh("cpu", (world,))
+    for clip in (None, 1.0):
+        for kind in ("AdamW", "SGD"):
+            kw = {"lr": 1e-2} if kind == "AdamW" else {"lr": 0.05, "momentum": 0.9}
+            ref = _model(mesh)
+            ours = _model(mesh)
+            ref_counts: list[int] = []
+            our_counts: list[int] = []
+            ref_scales = _train(
+                ref, getattr(torch.optim, kind)(ref.parameters(), **kw),
+                torch.amp.GradScaler("cpu"), rank, world, 6, clip=clip, inject=2,
+                counts=ref_counts,
+            )  # fmt: skip
+            our_opt = getattr(fastamp.optim, kind)(ours.parameters(), **kw)
+            our_scales = _train(
+                ours, our_opt, fastamp.GradScaler("cpu"), rank, world, 6, clip=clip, inject=2,
+                counts=our_counts,
+            )  # fmt: skip
+            assert our_scales == ref_scales, (clip, kind, our_scales, ref_scales)
+            assert our_scales[2] == our_scales[1] / 2  # the injected inf skipped on every rank
+            _same_on_every_rank(our_scales, "the scale")
+            _close_shards(ours, ref)
+            assert our_counts == [1] * 6, our_counts  # found_inf and the norm: one all-reduce
+            assert ref_counts == [2 if clip is not None else 1] * 6, ref_counts
+            for p in ours.parameters():  # state sharded as torch keeps it
+                st = our_opt.state[p]
+                key = "exp_avg" if kind == "AdamW" else "momentum_buffer"
+                assert isinstance(st[key], DTensor) and st[key].placements == p.placements
+    # The fastamp scaler with torch's optimizer: unscale_ then torch's clip, bit for bit.
+    ref, ours = _model(mesh), _model(mesh)
+    a = _train(ref, torch.optim.AdamW(ref.parameters()), torch.amp.GradScaler("cpu"), rank,
+               world, 4, inject=1)  # fmt: skip
+    b = _train(ours, torch.optim.AdamW(ours.parameters()), fastamp.GradScaler("cpu"), rank,
+               world, 4, inject=1)  # fmt: skip
+    assert a == b
+    _close_shards(ours, ref, exact=True)
+    _refusals(mesh, rank, world)
+    _finish()
+
+
+def _refusals(mesh, rank, world) -> None:
+    """Grads fastamp cannot measure are refused by name before anything changes; the step then
+    runs once they are fixed."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    m = _model(mesh)
+    opt, scaler = fastamp.optim.AdamW(m.parameters()), fastamp.GradScaler("cpu")
+    x, y = _batch(0, rank, world)
+    scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
+    w = m[0].weight
+    good = w.grad
+    before = [p.to_local().clone() for p in m.parameters()]
+    bad = {
+        "Partial": DTensor.from_local(
+            torch.zeros_like(good.full_tensor()), mesh, [Partial()], run_check=False
+        ),
+        "sharded differently": DTensor.from_local(
+            good.full_tensor(), mesh, [Replicate()], run_check=False
+        ),
+    }
+    for text, grad in bad.items():
+        w.grad = grad
+        for call in (lambda: scaler.clip_grad_norm_(opt, 1.0), lambda: scaler.step(opt)):
+            try:
+                call()
+            except (RuntimeError, NotImplementedError) as e:
+                assert text in str(e) and "param_groups[0]['params'][0]" in str(e), e
+            else:
+                raise AssertionError(f"a {text} grad was taken")
+        assert not scaler.in_iteration()
+        assert all(torch.equal(p.to_local(), q) for p, q in zip(m.parameters(), before))
+    w.grad = good
+    scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    assert not all(torch.equal(p.to_local(), q) for p, q in zip(m.parameters(), before))
+
+
+def hybrid_parity(rank: int, world: int, init_file: str) -> None:
+    """HSDP (a 2-D mesh, replicate x shard): the statistics reduce over the shard dimension only
+    (over both, the norm would count every element twice); replicas stay identical."""
+    _init(rank, world, init_file)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 3))
+        for part in (m[0], m[2], m):
+            fully_shard(part, mesh=mesh)
+        return m
+
+    ref, ours = model(), model()
+    counts: list[int] = []
+    # FSDP2 all-reduces the grads over the replicas: an overflow is in every replica of the
+    # shard (as torch, the inf check reduces over the shard dimension only).
+    last = [r for r in range(world) if r % (world // 2) == world // 2 - 1]
+    a = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.amp.GradScaler("cpu"),
+               rank, world, 5, clip=0.5, inject=3, inject_ranks=last)  # fmt: skip
+    b = _train(ours, fastamp.optim.AdamW(ours.parameters(), lr=1e-2), fastamp.GradScaler("cpu"),
+               rank, world, 5, clip=0.5, inject=3, counts=counts, inject_ranks=last)  # fmt: skip
+    assert b[3] == b[2] / 2  # skipped on every rank
+    assert a == b, (a, b)
+    assert counts == [1] * 5, counts
+    _close_shards(ours, ref)
+    for p in ours.parameters():  # the replicas of each shard hold the same values
+        shard = mesh.get_local_rank("shard")
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (shard, p.to_local().tolist()))
+        for s, v in gathered:
+            if s == shard:
+                assert v == p.to_local().tolist()
+    _finish()
+
+
+def _save(m, opt, path: str) -> None:
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def _load(m, opt, path: str) -> None:
+    msd, osd = get_state_dict(m, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
+
+
+def _opt(m, fmt):
+    return fastamp.optim.AdamW(m.parameters(), lr=1e-2, state_dtype=fmt)
+
+
+FORMATS = (torch.float32, torch.bfloat16, "int8")
+
+
+def checkpoint_round_trip(rank: int, world: int, init_file: str) -> None:
+    """torch.distributed.checkpoint: a run saved and resumed on the same ranks continues bit for
+    bit, in every state format (8-bit included); the 8-bit state of a shard whose blocks line up
+    with the whole tensor's equals the unsharded optimizer's. Writes the 2 -> 4 ranks
+    checkpoint and the reference the resharded run is compared with."""
+    _init(rank, world, init_file)
+    mesh = init_device_mesh("cpu", (world,))
+    root = os.path.dirname(init_file)
+    for fmt in FORMATS:
+        name = str(fmt).replace("torch.", "")
+        # width 512: the first weight's shards are whole 256-element blocks, so it keeps 8-bit
+        # state (>= 4096 elements) and its blocks are the unsharded tensor's.
+        a = _model(mesh, width=512)
+        oa, sa = _opt(a, fmt), fastamp.GradScaler("cpu", init_scale=2.0**10)
+        _train(a, oa, sa, rank, world, 3, clip=1.0, inject=1)
+        path = os.path.join(root, f"ckpt-{name}")
+        _save(a, oa, path)
+        scaler_state = sa.state_dict()
+        if fmt == "int8":
+            st = oa.state[a[0].weight]
+            assert "exp_avg_codes" in st and isinstance(st["exp_avg_codes"], DTensor)
+            saved = oa.state_dict()["state"][0]
+            assert isinstance(saved["exp_avg"], DTensor) and "exp_avg_codes" not in saved
+        after = _train(a, oa, sa, rank, world, 3, start=3, clip=1.0)
+        b = _model(mesh, seed=7, width=512)
+        ob, sb = _opt(b, fmt), fastamp.GradScaler("cpu")
+        _load(b, ob, path)
+        sb.load_state_dict(scaler_state)
+        assert _train(b, ob, sb, rank, world, 3, start=3, clip=1.0) == after
+        _close_shards(b, a, exact=True)
+        for p, q in zip(a.parameters(), b.parameters()):
+            for key, v in oa.state[p].items():
+                w = ob.state[q][key]
+                assert type(v) is type(w), key
+                v, w = (v.to_local(), w.to_local()) if isinstance(v, DTensor) else (v, w)
+                assert torch.equal(v, w), (fmt, key)
+        if world == 2:  # the checkpoint the 4-rank test resumes, and what it must reach
+            ref = os.path.join(root, f"ref-{name}.pt")
+            _save_reference(mesh, fmt, rank, world, ref, path, scaler_state)
+    # Refused before anything changes: a full (plain) tensor as a sharded param's state.
+    m = _model(mesh)
+    opt = fastamp.optim.AdamW(m.parameters())
+    _train(m, opt, fastamp.GradScaler("cpu"), rank, world, 1)
+    sd = opt.state_dict()
+    sd["state"][0] = {**sd["state"][0], "exp_avg": sd["state"][0]["exp_avg"].full_tensor()}
+    before = {k: v.to_local().clone() for k, v in opt.state[m[0].weight].items() if k != "step"}
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as e:
+        assert "expected the state sharded as the parameter" in str(e), e
+    else:
+        raise AssertionError("a plain tensor loaded as a sharded param's state")
+    for k, v in before.items():
+        assert torch.equal(opt.state[m[0].weight][k].to_local(), v)
+    _finish()
+
+
+def _save_reference(mesh, fmt, rank, world, ref, path, scaler_state) -> None:
+    """The 2-rank run from the checkpoint on, 3 more steps: the full params it reaches."""
+    b = _model(mesh, seed=3, width=512)
+    ob, sb = _opt(b, fmt), fastamp.GradScaler("cpu")
+    _load(b, ob, path)
+    sb.load_state_dict(scaler_state)
+    _train(b, ob, sb, rank, world, 3, start=3, clip=1.0, autocast=False)
+    full = {n: p.full_tensor() for n, p in b.named_parameters()}
+    if rank == 0:
+        torch.save({"params": full, "scaler": scaler_state}, ref)
+    dist.barrier()
+
+
+def resharded_resume(rank: int, world: int, init_file: str) -> None:
+    """The 2-rank checkpoints resumed on 4 ranks (resharded by torch.distributed.checkpoint, 8-bit
+    state included) reach the uninterrupted 2-rank run's params within float32 rounding."""
+    _init(rank, world, init_file)
+    mesh = init_device_mesh("cpu", (world,))
+    root = os.environ["FASTAMP_FSDP_CKPT"]
+    for fmt in FORMATS:
+        name = str(fmt).replace("torch.", "")
+        ref = torch.load(os.path.join(root, f"ref-{name}.pt"))
+        m = _model(mesh, seed=5, width=512)
+        opt, scaler = _opt(m, fmt), fastamp.GradScaler("cpu")
+        _load(m, opt, os.path.join(root, f"ckpt-{name}"))
+        scaler.load_state_dict(ref["scaler"])
+        _train(m, opt, scaler, rank, world, 3, start=3, clip=1.0, autocast=False)
+        # float32 and 8-bit state: float32 rounding (the grads are reduced in another order;
+        # the 256-element blocks of every shard are the 2-rank run's blocks). bfloat16 state:
+        # its stochastic rounding is keyed by the element's index in this rank's shard, so the
+        # resharded run draws other bits: each stored moment is within one bfloat16 ulp
+        # (2^-8 relative), 3 steps of lr=1e-2 then differ by up to a few 1e-4.
+        tol = dict(rtol=0.0, atol=5e-4) if fmt is torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+        for n, p in m.named_parameters():
+            torch.testing.assert_close(
+                p.full_tensor(), ref["params"][n], **tol,
+                msg=lambda msg, n=n: f"{fmt} {n}: {msg}",
+            )  # fmt: skip
+    _finish()
