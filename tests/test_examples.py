@@ -86,6 +86,27 @@ def test_ddp_example_with_torchrun_two_processes(flags):
     assert "parameters identical on every rank: True" in out
 
 
+@pytest.mark.parametrize(
+    "procs,flags",
+    [(2, ["--amp", "fp16", "--checkpoint"]), (4, ["--replicas", "2", "--state-dtype", "int8"])],
+)
+def test_fsdp_example_with_torchrun(procs, flags):
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={procs}",
+            "examples/fsdp_train.py",
+            "--steps",
+            "3",
+            *flags,
+        ]
+    )
+    assert "scale and grad norm identical on every rank: True" in out
+
+
 def test_train_example_compare_torch_writes_a_plot(tmp_path):
     png = tmp_path / "curves.png"
     out = _run(
