@@ -14,6 +14,13 @@ rank writes ``f"{path}.rank{r}"`` (its random generators). Every file is written
 name and renamed into place, and all of them carry one save id: a run killed in the middle of a
 save leaves either the previous complete checkpoint or files whose ids disagree, which
 :func:`load_training_state` refuses with a clear error, never a silently mixed state.
+
+A sharded model (FSDP2's ``fully_shard``: DTensor parameters) keeps its tensors and its
+optimizer's in a directory ``f"{path}.dcp-<save id>"`` beside ``path``, written by every rank
+through ``torch.distributed.checkpoint`` (:mod:`fastamp._resume_sharded`); ``path`` names it, so
+the file and the tensors it names always belong to one save, and rank 0 removes earlier saves'
+directories once ``path`` is in place. Such a checkpoint resumes on another number of ranks with
+``restore_rng=False`` (the tensors are resharded).
 """
 
 from __future__ import annotations
@@ -36,6 +43,15 @@ from fastamp._resume_checks import (
     rng_state_exact,
     set_rng_state,
 )
+from fastamp._resume_sharded import (
+    ShardedState,
+    agree,
+    is_sharded,
+    load_tensors,
+    remove_stale,
+    save_tensors,
+)
+from fastamp._resume_sharded import check as check_sharded
 from fastamp._state_io import atomic_save, check_weights_only, decode_extra, encode_extra
 from fastamp.scaler import GradScaler
 
@@ -132,6 +148,8 @@ def save_training_state(
     rank, world, distributed = _dist_info()
     module, ddp = _unwrap(model)
     save_id = _save_id(distributed, world)
+    # A sharded model's (and its optimizer's) tensors: every rank writes its shards.
+    shards = save_tensors(path, save_id, module, optimizer) if is_sharded(module) else None
     local = {
         "format": _FORMAT,
         "save_id": save_id,
@@ -149,9 +167,12 @@ def save_training_state(
             "world_size": world,
             "step": step,
             "extra": extra_enc,
-            "model": module.state_dict(),
+            "model": module.state_dict() if shards is None else None,
+            "sharded": shards.to_dict() if shards is not None else None,
             "ddp_buckets": ddp.bucket_layout() if ddp is not None else None,
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "optimizer": (
+                optimizer.state_dict() if optimizer is not None and shards is None else None
+            ),
             "scaler": scaler.state_dict() if scaler is not None else None,
             "lr_scheduler": sched_state,
             "torch_version": str(torch.__version__),
@@ -159,6 +180,8 @@ def save_training_state(
         if world == 1:
             shared["rng"] = local["rng"]
         atomic_save(shared, path)
+        if shards is not None:  # the file names the new tensors: earlier saves' can go
+            remove_stale(path, shards.directory)
     if world > 1:
         dist.barrier()
 
@@ -215,9 +238,65 @@ def load_training_state(
     """Restores what :func:`save_training_state` saved into the given objects; returns the step and
     ``extra``. Every file is read and checked (format, save id, world size, which objects were
     saved) before any object is changed. Build the model, optimizer, scaler and scheduler as the
-    saved run did (same parameter order and groups), then call this on every rank."""
+    saved run did (same parameter order and groups), then call this on every rank.
+
+    A sharded model (FSDP2) may resume on another number of ranks with ``restore_rng=False``
+    (``torch.distributed.checkpoint`` reshards its tensors); its ranks agree before anything is
+    read or restored, so a bad checkpoint raises on every rank."""
     path = os.fspath(path)
     rank, world, _ = _dist_info()
+    module, ddp = _unwrap(model)
+    objects = {"optimizer": optimizer, "scaler": scaler, "lr_scheduler": lr_scheduler}
+    if not (is_sharded(module) and world > 1):
+        shared, local = _read_and_check(path, module, ddp, objects, map_location, restore_rng)
+        if shared.get("sharded") is None:
+            model_sd, optim_sd = shared["model"], shared["optimizer"]
+        else:  # a sharded model in one process
+            shards = ShardedState.from_dict(shared["sharded"], repr(path))
+            model_sd, optim_sd = load_tensors(shards, path, module, optimizer)
+            if optimizer is not None:
+                check_optimizer_state(optimizer, optim_sd, path)
+    else:
+        error: BaseException | None = None
+        try:
+            shared, local = _read_and_check(path, module, ddp, objects, map_location, restore_rng)
+        except Exception as e:
+            error = e
+        agree(error, "reading and checking its files")
+        shards = ShardedState.from_dict(shared["sharded"], repr(path))
+        model_sd, optim_sd = load_tensors(shards, path, module, optimizer)  # raises everywhere
+        error = None
+        try:
+            if optimizer is not None:
+                check_optimizer_state(optimizer, optim_sd, path)
+        except Exception as e:
+            error = e
+        agree(error, "checking the optimizer state")
+    _restore(shared, local, model_sd, optim_sd, module, ddp, objects, restore_rng)
+    return TrainingState(
+        step=shared["step"],
+        extra=decode_extra(shared["extra"]),
+        world_size=shared["world_size"],
+        rng_restored=restore_rng,
+    )
+
+
+def _read_and_check(
+    path: str,
+    module: nn.Module,
+    ddp: Any,
+    objects: dict[str, Any],
+    map_location: Any,
+    restore_rng: bool,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Reads this rank's files and checks everything that can be checked before the objects
+    change; returns (the checkpoint, this rank's file or None)."""
+    rank, world, _ = _dist_info()
+    optimizer, scaler, lr_scheduler = (
+        objects["optimizer"],
+        objects["scaler"],
+        objects["lr_scheduler"],
+    )
     shared = _load(path, "checkpoint", map_location)
     saved_world = shared["world_size"]
     local = None
@@ -239,14 +318,63 @@ def load_training_state(
                 "(save ids differ): the save was interrupted. Resume from the previous complete "
                 "checkpoint"
             )
-    for name, obj in (("optimizer", optimizer), ("scaler", scaler), ("lr_scheduler", lr_scheduler)):
-        if obj is not None and shared.get(name) is None:
+    sharded = shared.get("sharded")
+    if sharded is not None and not is_sharded(module):
+        raise RuntimeError(
+            f"load_training_state: {path!r} was saved from a sharded model (DTensor parameters, "
+            "e.g. fully_shard) and the model given is not sharded; shard it as the saved run did "
+            "before loading"
+        )
+    if sharded is None and is_sharded(module):
+        raise RuntimeError(
+            f"load_training_state: the model is sharded (DTensor parameters) but {path!r} was "
+            "saved from an unsharded model; load it before sharding the model (fully_shard "
+            "after load_training_state), or save from the sharded model"
+        )
+    shards = None if sharded is None else ShardedState.from_dict(sharded, repr(path))
+    for name, obj in objects.items():
+        saved = (
+            shared.get(name) if shards is None or name != "optimizer" else shards.optimizer_groups
+        )
+        if obj is not None and saved is None:
             raise ValueError(
                 f"load_training_state: {name} was given but {path!r} holds no {name} state; pass "
                 f"{name}=None or load a checkpoint saved with one"
             )
-    module, ddp = _unwrap(model)
-    # Validate the model's keys and shapes before changing anything.
+    if shards is not None:
+        check_sharded(shards, path, module, optimizer)
+    else:
+        _check_model_and_optimizer(path, shared, module, optimizer)
+    layout = shared.get("ddp_buckets")
+    if (
+        ddp is not None
+        and layout is not None
+        and layout.get("num_params") != ddp.bucket_layout()["num_params"]
+    ):
+        raise RuntimeError(
+            "load_training_state: the checkpoint's gradient-bucket layout is for "
+            f"{layout.get('num_params')} parameters, the DistributedDataParallel model has "
+            f"{ddp.bucket_layout()['num_params']}"
+        )
+    if scaler is not None:
+        check_scaler_state(scaler, shared["scaler"], path)
+    if lr_scheduler is not None and not isinstance(shared["lr_scheduler"], Mapping):
+        raise ValueError(
+            f"load_training_state: the lr_scheduler state in {path!r} is a "
+            f"{type(shared['lr_scheduler']).__name__}; expected the dict of lr_scheduler.state_dict()"
+        )
+    if restore_rng and local is not None:
+        check_rng_state(local.get("rng"), path if world == 1 else f"{path}.rank{rank}")
+    return shared, local
+
+
+def _check_model_and_optimizer(
+    path: str,
+    shared: dict[str, Any],
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """An unsharded checkpoint's model keys and shapes, and its optimizer state."""
     own = module.state_dict()
     saved_model = shared["model"]
     missing = [k for k in own if k not in saved_model]
@@ -272,37 +400,32 @@ def load_training_state(
                 f"checkpoint {[len(g['params']) for g in saved_groups]}; build the optimizer as the "
                 "saved run did"
             )
-    layout = shared.get("ddp_buckets")
-    if (
-        ddp is not None
-        and layout is not None
-        and layout.get("num_params") != ddp.bucket_layout()["num_params"]
-    ):
-        raise RuntimeError(
-            "load_training_state: the checkpoint's gradient-bucket layout is for "
-            f"{layout.get('num_params')} parameters, the DistributedDataParallel model has "
-            f"{ddp.bucket_layout()['num_params']}"
-        )
-
-    if optimizer is not None:
         check_optimizer_state(optimizer, shared["optimizer"], path)
-    if scaler is not None:
-        check_scaler_state(scaler, shared["scaler"], path)
-    if lr_scheduler is not None and not isinstance(shared["lr_scheduler"], Mapping):
-        raise ValueError(
-            f"load_training_state: the lr_scheduler state in {path!r} is a "
-            f"{type(shared['lr_scheduler']).__name__}; expected the dict of lr_scheduler.state_dict()"
-        )
-    if restore_rng and local is not None:
-        check_rng_state(local.get("rng"), path if world == 1 else f"{path}.rank{rank}")
 
-    # Restore. Everything was validated; should a load still fail, what was already restored is
-    # put back (the model last: it is the one restore that cannot be undone without a copy).
+
+def _restore(
+    shared: dict[str, Any],
+    local: dict[str, Any] | None,
+    model_sd: dict[str, Any],
+    optim_sd: dict[str, Any] | None,
+    module: nn.Module,
+    ddp: Any,
+    objects: dict[str, Any],
+    restore_rng: bool,
+) -> None:
+    """Everything was validated; should a load still fail, what was already restored is put
+    back (the model last: it is the one restore that cannot be undone without a copy)."""
+    optimizer, scaler, lr_scheduler = (
+        objects["optimizer"],
+        objects["scaler"],
+        objects["lr_scheduler"],
+    )
+    layout = shared.get("ddp_buckets")
     undo: list[Any] = []
     try:
         if optimizer is not None:
             undo.append(_snapshot(optimizer))
-            optimizer.load_state_dict(shared["optimizer"])
+            optimizer.load_state_dict(optim_sd)
         if scaler is not None:
             undo.append(_snapshot(scaler))
             scaler.load_state_dict(shared["scaler"])
@@ -315,14 +438,8 @@ def load_training_state(
             set_rng_state(local["rng"])
         if ddp is not None and layout is not None:
             ddp.load_bucket_layout(layout)  # validates everything before changing the buckets
-        module.load_state_dict(saved_model)
+        module.load_state_dict(model_sd)
     except BaseException:
         for restore in reversed(undo):
             restore()
         raise
-    return TrainingState(
-        step=shared["step"],
-        extra=decode_extra(shared["extra"]),
-        world_size=saved_world,
-        rng_restored=restore_rng,
-    )

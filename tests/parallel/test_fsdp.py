@@ -27,5 +27,7 @@ def test_hybrid_sharding_reduces_over_the_shard_dimension(tmp_path):
 def test_checkpoint_round_trip_and_resharded_resume(tmp_path, monkeypatch):
     _spawn(_fsdp_workers.checkpoint_round_trip, 2, tmp_path)
     os.remove(tmp_path / "init")
+    _spawn(_fsdp_workers.training_state, 2, tmp_path)
+    os.remove(tmp_path / "init")
     monkeypatch.setenv("FASTAMP_FSDP_CKPT", str(tmp_path))
     _spawn(_fsdp_workers.resharded_resume, 4, tmp_path)
