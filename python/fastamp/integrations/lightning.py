@@ -16,7 +16,9 @@ the grads are read once (inf check + norm) and unscaled and clipped inside the f
 no host sync; with any other optimizer it is Lightning's recipe (unscale, then clip).
 
 Under DDP, :class:`FastampDDPStrategy` is Lightning's DDP strategy with
-:class:`fastamp.parallel.DistributedDataParallel` as the wrapper.
+:class:`fastamp.parallel.DistributedDataParallel` as the wrapper. Under FSDP2 (Lightning's
+``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``) the plugin works as it is: the
+scaler reduces the sharded grads' inf check and norm in one all-reduce (docs/fsdp.md).
 
 What differs from ``MixedPrecision`` (nothing else does): the default scaler is
 :class:`fastamp.GradScaler`; ``gradient_clip_algorithm="norm"`` uses ``scaler.clip_grad_norm_``
