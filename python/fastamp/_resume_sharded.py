@@ -23,12 +23,7 @@ from torch import Tensor, nn
 
 from fastamp._sharding import is_dtensor, local
 
-__all__ = ["ShardedState", "agree", "is_sharded", "load_tensors", "remove_stale", "save_tensors"]
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether any parameter of ``module`` is a DTensor (``fully_shard``, ``distribute_tensor``)."""
-    return any(is_dtensor(p) for p in module.parameters())
+__all__ = ["ShardedState", "agree", "load_tensors", "remove_stale", "save_tensors"]
 
 
 @dataclass

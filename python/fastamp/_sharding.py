@@ -26,11 +26,24 @@ try:
 except ImportError:  # a torch built without torch.distributed has no DTensor either
     DTensor = None  # type: ignore[assignment,misc]
 
-__all__ = ["ShardGroup", "is_dtensor", "local", "local_state", "shard_group", "wrap_like"]
+__all__ = [
+    "ShardGroup",
+    "is_dtensor",
+    "is_sharded",
+    "local",
+    "local_state",
+    "shard_group",
+    "wrap_like",
+]
 
 
 def is_dtensor(t: Any) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
+
+
+def is_sharded(module: Any) -> bool:
+    """Whether any parameter of ``module`` is a DTensor (``fully_shard``, ``distribute_tensor``)."""
+    return any(is_dtensor(p) for p in module.parameters())
 
 
 def local(t: Tensor) -> Tensor:

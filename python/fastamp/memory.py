@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fastamp._sharding import local
+
 __all__ = ["DeviceMemory", "Peak", "optimizer_state_bytes", "summary", "track"]
 
 _MB = 2.0**20
@@ -174,17 +176,19 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> dict[str, float]:
 
     float32 Adam moments: 8 bytes per parameter; ``state_dtype=torch.bfloat16``: 4;
     ``state_dtype="int8"``: 2 + 8/256 (plus the float32 state of tensors below 4096 elements).
+    A sharded model's (FSDP2, DTensor) state is counted as this rank holds it: its shards, per
+    element of its parameters' shards.
     """
     seen: set[tuple[int, int]] = set()
     state_bytes = master_bytes = params = 0
     for p, st in optimizer.state.items():
         if not isinstance(st, dict) or not st:
             continue
-        params += p.numel() if isinstance(p, torch.Tensor) else 0
+        params += local(p).numel() if isinstance(p, torch.Tensor) else 0
         for key, v in st.items():
             if not isinstance(v, torch.Tensor):
                 continue
-            storage = v.untyped_storage()
+            storage = local(v).untyped_storage()
             ident = (storage.data_ptr(), storage.nbytes())
             if ident in seen:
                 continue

@@ -46,12 +46,12 @@ from fastamp._resume_checks import (
 from fastamp._resume_sharded import (
     ShardedState,
     agree,
-    is_sharded,
     load_tensors,
     remove_stale,
     save_tensors,
 )
 from fastamp._resume_sharded import check as check_sharded
+from fastamp._sharding import is_sharded
 from fastamp._state_io import atomic_save, check_weights_only, decode_extra, encode_extra
 from fastamp.scaler import GradScaler
 

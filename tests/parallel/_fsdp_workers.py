@@ -107,8 +107,8 @@ def recipe_parity(rank: int, world: int, init_file: str) -> None:
     _init(rank, world, init_file)
     mesh = init_device_mesh("cpu", (world,))
     for clip in (None, 1.0):
-        for kind in ("AdamW", "SGD"):
-            kw = {"lr": 1e-2} if kind == "AdamW" else {"lr": 0.05, "momentum": 0.9}
+        for kind in ("AdamW", "Adam", "SGD"):
+            kw = {"lr": 0.05, "momentum": 0.9} if kind == "SGD" else {"lr": 1e-2}
             ref = _model(mesh)
             ours = _model(mesh)
             ref_counts: list[int] = []
@@ -131,7 +131,7 @@ def recipe_parity(rank: int, world: int, init_file: str) -> None:
             assert ref_counts == [2 if clip is not None else 1] * 6, ref_counts
             for p in ours.parameters():  # state sharded as torch keeps it
                 st = our_opt.state[p]
-                key = "exp_avg" if kind == "AdamW" else "momentum_buffer"
+                key = "momentum_buffer" if kind == "SGD" else "exp_avg"
                 assert isinstance(st[key], DTensor) and st[key].placements == p.placements
     # The fastamp scaler with torch's optimizer: unscale_ then torch's clip, bit for bit.
     ref, ours = _model(mesh), _model(mesh)
@@ -456,4 +456,112 @@ def training_state(rank: int, world: int, init_file: str) -> None:
             f.truncate(16)
     dist.barrier()
     refused(("could not be read",))
+    _finish()
+
+
+class _Blocks(nn.Module):
+    """Sharded blocks with dropout (its mask must be replayed exactly by a recompute)."""
+
+    def __init__(self, mode: str = "none", width: int = 32, n: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(0.2)) for _ in range(n)
+        )
+        self.out = nn.Linear(width, 3)
+        self.mode = mode
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            if self.mode == "full":
+                x = fastamp.checkpoint.checkpoint(b, x, use_reentrant=False)
+            elif self.mode == "selective":
+                ctx = fastamp.checkpoint.selective()
+                x = fastamp.checkpoint.checkpoint(b, x, use_reentrant=False, context_fn=ctx)
+            else:
+                x = b(x)
+        return self.out(x)
+
+
+def _sharded_blocks(mesh, mode):
+    m = _Blocks(mode)
+    for b in m.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def features(rank: int, world: int, init_file: str) -> None:
+    """fastamp.checkpoint in sharded blocks (full, selective, the planner: grads bit for bit
+    those of no checkpointing, dropout replayed), master weights of bfloat16 params, gradient
+    accumulation without sync, and the state-bytes report, on FSDP2."""
+    _init(rank, world, init_file)
+    mesh = init_device_mesh("cpu", (world,))
+    x, y = _batch(0, rank, world)
+    grads = {}
+    for mode in ("none", "full", "selective", "planner"):
+        m = _sharded_blocks(mesh, "none" if mode == "planner" else mode)
+        if mode == "planner":  # a budget that needs some blocks checkpointed
+            _, total = fastamp.checkpoint.measure_blocks(m, x)
+            plan = fastamp.checkpoint.apply(
+                m, budget_bytes=total // 2, sample_input=x, verbose=False
+            )
+            assert plan.chosen or plan.selective, plan
+            _same_on_every_rank((plan.chosen, plan.selective), "the checkpoint plan")
+        torch.manual_seed(100 + rank)
+        nn.functional.mse_loss(m(x), y).backward()
+        grads[mode] = [p.grad.to_local().clone() for p in m.parameters()]
+    for mode in ("full", "selective", "planner"):
+        assert all(torch.equal(a, b) for a, b in zip(grads[mode], grads["none"])), mode
+
+    # bfloat16 params with fp32 master weights: the master is sharded as its param.
+    m = _model(mesh)
+    m.to(torch.bfloat16)
+    opt = fastamp.optim.AdamW(m.parameters(), lr=1e-2, master_weights=True)
+    scaler = fastamp.GradScaler("cpu", enabled=False)
+    first = None
+    for s in range(8):
+        xb, yb = _batch(s % 2, rank, world)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(m(xb.bfloat16()).float(), yb)
+        first = float(loss) if first is None else first
+        scaler.scale(loss).backward()
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+    assert float(loss) < first
+    for p in m.parameters():
+        master = opt.state[p]["master_param"]
+        assert isinstance(master, DTensor) and master.dtype == torch.float32
+        assert master.placements == p.placements
+        assert torch.equal(master.to_local().bfloat16(), p.to_local())
+    report = fastamp.memory.optimizer_state_bytes(opt)
+    assert report["master_bytes"] > 0 and report["state_bytes_per_param"] > 0, report
+
+    # Accumulation: two micro-batches, the first without the reduce-scatter; as torch's recipe.
+    def accumulate(model, opt, scaler):
+        for s in range(3):
+            opt.zero_grad(set_to_none=True)
+            for k in range(2):
+                model.set_requires_gradient_sync(k == 1)
+                xb, yb = _batch(2 * s + k, rank, world)
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = nn.functional.mse_loss(model(xb).float(), yb) / 2
+                scaler.scale(loss).backward()
+            if isinstance(scaler, fastamp.GradScaler):
+                scaler.clip_grad_norm_(opt, 1.0)
+            else:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale()
+
+    ref, ours = _model(mesh), _model(mesh)
+    a = accumulate(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), torch.amp.GradScaler("cpu"))
+    b = accumulate(ours, fastamp.optim.AdamW(ours.parameters(), lr=1e-2), fastamp.GradScaler("cpu"))
+    assert a == b
+    _close_shards(ours, ref)
     _finish()

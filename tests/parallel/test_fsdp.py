@@ -31,3 +31,7 @@ def test_checkpoint_round_trip_and_resharded_resume(tmp_path, monkeypatch):
     os.remove(tmp_path / "init")
     monkeypatch.setenv("FASTAMP_FSDP_CKPT", str(tmp_path))
     _spawn(_fsdp_workers.resharded_resume, 4, tmp_path)
+
+
+def test_checkpointing_master_weights_and_accumulation(tmp_path):
+    _spawn(_fsdp_workers.features, 2, tmp_path)

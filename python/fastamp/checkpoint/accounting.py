@@ -16,6 +16,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from fastamp._sharding import local
+
 __all__ = ["SavedBytes", "count_saved_bytes", "counting", "note_cache", "note_checkpoint_inputs"]
 
 _active_counters: list[SavedBytes] = []
@@ -25,7 +27,9 @@ class SavedBytes:
     """Bytes of distinct storages autograd saved (parameters excluded), optionally per block."""
 
     def __init__(self, exclude: Sequence[Tensor] = ()):
-        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        # A sharded (DTensor) parameter's own storage is its shard; the unsharded copy FSDP2
+        # gathers for the forward is an nn.Parameter when saved, excluded in add().
+        self._excluded = {local(p).untyped_storage().data_ptr() for p in exclude}
         self._seen: set[int] = set()
         self._saved = 0
         self._caches: list[Any] = []
@@ -53,6 +57,10 @@ class SavedBytes:
 
     def add(self, t: Tensor) -> None:
         if not isinstance(t, Tensor) or t.layout != torch.strided or t.device.type == "meta":
+            return
+        if isinstance(
+            t, nn.Parameter
+        ):  # a weight (FSDP2's gathered copy included), not an activation
             return
         storage = t.untyped_storage()
         ptr = storage.data_ptr()

@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from fastamp._sharding import is_sharded
 from fastamp.checkpoint.accounting import SavedBytes, count_saved_bytes
 from fastamp.checkpoint.core import checkpoint
 from fastamp.checkpoint.policies import selective
@@ -260,6 +262,10 @@ def apply(
     and at most one more selectively (save matmuls, recompute the rest), choosing the fit closest
     to the budget from below. Returns the plan;
     ``plan.remove()`` undoes it. Raises ValueError when even checkpointing every block cannot fit.
+
+    A sharded model (FSDP2): call it on every rank; rank 0's measurements and budget decide the
+    plan for all (a recomputed block all-gathers its params again, so the ranks must checkpoint
+    alike).
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)):
         raise TypeError(
@@ -272,6 +278,13 @@ def apply(
             "expected the activation memory to fit, in bytes (e.g. 2 * 2**30 for 2 GiB)"
         )
     stats, total = measure_blocks(model, sample_input, blocks)
+    if is_sharded(model) and dist.is_available() and dist.is_initialized():
+        # Every rank installs rank 0's plan: the recompute of a checkpointed FSDP2 block
+        # all-gathers its params again, so plans that differed between ranks (timings do) would
+        # issue different collectives and hang.
+        box = [(stats, total, budget_bytes)]
+        dist.broadcast_object_list(box, src=0)
+        stats, total, budget_bytes = box[0]
     plan = CheckpointPlan(int(budget_bytes), total, stats)
     # Whole blocks are coarse (a 12-block model moves in ~8% steps), so one block may instead be
     # checkpointed selectively: among "the k most efficient blocks in full, plus at most one other
