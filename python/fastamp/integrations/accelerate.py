@@ -25,6 +25,10 @@ What differs from accelerate's own class (nothing else does):
 
 For an ``Accelerator`` you do not construct (e.g. the transformers Trainer's), call
 :func:`install_grad_scaler` before ``prepare()``.
+
+With FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``) the same holds: accelerate's own
+scaler there is a plain ``torch.amp.GradScaler``, and fastamp's reduces the sharded grads' inf
+check and norm in one all-reduce (docs/fsdp.md).
 """
 
 from __future__ import annotations
@@ -45,11 +49,22 @@ from accelerate.utils import DistributedType  # noqa: E402
 import fastamp  # noqa: E402
 from fastamp.handoff import AmpFusedOptimizer  # noqa: E402
 
-__all__ = ["Accelerator", "install_grad_scaler", "clip_grad_norm_"]
+__all__ = ["Accelerator", "clip_grad_norm_", "install_grad_scaler", "supports_fastamp_scaler"]
 
 # Where accelerate's scaler is a plain torch.amp.GradScaler; FSDP (ShardedGradScaler), DeepSpeed,
-# Megatron and XLA bring their own.
+# Megatron and XLA bring their own. FSDP2 (fsdp_version=2) also takes a plain scaler: see
+# supports_fastamp_scaler.
 PLAIN_DDP_TYPES = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+
+
+def supports_fastamp_scaler(accelerator: _Accelerator) -> bool:
+    """Whether ``accelerator`` scales with a plain ``torch.amp.GradScaler``, which fastamp's
+    replaces: no distribution, DDP, or FSDP2 (DTensor params: fastamp's scaler reduces their inf
+    check and norm over the shards itself). FSDP1's ShardedGradScaler, DeepSpeed, Megatron-LM and
+    XLA keep their own."""
+    if accelerator.distributed_type in PLAIN_DDP_TYPES:
+        return True
+    return accelerator.distributed_type == DistributedType.FSDP and bool(accelerator.is_fsdp2)
 
 
 def install_grad_scaler(accelerator: _Accelerator, scaler: torch.amp.GradScaler | None = None):
@@ -62,11 +77,11 @@ def install_grad_scaler(accelerator: _Accelerator, scaler: torch.amp.GradScaler 
             "install_grad_scaler: the accelerator must use mixed_precision='fp16' (loss scaling is "
             f"for fp16), got mixed_precision={accelerator.mixed_precision!r}"
         )
-    if accelerator.distributed_type not in PLAIN_DDP_TYPES:
+    if not supports_fastamp_scaler(accelerator):
         raise ValueError(
-            "install_grad_scaler: supported with distributed_type NO, MULTI_CPU or MULTI_GPU, got "
-            f"{accelerator.distributed_type}: FSDP, DeepSpeed, Megatron-LM and XLA manage their own "
-            "scaler"
+            "install_grad_scaler: supported with distributed_type NO, MULTI_CPU or MULTI_GPU, or "
+            f"FSDP with fsdp_version=2, got {accelerator.distributed_type}: FSDP1, DeepSpeed, "
+            "Megatron-LM and XLA manage their own scaler"
         )
     # private-ok: accelerate (1.15, and its main branch) keeps the optimizers prepare() returned only
     # in Accelerator._optimizers, with no public accessor; read, never written.
@@ -110,7 +125,7 @@ def clip_grad_norm_(
     if (
         isinstance(scaler, fastamp.GradScaler)
         and scaler.is_enabled()
-        and accelerator.distributed_type in PLAIN_DDP_TYPES
+        and supports_fastamp_scaler(accelerator)
     ):
         wanted = {id(p) for p in params if p.grad is not None}
         for acc_opt in accelerator._optimizers:  # private-ok: see install_grad_scaler
@@ -161,7 +176,7 @@ class Accelerator(_Accelerator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.mixed_precision == "fp16" and self.distributed_type in PLAIN_DDP_TYPES:
+        if self.mixed_precision == "fp16" and supports_fastamp_scaler(self):
             install_grad_scaler(self)
 
     def prepare_optimizer(self, optimizer, device_placement=None):

@@ -49,7 +49,7 @@ class FastampTrainer(transformers.Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         acc = self.accelerator
-        if acc.mixed_precision == "fp16" and acc.distributed_type in _fa_accelerate.PLAIN_DDP_TYPES:
+        if acc.mixed_precision == "fp16" and _fa_accelerate.supports_fastamp_scaler(acc):
             _fa_accelerate.install_grad_scaler(acc)
             # The instance accelerate built, given fastamp's clip_grad_norm_ and prepare_optimizer
             # (methods only: the subclass adds no state; its __init__ step was install_grad_scaler).
