@@ -181,6 +181,37 @@ def _refusals(mesh, rank, world) -> None:
     scaler.step(opt)
     scaler.update()
     assert not all(torch.equal(p.to_local(), q) for p, q in zip(m.parameters(), before))
+    _same_errors_as_torch(mesh, rank, world)
+
+
+def _same_errors_as_torch(mesh, rank, world) -> None:
+    """Misuse raises what torch's recipe raises on the same sharded model (class and message)."""
+
+    def outcome(fast: bool, calls) -> list[str]:
+        m = _model(mesh)
+        opt = (fastamp.optim if fast else torch.optim).AdamW(m.parameters())
+        scaler = (fastamp.GradScaler if fast else torch.amp.GradScaler)("cpu")
+        x, y = _batch(0, rank, world)
+        scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
+        got = []
+        for call in calls:
+            try:
+                call(scaler, opt)
+                got.append("ok")
+            except Exception as e:
+                got.append(f"{type(e).__name__}: {e}")
+        return got
+
+    for calls in (
+        [lambda s, o: s.unscale_(o), lambda s, o: s.unscale_(o)],  # unscale_ twice
+        [lambda s, o: s.step(o), lambda s, o: s.step(o)],  # step twice
+        [lambda s, o: s.step(o), lambda s, o: s.unscale_(o)],  # unscale_ after step
+        [lambda s, o: s.step(o, closure=lambda: 0.0)],  # a closure
+    ):
+        assert outcome(True, calls) == outcome(False, calls), (
+            outcome(True, calls),
+            outcome(False, calls),
+        )
 
 
 def hybrid_parity(rank: int, world: int, init_file: str) -> None:
@@ -539,6 +570,25 @@ def features(rank: int, world: int, init_file: str) -> None:
         assert torch.equal(master.to_local().bfloat16(), p.to_local())
     report = fastamp.memory.optimizer_state_bytes(opt)
     assert report["master_bytes"] > 0 and report["state_bytes_per_param"] > 0, report
+
+    # SGD with bfloat16 momentum on sharded params: buffers sharded as their params, it learns.
+    m = _model(mesh, width=512)  # the first weight has 8192 elements: bfloat16 buffers
+    opt = fastamp.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, state_dtype=torch.bfloat16)
+    losses = []
+    for s in range(8):
+        xb, yb = _batch(s % 2, rank, world)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(m(xb), yb)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+    for p in m.parameters():  # tensors under 4096 elements keep float32 buffers (lowbit.py)
+        buf = opt.state[p]["momentum_buffer"]
+        want = torch.bfloat16 if p.numel() >= 4096 else torch.float32
+        assert isinstance(buf, DTensor) and buf.dtype == want, (buf.dtype, p.shape)
+        assert buf.placements == p.placements
+    assert opt.state[m[0].weight]["momentum_buffer"].dtype == torch.bfloat16
 
     # Accumulation: two micro-batches, the first without the reduce-scatter; as torch's recipe.
     def accumulate(model, opt, scaler):
