@@ -23,9 +23,9 @@ ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0+PTX"
 ARG FASTAMP_WERROR=OFF
 ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} FASTAMP_CUDA=ON FASTAMP_WERROR=${FASTAMP_WERROR}
 # Pinned to what CI builds with (the versions `make test` installs at the time of writing).
-RUN pip install --no-cache-dir "scikit-build-core==1.1.2" "cmake==4.4.4" "ninja==1.13.2"
+RUN pip install --no-cache-dir "scikit-build-core==1.1.2" "cmake==4.4.5" "ninja==1.13.2"
 WORKDIR /src
-COPY pyproject.toml CMakeLists.txt README.md ./
+COPY pyproject.toml CMakeLists.txt README.md LICENSE ./
 COPY cmake cmake
 COPY csrc csrc
 COPY python python

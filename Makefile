@@ -2,6 +2,7 @@
 #   make demo   - build fastamp in .venv and train fastamp vs torch side by side
 #   make test   - build fastamp in .venv and run the test suite (what CI runs)
 # TORCH_SPEC picks the torch to build against (default: the CPU 2.13.0 wheel; use torch==2.14.1 for CUDA).
+# A bare `make` (or `make help`) lists every target.
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -13,14 +14,33 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: demo test test-clients bench cuda-build emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients bench cuda-build emu emu-faults sanitize lint format clean
+.DEFAULT_GOAL := help
+
+# The build tools, pinned as the Dockerfile pins them (what CI builds with).
+BUILD_TOOLS := "scikit-build-core==1.1.2" "cmake==4.4.5" "ninja==1.13.2"
+
+help:
+	@echo "fastamp's make targets (each builds what it needs first, in .venv unless said):"
+	@echo "  make demo          build, then train fastamp vs torch side by side (examples/demo.py)"
+	@echo "  make test          build, build the CUDA emulator library, run the test suite (what CI runs)"
+	@echo "  make emu           build the CUDA emulator library only"
+	@echo "  make emu-faults    planted CUDA faults the emulated tests must catch"
+	@echo "  make test-clients  the Lightning / accelerate / transformers tier, in .venv-clients"
+	@echo "  make bench         the scaler, optimizer and checkpoint benchmarks (benchmarks/ has more)"
+	@echo "  make cuda-build    build the CUDA flavour against torch 2.14.1 in .venv-cuda (nvcc needed)"
+	@echo "  make sanitize      CPU kernels and the emulator under ASan + UBSan, in .venv-asan"
+	@echo "  make lint          ruff format --check, ruff check, clang-format (make format fixes)"
+	@echo "  make clean         remove build/ and the venvs"
+	@echo "TORCH_SPEC=torch==X picks the torch to build against (default $(TORCH_SPEC)); the full"
+	@echo "compile log goes to build/<venv>.log, its steps print as [n/N] lines."
 
 # A requirements file passed in EXTRA_DEPS (-r FILE) is a prerequisite: changed pins reinstall.
 $(VENV)/.deps: $(filter-out -r,$(EXTRA_DEPS))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@echo "installing $(TORCH_SPEC) and the build/test tools into $(VENV) (a minute or more: torch is large) ..."
-	$(PIP) install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" cmake ninja numpy pytest expecttest hypothesis tqdm matplotlib $(EXTRA_DEPS)
+	$(PIP) install -q "$(TORCH_SPEC)" $(BUILD_TOOLS) numpy pytest expecttest hypothesis tqdm matplotlib $(EXTRA_DEPS)
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake -type f 2>/dev/null)
@@ -90,7 +110,7 @@ ASAN_PY := $(ASAN_VENV)/bin/python
 $(ASAN_VENV)/.deps:
 	$(PYTHON) -m venv $(ASAN_VENV)
 	$(ASAN_PY) -m pip install -q --upgrade pip
-	$(ASAN_PY) -m pip install -q "$(TORCH_SPEC)" "scikit-build-core>=0.10" cmake ninja numpy pytest expecttest hypothesis
+	$(ASAN_PY) -m pip install -q "$(TORCH_SPEC)" $(BUILD_TOOLS) numpy pytest expecttest hypothesis
 	touch $@
 
 # Non-editable, so the Python sources are inputs too (and this Makefile: it holds the sanitizer list).

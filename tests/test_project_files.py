@@ -1,0 +1,58 @@
+"""What a new user reads matches what runs: the build tools pinned alike in the Makefile and the
+Dockerfile, the README's compile-step count that of the last build, the LICENSE that of
+pyproject.toml, and a bare `make` that explains instead of building."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_build_tools_pinned_alike_in_makefile_and_dockerfile():
+    make = re.search(r"^BUILD_TOOLS := (.*)$", (ROOT / "Makefile").read_text(), re.M)
+    docker = re.search(
+        r'^RUN pip install --no-cache-dir (".*")$', (ROOT / "Dockerfile").read_text(), re.M
+    )
+    assert make and docker
+    pins = sorted(re.findall(r'"([^"]+)"', make.group(1)))
+    assert pins == sorted(re.findall(r'"([^"]+)"', docker.group(1))), (pins, docker.group(1))
+    assert all("==" in p for p in pins), pins
+
+
+def test_readme_compile_step_count_is_the_builds():
+    log = ROOT / "build" / ".venv.log"
+    if not log.exists():
+        pytest.skip("no build log (build/.venv.log is written by make)")
+    totals = {
+        int(n) for n in re.findall(r"^\s*\[\d+/(\d+)\]", log.read_text(errors="replace"), re.M)
+    }
+    if not totals:
+        pytest.skip("the last build compiled nothing (all up to date)")
+    readme = re.search(r"print\s+as `\[n/(\d+)\]` lines", (ROOT / "README.md").read_text())
+    assert readme, "the README no longer states the compile-step count"
+    assert int(readme.group(1)) == max(totals), (readme.group(1), totals)
+
+
+def test_license_file_matches_pyproject():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("BSD 3-Clause License")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^license = "BSD-3-Clause"$', pyproject, re.M)
+    assert re.search(r'^license-files = \["LICENSE"\]$', pyproject, re.M)
+
+
+def test_bare_make_lists_the_targets_and_builds_nothing():
+    out = subprocess.run(
+        ["make", "-n"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )  # -n: what a bare `make` would run
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.strip()]
+    assert lines and all(line.startswith("echo ") for line in lines), lines
+    shown = subprocess.run(["make"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    for target in ("demo", "test", "test-clients", "bench", "cuda-build", "sanitize", "lint"):
+        assert f"make {target}" in shown.stdout, target
