@@ -72,14 +72,16 @@ emu-faults: emu
 	$(PY) tests/cuda_emu/mutants.py
 
 # The clients tier: Lightning, accelerate and transformers (pinned in requirements/) beside
-# the same torch, in their own venv; runs every test marked `clients` under tests/. With
+# the same torch, in their own venv, with fastamp as .venv built it (copied, not compiled again:
+# .ci/share_build.py); runs every test marked `clients` under tests/. With
 # FASTAMP_REQUIRE_CLIENTS=1 a skipped `clients` test fails (tests/conftest.py), so a missing or
 # broken client cannot pass silently.
 CLIENTS_VENV := $(VENV)-clients
 
-test-clients:
-	$(MAKE) $(CLIENTS_VENV)/.built VENV=$(CLIENTS_VENV) EXTRA_DEPS="-r requirements/clients.txt"
+test-clients: $(VENV)/.built
+	$(MAKE) $(CLIENTS_VENV)/.deps VENV=$(CLIENTS_VENV) EXTRA_DEPS="-r requirements/clients.txt"
 	$(CLIENTS_VENV)/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$(patsubst torch==%,%,$(TORCH_SPEC))', torch.__version__"
+	$(PY) .ci/share_build.py $(CLIENTS_VENV)/bin/python
 	FASTAMP_REQUIRE_CLIENTS=1 $(CLIENTS_VENV)/bin/python -m pytest -q -m clients $(PYTEST_ARGS)
 
 bench: $(VENV)/.built
