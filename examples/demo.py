@@ -158,11 +158,21 @@ def main(argv=None):
         f"last {tail} steps {final:.3f} (learned: {learned})"
     )
     print(f"last overflow: {f_scaler.overflow_report(f_model)}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    cores = os.cpu_count() or 1
     print(
         f"median unscale+clip+step+update time: torch {med(t_times) * 1e3:.3f} ms, "
         f"fastamp {med(f_times) * 1e3:.3f} ms (a tiny model, not a benchmark: for speed, see "
         "benchmarks/ and the README's table)"
     )
+    if args.device == "cpu" and load > 0.75 * cores + 1:
+        # torch's OpenMP kernels (both runs use them) slow down several-fold when other processes
+        # hold the cores: the times above then measure the machine, not the scalers.
+        print(
+            f"note: the machine was busy (load average {load:.1f} on {cores} cores): CPU timings "
+            "are unreliable, torch's OpenMP kernels in both runs compete for the cores. Rerun on "
+            "an idle machine, or with OMP_NUM_THREADS=1 for both"
+        )
     _plot(t_rows, f_rows, chance, args.plot)
     # a short smoke run (the test's) is not long enough to judge learning
     return 0 if same_scale and (learned or args.steps < 40) else 1
