@@ -470,7 +470,11 @@ def buffers_under_no_sync(rank, world, init_file):
     _init(rank, world, init_file)
     data = _data(rank, 6, n=8)
     base = BNNet()
-    for kw in (dict(), dict(forward_sync_buffers=False), dict(broadcast_buffers=False)):
+    has_forward_sync = "forward_sync_buffers" in inspect.signature(TDDP.__init__).parameters
+    kws = [dict(), dict(broadcast_buffers=False)]
+    if has_forward_sync:  # torch >= 2.13
+        kws.insert(1, dict(forward_sync_buffers=False))
+    for kw in kws:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             t = TDDP(copy.deepcopy(base), **kw)
@@ -525,6 +529,7 @@ def _signature_cases(world):
         "bucket_cap_mb_list": ("same", dict(bucket_cap_mb_list=[1e-4, 1.0])),
         "batched_grad_copy": ("same", dict(batched_grad_copy=True)),
         "forward_sync_buffers": ("same", dict(forward_sync_buffers=False)),
+        "lazy_bucket_allocation": ("refused", dict(lazy_bucket_allocation=True)),  # torch 2.15
     }
 
 
@@ -651,7 +656,13 @@ def comm_hooks(rank, world, init_file):
                 for m, opt in zip((t, f), opts):
                     opt.zero_grad()
                     nn.functional.mse_loss(m(x), y).backward()
-                tol = dict(rtol=1e-3, atol=1e-4) if name == "fp16" else {}
+                # Compressed hooks sum in half precision, and gloo orders a sum of 3 ranks by
+                # the bucket's size (fastamp's buckets here are one param each): one fp16 / bf16
+                # ulp apart (bf16 runs on CPU where torch has NCCL built in: torch >= 2.15's wheels).
+                tol = {
+                    "fp16": dict(rtol=1e-3, atol=1e-4),
+                    "bf16": dict(rtol=8e-3, atol=1e-3),
+                }.get(name, {})
                 _same_grads(f.module, t.module, f"hook {name} view={view}", **tol)
                 if not view:
                     found, sq = f.grad_stats()

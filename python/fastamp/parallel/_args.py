@@ -3,6 +3,7 @@ torch's deprecation warnings, and an error naming each argument fastamp refuses 
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any
 
@@ -10,6 +11,13 @@ import torch.distributed as dist
 from torch import nn
 
 _NAME = "fastamp.parallel.DistributedDataParallel"  # how the class is named in every message of the package
+
+# The installed torch's constructor: its keywords and defaults move between versions, and
+# fastamp's follow them (torch 2.11/2.12: broadcast_buffers=True, no forward_sync_buffers; 2.13:
+# broadcast_buffers=None, deprecated for forward_sync_buffers).
+TORCH_DDP_KEYWORDS = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+BROADCAST_BUFFERS_DEFAULT: Any = TORCH_DDP_KEYWORDS["broadcast_buffers"].default
+BROADCAST_BUFFERS_DEPRECATED = "forward_sync_buffers" in TORCH_DDP_KEYWORDS
 
 
 def refuse(arg: str, why: str) -> NotImplementedError:
@@ -39,6 +47,7 @@ def check_arguments(
     device_mesh: Any,
     bucket_cap_mb_list: Any,
     forward_sync_buffers: Any,
+    lazy_bucket_allocation: Any = False,
 ) -> tuple[set[str], list[nn.Parameter], str, bool, Any, Any]:
     """Raises (before anything is set up) for arguments torch refuses or fastamp cannot honour;
     returns ``(ignored names, the module's parameters, device type, whether the module spans
@@ -59,6 +68,13 @@ def check_arguments(
             "fastamp launches each bucket's all-reduce as soon as its grads are ready and has "
             "no delayed group (torch uses it to compose DDP with tensor parallelism). Leave "
             "them unset, or use torch.nn.parallel.DistributedDataParallel for that model.",
+        )
+    if lazy_bucket_allocation:
+        raise refuse(
+            "lazy_bucket_allocation=True",
+            "fastamp keeps its bucket buffers for the life of the wrapper (with "
+            "gradient_as_bucket_view they are the grads' storage, and the unpack measures the "
+            "grads in them). Leave it False (torch's default)",
         )
     if mixed_precision is not None:
         raise refuse(
@@ -152,8 +168,8 @@ def check_arguments(
                 "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
                 "Run a dummy forward pass to correctly initialize the modules"
             )
-    # torch's deprecations, with torch's warnings.
-    if broadcast_buffers is not None:
+    # torch's deprecations, with torch's warnings (where the installed torch has them).
+    if broadcast_buffers is not None and BROADCAST_BUFFERS_DEPRECATED:
         if forward_sync_buffers is not None:
             warnings.warn(
                 "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "

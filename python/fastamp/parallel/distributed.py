@@ -43,7 +43,12 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from fastamp.handoff import GradStatsConsumer
-from fastamp.parallel._args import _NAME, check_arguments, collective_error
+from fastamp.parallel._args import (
+    _NAME,
+    BROADCAST_BUFFERS_DEFAULT,
+    check_arguments,
+    collective_error,
+)
 from fastamp.parallel._backward import GradSync
 from fastamp.parallel._torch_compat import CallbackJoinHook, ReducerShim, TorchCompat
 from fastamp.parallel.buckets import BucketLayout, GradBucket
@@ -73,7 +78,7 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
         device_ids: list[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool | None = None,
+        broadcast_buffers: bool | None = BROADCAST_BUFFERS_DEFAULT,
         init_sync: bool = True,
         process_group: Any = None,
         bucket_cap_mb: float | None = None,
@@ -89,12 +94,14 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
         bucket_cap_mb_list: list[float] | None = None,
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
+        lazy_bucket_allocation: bool = False,
     ) -> None:
         # Everything is validated before any state is set or any collective is issued.
         ignore, module_params, device_type, multi_device, device_ids_, output_device_ = check_arguments(
             module, device_ids, output_device, broadcast_buffers, process_group, bucket_cap_mb,
             check_reduction, delay_all_reduce_named_params, param_to_hook_all_reduce,
             mixed_precision, device_mesh, bucket_cap_mb_list, forward_sync_buffers,
+            lazy_bucket_allocation,
         )  # fmt: skip
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -129,6 +136,7 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
         self.static_graph = bool(static_graph)
         self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
         self.batched_grad_copy = bool(batched_grad_copy)
+        self.lazy_bucket_allocation = False  # torch 2.15's keyword: True is refused above
         self.mixed_precision = None
         self.broadcast_bucket_size = 250 * 1024 * 1024
         self.bucket_bytes_cap = int((bucket_cap_mb or _DEFAULT_BUCKET_MB) * 2**20)
@@ -364,6 +372,17 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
             self._sync.shadow_backward()
 
     # ------------------------------------------------------------------ the scaler's statistics
+    # torch >= 2.13 names the flag forward_sync_buffers and keeps broadcast_buffers as this
+    # property; torch 2.11/2.12 read self.broadcast_buffers in their own methods (e.g.
+    # will_sync_module_buffers): the property here serves both.
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
     def register_grad_scaler(self, scaler: Any) -> None:
         """Hands the unpack's fused statistics (a :class:`fastamp.handoff.GradStats`) to ``scaler`` (a
         :class:`fastamp.GradScaler`), whose ``clip_grad_norm_`` then skips its own read pass over
