@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients bench cuda-build emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients test-matrix bench cuda-build emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -27,6 +27,7 @@ help:
 	@echo "  make emu           build the CUDA emulator library only"
 	@echo "  make emu-faults    planted CUDA faults the emulated tests must catch"
 	@echo "  make test-clients  the Lightning / accelerate / transformers tier, in .venv-clients"
+	@echo "  make test-matrix   build and test against other torch releases (MATRIX=\"2.11.0 2.15.0\")"
 	@echo "  make bench         the scaler, optimizer and checkpoint benchmarks (benchmarks/ has more)"
 	@echo "  make cuda-build    build the CUDA flavour against torch 2.14.1 in .venv-cuda (nvcc needed)"
 	@echo "  make sanitize      CPU kernels and the emulator under ASan + UBSan, in .venv-asan"
@@ -83,6 +84,21 @@ test-clients: $(VENV)/.built
 	$(CLIENTS_VENV)/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$(patsubst torch==%,%,$(TORCH_SPEC))', torch.__version__"
 	$(PY) .ci/share_build.py $(CLIENTS_VENV)/bin/python
 	FASTAMP_REQUIRE_CLIENTS=1 $(CLIENTS_VENV)/bin/python -m pytest -q -m clients $(PYTEST_ARGS)
+
+# The torch version matrix: for each release in MATRIX, a venv with that torch (PyPI's CUDA wheels,
+# run on the CPU; PIP_CONSTRAINT=/dev/null lifts this machine's pip cap at 2.14.1), fastamp built
+# against it (CPU only), and the CPU suites of the Python side that follows torch's internals.
+# Not in CI (about 10 minutes per release on 2 cores); results: benchmarks/results/torch_matrix.md.
+MATRIX ?= 2.11.0 2.15.0
+MATRIX_TESTS ?= tests/scaler tests/optim tests/checkpoint tests/parallel tests/toolkit tests/test_architecture.py
+
+test-matrix:
+	@for v in $(MATRIX); do \
+	  echo "=== torch $$v ==="; \
+	  PIP_CONSTRAINT=/dev/null $(MAKE) --no-print-directory .venv-torch$$v/.built VENV=.venv-torch$$v \
+	    TORCH_SPEC=torch==$$v FASTAMP_CUDA=OFF || exit 1; \
+	  .venv-torch$$v/bin/python -m pytest -q $(MATRIX_TESTS) $(PYTEST_ARGS) || exit 1; \
+	done
 
 bench: $(VENV)/.built
 	$(PY) benchmarks/scaler/bench_grad_scaler.py
@@ -144,4 +160,4 @@ format: $(VENV)/.lint
 	$(VENV)/bin/clang-format -i $(CSRC_FILES)
 
 clean:
-	rm -rf build $(VENV) $(VENV)-cuda $(VENV)-asan
+	rm -rf build $(VENV) $(VENV)-cuda $(VENV)-asan $(VENV)-clients .venv-torch*
