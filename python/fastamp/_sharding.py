@@ -32,6 +32,7 @@ __all__ = [
     "is_sharded",
     "local",
     "local_state",
+    "misplaced_state",
     "shard_group",
     "wrap_like",
 ]
@@ -57,6 +58,20 @@ def local(t: Tensor) -> Tensor:
 def local_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer state dict with each DTensor replaced by this rank's shard of it."""
     return {k: local(v) if is_dtensor(v) else v for k, v in state.items()}
+
+
+def misplaced_state(p: Tensor, state: Mapping[str, Any]) -> tuple[str, str] | None:
+    """For a DTensor param: the first state entry of its shape that is not a DTensor laid out as
+    it is, as ``(key, what it is instead)`` (a full tensor would be taken for this rank's shard);
+    None when every such entry is sharded as the param."""
+    for key, v in state.items():
+        if not (isinstance(v, Tensor) and v.dim() > 0 and v.shape == p.shape):
+            continue
+        if not is_dtensor(v):
+            return key, "a plain tensor"
+        if tuple(v.placements) != tuple(p.placements):
+            return key, f"a DTensor laid out as {tuple(v.placements)}"
+    return None
 
 
 @dataclass(frozen=True)

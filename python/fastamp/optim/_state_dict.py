@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import is_real
-from fastamp._sharding import is_dtensor, local, local_state, wrap_like
+from fastamp._sharding import is_dtensor, local, local_state, misplaced_state, wrap_like
 from fastamp.optim import lowbit
 from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import kernel_like, where_in_groups
@@ -213,17 +213,13 @@ class StateDictChecks:
 
 
 def _check_sharded(entry: str, p: Tensor, st: Mapping[str, Any]) -> None:
-    """The state tensors of a DTensor param's shape must be DTensors laid out as the param (a
-    full tensor loaded into a sharded optimizer would be taken for this rank's shard)."""
-    for key, v in st.items():
-        if not (isinstance(v, Tensor) and v.dim() > 0 and v.shape == p.shape):
-            continue
-        if not is_dtensor(v) or tuple(v.placements) != tuple(p.placements):
-            got = f"laid out as {tuple(v.placements)}" if is_dtensor(v) else "a plain tensor"
-            raise ValueError(
-                f"{entry}[{key!r}] is {got}, but the parameter it loads into is a DTensor laid "
-                f"out as {tuple(p.placements)}; expected the state sharded as the parameter: "
-                "load a sharded model's optimizer state with torch.distributed.checkpoint "
-                "(torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, which "
-                "shards a full state dict too)"
-            )
+    """The state tensors of a DTensor param's shape must be DTensors laid out as the param."""
+    bad = misplaced_state(p, st)
+    if bad is not None:
+        raise ValueError(
+            f"{entry}[{bad[0]!r}] is {bad[1]}, but the parameter it loads into is a DTensor laid "
+            f"out as {tuple(p.placements)}; expected the state sharded as the parameter: "
+            "load a sharded model's optimizer state with torch.distributed.checkpoint "
+            "(torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, which "
+            "shards a full state dict too)"
+        )

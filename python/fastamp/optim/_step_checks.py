@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import is_real
-from fastamp._sharding import is_dtensor, local, local_state
+from fastamp._sharding import is_dtensor, local, local_state, misplaced_state
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import FLOAT_TYPES, where_in_groups
@@ -203,22 +203,15 @@ class StepChecks:
 
     def _sharded_state(self, g: int, i: int, p: Tensor, state: Mapping[str, Any]) -> None:
         """The state tensors of a DTensor param's shape must be DTensors laid out as it is."""
-        for key, v in state.items():
-            if isinstance(v, Tensor) and v.shape == p.shape and v.dim() > 0:
-                ok = is_dtensor(v) and tuple(v.placements) == tuple(p.placements)
-                if not ok:
-                    got = (
-                        f"a DTensor laid out as {tuple(v.placements)}"
-                        if is_dtensor(v)
-                        else f"a plain {type(v).__name__}"
-                    )
-                    raise RuntimeError(
-                        f"fastamp.optim.{self.name}: state[{key!r}] of {where_in_groups(g, i)} "
-                        f"is {got}, but the parameter is a DTensor laid out as "
-                        f"{tuple(p.placements)}; expected its state sharded as it is (load a "
-                        "sharded model's optimizer state with "
-                        "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)"
-                    )
+        bad = misplaced_state(p, state)
+        if bad is not None:
+            raise RuntimeError(
+                f"fastamp.optim.{self.name}: state[{bad[0]!r}] of {where_in_groups(g, i)} "
+                f"is {bad[1]}, but the parameter is a DTensor laid out as "
+                f"{tuple(p.placements)}; expected its state sharded as it is (load a "
+                "sharded model's optimizer state with "
+                "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)"
+            )
 
     def shared_memory(
         self, checked: list[tuple[int, dict[str, Any], list[Tensor], list[int]]]
