@@ -12,19 +12,17 @@ taken before the reduction ran).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-try:
-    import torch.distributed as dist
+if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch built without torch.distributed has no DTensor either
-    DTensor = None  # type: ignore[assignment,misc]
 
 __all__ = [
     "ShardGroup",
@@ -38,8 +36,17 @@ __all__ = [
 ]
 
 
+def _dtensor_class() -> Any:
+    # No tensor is a DTensor until torch.distributed.tensor is imported (fully_shard and
+    # distribute_tensor import it): looked up, never imported here, so `import fastamp` does not
+    # pay for DTensor's import (about half a second).
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def is_dtensor(t: Any) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 def is_sharded(module: Any) -> bool:
@@ -134,6 +141,6 @@ def wrap_like(p: Tensor, t: Tensor) -> Tensor:
     otherwise, and for tensors of another shape (step counters, block scales)."""
     if not is_dtensor(p) or t.shape != local(p).shape:
         return t
-    return DTensor.from_local(
+    return _dtensor_class().from_local(
         t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
