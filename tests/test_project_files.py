@@ -4,6 +4,7 @@ pyproject.toml, and a bare `make` that explains instead of building."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -47,12 +48,14 @@ def test_license_file_matches_pyproject():
 
 
 def test_bare_make_lists_the_targets_and_builds_nothing():
+    # As a user types it: not as a sub-make of `make test` (which would print its directory).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     out = subprocess.run(
-        ["make", "-n"], cwd=ROOT, capture_output=True, text=True, timeout=60
+        ["make", "-n"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env
     )  # -n: what a bare `make` would run
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.strip()]
     assert lines and all(line.startswith("echo ") for line in lines), lines
-    shown = subprocess.run(["make"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(["make"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     for target in ("demo", "test", "test-clients", "bench", "cuda-build", "sanitize", "lint"):
         assert f"make {target}" in shown.stdout, target
