@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import statistics
 import sys
@@ -142,6 +143,9 @@ def worker(rank: int, world: int, init_file: str, args) -> None:
                 f"| {v} | {meds[v] * 1e3:.1f} | {meds[v] / base:.2f}x | {slowest * 1e3:.1f} "
                 f"| {comms[v]} | {state[v]:.2f} |"
             )
+    # Leave together with nothing holding the group (as tests/parallel/_workers._finish does).
+    del runs
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import gc, json, sys
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
@@ -99,8 +99,12 @@ SCRIPT = textwrap.dedent(
                    "ref_reduces": ref_reduces,
                    "scale": scaler.get_scale(), "ref_scale": rscaler.get_scale(),
                    "scaler": type(acc.scaler).__module__}, open(out, "w"))
+    # Leave together, with nothing holding the group (a rank tearing it down while a peer still
+    # finishes can abort that peer), then accelerate's own teardown.
+    del model, opt, ref, ropt
+    gc.collect()
     dist.barrier()
-    dist.destroy_process_group()
+    acc.end_training()
     """
 )
 
