@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 IN, CLASSES = 16, 4
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 
 def dataset(n: int = 2048, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,3 +79,22 @@ def assert_params_equal(a: nn.Module, b: nn.Module) -> None:
 def assert_params_close(a: nn.Module, b: nn.Module, rtol: float = 1e-3, atol: float = 1e-4) -> None:
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def run_script(tmp_path: Path, text: str, name: str, *args: str) -> dict:
+    """Runs ``text`` as the script ``tmp_path / name`` (a framework launches its own worker
+    processes from it) with ``args`` and the JSON path it writes its results to; returns them."""
+    script = tmp_path / name
+    script.write_text(text)
+    out = tmp_path / f"{'-'.join(args) or 'out'}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(script), *args, str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())

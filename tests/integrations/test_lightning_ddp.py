@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -13,7 +9,7 @@ import pytest
 pytestmark = pytest.mark.clients
 pytest.importorskip("lightning")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.integrations._common import run_script  # noqa: E402
 
 SCRIPT = textwrap.dedent(
     """
@@ -68,20 +64,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path, kind):
-    script = tmp_path / "fit_ddp.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / f"{kind}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, str(script), kind, str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
+    return run_script(tmp_path, SCRIPT, "fit_ddp.py", kind)
 
 
 def test_fastamp_ddp_strategy_matches_lightnings_ddp(tmp_path):

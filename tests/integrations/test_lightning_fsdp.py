@@ -4,10 +4,6 @@ own MixedPrecision + torch.optim.AdamW on the same sharded model."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -15,7 +11,7 @@ import pytest
 pytestmark = pytest.mark.clients
 pytest.importorskip("lightning")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.integrations._common import run_script  # noqa: E402
 
 SCRIPT = textwrap.dedent(
     """
@@ -79,20 +75,7 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(tmp_path, kind):
-    script = tmp_path / "fit_fsdp.py"
-    script.write_text(SCRIPT)
-    out = tmp_path / f"{kind}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, str(script), kind, str(out)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
+    return run_script(tmp_path, SCRIPT, "fit_fsdp.py", kind)
 
 
 def test_fastamp_precision_on_model_parallel_strategy_matches_lightnings(tmp_path):
