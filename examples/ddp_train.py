@@ -58,6 +58,19 @@ def sequences(gen, n, length, vocab=VOCAB):
     return torch.cat(out, dim=1)
 
 
+def judge_learning(steps, final, chance):
+    """(judged, learned, verdict): learning is judged only on runs long enough to learn (the
+    default 30 steps are); a short smoke run (the tests' 3 steps) is judged on its other checks."""
+    judge = steps >= 20
+    learned = final < 0.5 * chance
+    verdict = (
+        ("learned the rule" if learned else "did NOT learn")
+        if judge
+        else f"too few steps ({steps} < 20) to judge learning"
+    )
+    return judge, learned, verdict
+
+
 class Model(nn.Module):
     def __init__(self, vocab=VOCAB, dim=128, heads=4, layers=4, checkpoint=False):
         super().__init__()
@@ -143,15 +156,7 @@ def main(argv=None):
     dist.all_gather(everyone, sums)
     same = all(torch.equal(everyone[0], s) for s in everyone)
     final = loss.item()
-    # Learning is judged only on runs long enough to learn (the default 30 steps are); a short smoke
-    # run (the tests' 3 steps) is judged on identical parameters alone.
-    judge = args.steps >= 20
-    learned = final < 0.5 * chance
-    verdict = (
-        ("learned the rule" if learned else "did NOT learn")
-        if judge
-        else f"too few steps ({args.steps} < 20) to judge learning"
-    )
+    judge, learned, verdict = judge_learning(args.steps, final, chance)
     if rank == 0:
         print(
             f"{world} ranks ({dist.get_backend()}), {args.steps} steps in {elapsed:.1f}s; loss {first:.3f} -> "

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import fully_shard
 import fastamp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp_train import VOCAB, Model, sequences  # noqa: E402
+from ddp_train import VOCAB, Model, judge_learning, sequences  # noqa: E402
 
 
 def main(argv=None):
@@ -104,13 +104,7 @@ def main(argv=None):
     dist.all_gather(everyone, mine)
     same = all(torch.equal(everyone[0], s) for s in everyone)
     final = loss.item()
-    judge = args.steps >= 20
-    learned = final < 0.5 * chance
-    verdict = (
-        ("learned the rule" if learned else "did NOT learn")
-        if judge
-        else f"too few steps ({args.steps} < 20) to judge learning"
-    )
+    judge, learned, verdict = judge_learning(args.steps, final, chance)
     if rank == 0:
         print(
             f"{world} ranks ({dist.get_backend()}, mesh {tuple(shape)}), {args.steps} steps in "

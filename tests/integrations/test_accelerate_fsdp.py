@@ -53,19 +53,23 @@ SCRIPT = textwrap.dedent(
     model, opt = acc.prepare(model, opt)
     assert type(next(model.parameters())).__name__ == "DTensor"
     assert type(next(iter(opt.optimizer.param_groups[0]["params"]))).__name__ == "DTensor"
-    losses, reduces, skipped = [], [], []
-    for s in range(20):
-        xb, yb = x[32 * s + rank * n: 32 * s + (rank + 1) * n], y[32 * s + rank * n: 32 * s + (rank + 1) * n]
-        opt.zero_grad()
-        loss = F.cross_entropy(model(xb).float(), yb)
-        acc.backward(loss)
-        mode = CommDebugMode()
-        with mode:
-            acc.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-        reduces.append(mode.get_total_counts())
-        skipped.append(acc.optimizer_step_was_skipped)
-        losses.append(float(loss.detach()))
+    def train(acc, model, opt):
+        losses, reduces, skipped = [], [], []
+        for s in range(20):
+            rows = slice(32 * s + rank * n, 32 * s + (rank + 1) * n)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[rows]).float(), y[rows])
+            acc.backward(loss)
+            mode = CommDebugMode()
+            with mode:
+                acc.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+            reduces.append(mode.get_total_counts())
+            skipped.append(acc.optimizer_step_was_skipped)
+            losses.append(float(loss.detach()))
+        return losses, reduces, skipped
+
+    losses, reduces, skipped = train(acc, model, opt)
 
     # The reference: accelerate's own Accelerator on the same FSDP2 path, with torch's scaler
     # (installed as accelerate installs its own on GPUs) and torch's AdamW; its clip is
@@ -79,18 +83,7 @@ SCRIPT = textwrap.dedent(
     ref = mlp()
     ref, ropt = theirs.prepare(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False))
     assert type(next(ref.parameters())).__name__ == "DTensor"
-    ref_losses, ref_reduces = [], []
-    for s in range(20):
-        xb, yb = x[32 * s + rank * n: 32 * s + (rank + 1) * n], y[32 * s + rank * n: 32 * s + (rank + 1) * n]
-        ropt.zero_grad()
-        loss = F.cross_entropy(ref(xb).float(), yb)
-        theirs.backward(loss)
-        mode = CommDebugMode()
-        with mode:
-            theirs.clip_grad_norm_(ref.parameters(), 0.5)
-            ropt.step()
-        ref_reduces.append(mode.get_total_counts())
-        ref_losses.append(float(loss.detach()))
+    ref_losses, ref_reduces, _ = train(theirs, ref, ropt)
     ours_full = [p.full_tensor().flatten().tolist() for p in model.parameters()]
     ref_full = [p.full_tensor().flatten().tolist() for p in ref.parameters()]
     if rank == 0:
