@@ -1,8 +1,5 @@
 // CPU kernel of the tensor digest.
-#include <torch/library.h>
-
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "common/torch_api.h"
 
 #include <algorithm>
 #include <cstring>
@@ -21,7 +18,7 @@ uint64_t digest_bytes(const uint8_t* p, int64_t nbytes) {
   // cannot change the result.
   const int64_t grain = 1 << 16;
   std::vector<uint64_t> sums(static_cast<size_t>((nwords + grain - 1) / grain), 0);
-  at::parallel_for(0, static_cast<int64_t>(sums.size()), 1, [&](int64_t b, int64_t e) {
+  parallel_for(static_cast<int64_t>(sums.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) {
       uint64_t s = 0;
       const int64_t end = std::min(nwords, (c + 1) * grain);
@@ -39,13 +36,14 @@ uint64_t digest_bytes(const uint8_t* p, int64_t nbytes) {
   return digest_finish(total, static_cast<uint64_t>(nbytes));
 }
 
-at::Tensor tensor_digest_cpu(at::TensorList tensors) {
-  const auto dense = check_digest(tensors, c10::Device(c10::kCPU));
-  at::Tensor out = at::empty({static_cast<int64_t>(tensors.size())}, at::kLong);
-  int64_t* o = out.data_ptr<int64_t>();
+Tensor tensor_digest_cpu(TensorList tensors) {
+  const auto dense = check_digest(tensors, Device(DeviceType::CPU));
+  Tensor out = empty({static_cast<int64_t>(tensors.size())}, kLong, Device(DeviceType::CPU));
+  int64_t* o = out.mutable_data_ptr<int64_t>();
   for (size_t i = 0; i < dense.size(); ++i) {
-    const uint64_t d = digest_bytes(static_cast<const uint8_t*>(dense[i].data_ptr()),
-                                    static_cast<int64_t>(dense[i].nbytes()));
+    const uint64_t d =
+        digest_bytes(static_cast<const uint8_t*>(dense[i].data_ptr()),
+                     dense[i].numel() * static_cast<int64_t>(dense[i].element_size()));
     std::memcpy(&o[i], &d, sizeof(d));
   }
   return out;
@@ -55,6 +53,6 @@ at::Tensor tensor_digest_cpu(at::TensorList tensors) {
 }  // namespace checkpoint
 }  // namespace fastamp
 
-TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
-  m.impl("tensor_digest", &fastamp::checkpoint::tensor_digest_cpu);
+STABLE_TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
+  m.impl("tensor_digest", TORCH_BOX(&fastamp::checkpoint::tensor_digest_cpu));
 }

@@ -6,9 +6,7 @@
 // raw bytes of any storage offset (byte loads, no alignment) and its sum is exact integer
 // arithmetic, for which every order gives the same bits. Routing it through the engine would add
 // a partials buffer and a second launch and change nothing in the result.
-#include <torch/library.h>
-
-#include <ATen/ATen.h>
+#include "common/torch_api.h"
 
 #include "checkpoint/digest_checks.h"
 #include "common/gpu.cuh"
@@ -47,34 +45,38 @@ __global__ void finish_kernel(unsigned long long* sums, const int64_t* nbytes, i
   }
 }
 
-at::Tensor tensor_digest_cuda(at::TensorList tensors) {
-  TORCH_CHECK(!tensors.empty(), "fastamp::tensor_digest: the CUDA kernel needs a tensor");
-  const c10::Device device = tensors[0].device();
+Tensor tensor_digest_cuda(TensorList tensors) {
+  FASTAMP_CHECK(!tensors.empty(), "fastamp::tensor_digest: the CUDA kernel needs a tensor");
+  const Device device = tensors[0].device();
   gpu::check_device(device, "fastamp::tensor_digest", "tensors[0]");
   const auto dense = check_digest(tensors, device);
   gpu::DeviceGuard guard(device);
   const gpu::Stream stream = gpu::current_stream(device);
   const auto n = static_cast<int64_t>(tensors.size());
-  at::Tensor sums = at::zeros({n}, tensors[0].options().dtype(at::kLong));
+  Tensor sums = zeros({n}, kLong, device);
   std::vector<int64_t> sizes(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
     const auto& t = dense[static_cast<size_t>(i)];
-    sizes[static_cast<size_t>(i)] = static_cast<int64_t>(t.nbytes());
-    if (t.nbytes() == 0) continue;
-    const int64_t nwords = (static_cast<int64_t>(t.nbytes()) + 7) / 8;
+    const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
+    sizes[static_cast<size_t>(i)] = nbytes;
+    if (nbytes == 0) continue;
+    const int64_t nwords = (nbytes + 7) / 8;
     const int blocks =
         static_cast<int>(std::min<int64_t>((nwords + kThreads - 1) / kThreads, 1024));
     gpu::launch("digest_kernel", &digest_kernel, dim3(static_cast<unsigned>(blocks)),
-                dim3(kThreads), stream, static_cast<const uint8_t*>(t.data_ptr()),
-                static_cast<int64_t>(t.nbytes()),
-                reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>()) + i);
+                dim3(kThreads), stream, static_cast<const uint8_t*>(t.data_ptr()), nbytes,
+                reinterpret_cast<unsigned long long*>(sums.mutable_data_ptr<int64_t>()) + i);
   }
   // The sizes travel as a small host-to-device copy from a CPU tensor (stream-ordered).
-  at::Tensor nbytes = at::tensor(sizes, at::kLong).to(device, /*non_blocking=*/false);
-  at::Tensor out = at::empty({n}, sums.options());
+  Tensor host_sizes = empty({n}, kLong, Device(DeviceType::CPU));
+  std::copy(sizes.begin(), sizes.end(), host_sizes.mutable_data_ptr<int64_t>());
+  Tensor nbytes = to_device(host_sizes, device, /*non_blocking=*/false);
+  Tensor out = empty({n}, kLong, device);
   gpu::launch("finish_kernel", &finish_kernel, dim3(static_cast<unsigned>((n + 255) / 256)),
-              dim3(256), stream, reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>()),
-              static_cast<const int64_t*>(nbytes.data_ptr<int64_t>()), n, out.data_ptr<int64_t>());
+              dim3(256), stream,
+              reinterpret_cast<unsigned long long*>(sums.mutable_data_ptr<int64_t>()),
+              static_cast<const int64_t*>(nbytes.mutable_data_ptr<int64_t>()), n,
+              out.mutable_data_ptr<int64_t>());
   return out;
 }
 
@@ -83,5 +85,5 @@ at::Tensor tensor_digest_cuda(at::TensorList tensors) {
 }  // namespace fastamp
 
 FASTAMP_CUDA_KERNELS(m) {
-  m.impl("tensor_digest", &fastamp::checkpoint::tensor_digest_cuda);
+  m.impl("tensor_digest", TORCH_BOX(&fastamp::checkpoint::tensor_digest_cuda));
 }

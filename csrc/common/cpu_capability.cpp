@@ -2,7 +2,7 @@
 // that reports it.
 #include "common/cpu_capability.h"
 
-#include <torch/library.h>
+#include "common/torch_api.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -53,6 +53,10 @@ std::string cpu_capability_name() {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(fastamp, m) {
-  m.def("_cpu_capability() -> str", &cpu_capability_name);
+STABLE_TORCH_LIBRARY_FRAGMENT(fastamp, m) {
+  m.def("_cpu_capability() -> str");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
+  m.impl("_cpu_capability", TORCH_BOX(&cpu_capability_name));
 }

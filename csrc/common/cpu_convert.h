@@ -6,9 +6,7 @@
 /// inline ones could be merged by the linker with a copy built for another ISA.
 #pragma once
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Exception.h>
-#include <c10/util/Half.h>
+#include "common/torch_api.h"
 
 #include <cstdint>
 #include <cstring>
@@ -96,7 +94,7 @@ inline void dispatch_float_types(c10::ScalarType dtype, const F& f) {
       f(static_cast<c10::BFloat16*>(nullptr));
       break;
     default:
-      TORCH_INTERNAL_ASSERT(false, "fastamp: unexpected dtype ", dtype);
+      FASTAMP_ASSERT(false, "fastamp: unexpected dtype ", dtype);
   }
 }
 

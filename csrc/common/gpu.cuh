@@ -1,6 +1,6 @@
 /// @file gpu.cuh
-/// Everything the CUDA sources take from the CUDA runtime and from c10's CUDA layer, in one small
-/// header, so that each .cu file compiles unchanged
+/// Everything the CUDA sources take from the CUDA runtime and from torch's stable CUDA layer, in
+/// one small header, so that each .cu file compiles unchanged
 ///  - with nvcc, for GPUs (the product), and
 ///  - with a host C++ compiler and FASTAMP_CUDA_EMULATOR defined, for the CUDA emulator
 ///    (csrc/emu), which runs the same kernels and host launchers on the CPU in CI.
@@ -8,8 +8,7 @@
 /// FASTAMP_CUDA_KERNELS, and do 16-byte vector accesses through gpu::vec_load / vec_store.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <c10/util/Exception.h>
+#include "common/torch_api.h"
 
 #include <cstdint>
 #include <utility>
@@ -17,9 +16,9 @@
 #if defined(FASTAMP_CUDA_EMULATOR)
 #include "emu/cuda_shim.h"
 #else
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
 #endif
 
 namespace fastamp {
@@ -27,45 +26,49 @@ namespace gpu {
 
 #if defined(FASTAMP_CUDA_EMULATOR)
 /// The emulated GPU's memory is host memory: its "device tensors" are CPU tensors.
-constexpr c10::DeviceType kDeviceType = c10::DeviceType::CPU;
+constexpr DeviceType kDeviceType = DeviceType::CPU;
 constexpr const char* kDeviceName = "CPU (the CUDA emulator's device memory)";
 
 struct DeviceGuard {
-  explicit DeviceGuard(const c10::Device& /*device*/) {}
+  explicit DeviceGuard(const Device& /*device*/) {}
 };
 
 /// The emulator runs each launch to completion before returning: one implicit, ordered stream.
 struct Stream {};
 
-inline Stream current_stream(const c10::Device& /*device*/) {
+inline Stream current_stream(const Device& /*device*/) {
   return Stream{};
 }
 
-/// Options of a host staging buffer for a small host-to-device copy.
-inline at::TensorOptions staging_options() {
-  return at::TensorOptions().dtype(at::kByte);
-}
 #else
-constexpr c10::DeviceType kDeviceType = c10::DeviceType::CUDA;
+constexpr DeviceType kDeviceType = DeviceType::CUDA;
 constexpr const char* kDeviceName = "CUDA";
 
-using DeviceGuard = c10::cuda::CUDAGuard;
+/// Makes `device` current for the launches in its scope (torch's device guard, through the stable
+/// ABI).
+struct DeviceGuard {
+  explicit DeviceGuard(const Device& device) : guard_(device.index()) {}
+
+ private:
+  torch::stable::accelerator::DeviceGuard guard_;
+};
+
 using Stream = cudaStream_t;
 
-inline Stream current_stream(const c10::Device& device) {
-  return c10::cuda::getCurrentCUDAStream(device.index()).stream();
-}
-
-/// Pinned, so that the copy to the device is asynchronous and stream-ordered.
-inline at::TensorOptions staging_options() {
-  return at::TensorOptions().dtype(at::kByte).pinned_memory(true);
+/// torch's current CUDA stream on `device`.
+inline Stream current_stream(const Device& device) {
+  void* stream = nullptr;
+  const AOTITorchError err = aoti_torch_get_current_cuda_stream(device.index(), &stream);
+  FASTAMP_CHECK(err == AOTI_TORCH_SUCCESS, "fastamp: could not get the current CUDA stream of ",
+                device);
+  return static_cast<Stream>(stream);
 }
 #endif
 
 /// The device check every CUDA launcher starts with.
-inline void check_device(const c10::Device& device, const char* op, const char* arg) {
-  TORCH_CHECK(device.type() == kDeviceType, op, ": ", arg, " is on ", device, "; expected a ",
-              kDeviceName, " device");
+inline void check_device(const Device& device, const char* op, const char* arg) {
+  FASTAMP_CHECK(device.type() == kDeviceType, op, ": ", arg, " is on ", device, "; expected a ",
+                kDeviceName, " device");
 }
 
 /// kernel<<<grid, block, 0, stream>>>(args...), then the launch-error check. Under the emulator
@@ -78,9 +81,9 @@ void launch(const char* name, void (*kernel)(P...), dim3 grid, dim3 block, Strea
   (void)stream;
   ::fastamp::emu::launch(name, kernel, grid, block, std::forward<A>(args)...);
 #else
-  (void)name;
   kernel<<<grid, block, 0, stream>>>(std::forward<A>(args)...);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const cudaError_t err = cudaGetLastError();
+  FASTAMP_CHECK(err == cudaSuccess, "CUDA error in ", name, ": ", cudaGetErrorString(err));
 #endif
 }
 
@@ -117,7 +120,7 @@ __host__ __device__ __forceinline__ void vec_store(V* p, const V& v) {
 /// under the emulator, as CPU kernels of the mirror namespace `fastamp_emu` (whose schemas the
 /// test harness copies from fastamp's), so emulated and CPU kernels can be compared side by side.
 #if defined(FASTAMP_CUDA_EMULATOR)
-#define FASTAMP_CUDA_KERNELS(m) TORCH_LIBRARY_IMPL(fastamp_emu, CPU, m)
+#define FASTAMP_CUDA_KERNELS(m) STABLE_TORCH_LIBRARY_IMPL(fastamp_emu, CPU, m)
 #else
-#define FASTAMP_CUDA_KERNELS(m) TORCH_LIBRARY_IMPL(fastamp, CUDA, m)
+#define FASTAMP_CUDA_KERNELS(m) STABLE_TORCH_LIBRARY_IMPL(fastamp, CUDA, m)
 #endif

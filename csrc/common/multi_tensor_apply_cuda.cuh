@@ -22,10 +22,7 @@
 #include "common/gpu.cuh"
 #include "common/multi_tensor_apply.h"
 
-#include <c10/core/ScalarType.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Exception.h>
-#include <c10/util/Half.h>
+#include "common/torch_api.h"
 
 #include <array>
 #include <cstdint>
@@ -163,24 +160,24 @@ void mta_pack(const std::array<const std::vector<FlatTensor>*, Depth>& lists, Em
   const std::vector<FlatTensor>& items = *lists[0];
   for (int d = 0; d < Depth; ++d) {
     const auto& l = *lists[static_cast<size_t>(d)];
-    TORCH_INTERNAL_ASSERT(l.size() == items.size(), "multi_tensor_apply: list ", d, " has ",
-                          l.size(), " non-empty tensors, list 0 has ", items.size());
+    FASTAMP_ASSERT(l.size() == items.size(), "multi_tensor_apply: list ", d, " has ", l.size(),
+                   " non-empty tensors, list 0 has ", items.size());
     const bool side = d >= Depth - Side;
     for (size_t i = 0; i < l.size(); ++i) {
       const int64_t want =
           side ? (items[i].numel + kMtaSideBlock - 1) / kMtaSideBlock : items[i].numel;
-      TORCH_INTERNAL_ASSERT(l[i].numel == want,
-                            "multi_tensor_apply: numel mismatch between lists at item ", i);
-      TORCH_INTERNAL_ASSERT(mta_supported_dtype(l[i].dtype, d == 0),
-                            "multi_tensor_apply: unsupported dtype ", l[i].dtype);
+      FASTAMP_ASSERT(l[i].numel == want,
+                     "multi_tensor_apply: numel mismatch between lists at item ", i);
+      FASTAMP_ASSERT(mta_supported_dtype(l[i].dtype, d == 0),
+                     "multi_tensor_apply: unsupported dtype ", l[i].dtype);
     }
   }
   for (const FlatTensor& t : items) {
-    TORCH_INTERNAL_ASSERT(t.index >= 0 && t.index <= std::numeric_limits<int32_t>::max());
+    FASTAMP_ASSERT(t.index >= 0 && t.index <= std::numeric_limits<int32_t>::max());
     // block_chunk is an int32: 2^31 chunks of 64 Ki elements, i.e. 2^47 elements per tensor.
-    TORCH_CHECK((t.numel - 1) / kChunkElems <= std::numeric_limits<int32_t>::max(),
-                "multi_tensor_apply: a tensor of ", t.numel,
-                " elements exceeds the supported 2^47 elements");
+    FASTAMP_CHECK((t.numel - 1) / kChunkElems <= std::numeric_limits<int32_t>::max(),
+                  "multi_tensor_apply: a tensor of ", t.numel,
+                  " elements exceeds the supported 2^47 elements");
   }
   const std::vector<Chunk> chunks = plan_chunks(items, kChunkElems);
   if (chunks.empty()) return;
@@ -229,12 +226,12 @@ void mta_pack(const std::array<const std::vector<FlatTensor>*, Depth>& lists, Em
 /// elements. Never synchronises with the host.
 template <int Depth, typename Op, int Side = 0>
 void cuda_multi_tensor_apply(const std::array<const std::vector<FlatTensor>*, Depth>& lists,
-                             const c10::Device& device, const Op& op) {
+                             const Device& device, const Op& op) {
   static_assert(std::is_trivially_copyable_v<Op>, "the op is passed by value as a kernel argument");
   static_assert(sizeof(MtaMeta<Depth>) + sizeof(Op) <= kMtaParamBytes,
                 "metadata + op exceed the 4 KiB kernel-argument limit; make the op smaller");
-  TORCH_INTERNAL_ASSERT(device.type() == gpu::kDeviceType, "multi_tensor_apply: ", device,
-                        " is not a ", gpu::kDeviceName, " device");
+  FASTAMP_ASSERT(device.type() == gpu::kDeviceType, "multi_tensor_apply: ", device, " is not a ",
+                 gpu::kDeviceName, " device");
   gpu::DeviceGuard guard(device);
   const gpu::Stream stream = gpu::current_stream(device);
   const auto emit = [&](const MtaMeta<Depth>& meta, int nblocks) {
@@ -246,7 +243,7 @@ void cuda_multi_tensor_apply(const std::array<const std::vector<FlatTensor>*, De
 
 /// Single-list form of cuda_multi_tensor_apply.
 template <typename Op>
-void cuda_multi_tensor_apply(const std::vector<FlatTensor>& items, const c10::Device& device,
+void cuda_multi_tensor_apply(const std::vector<FlatTensor>& items, const Device& device,
                              const Op& op) {
   cuda_multi_tensor_apply<1, Op>({&items}, device, op);
 }

@@ -2,9 +2,7 @@
 // to do something undefined on purpose, so the sanitizer harness (tests/sanitize/run.sh) can prove
 // that a report really fails a run before it trusts "zero reports" from the op suite. A normal
 // build has no such op.
-#include <torch/library.h>
-
-#include <c10/util/Exception.h>
+#include "common/torch_api.h"
 
 #include <climits>
 #include <cstdint>
@@ -50,15 +48,15 @@ void sanitizer_selftest(c10::string_view kind_view) {
     (void)sink;
     return;
   }
-  TORCH_CHECK_VALUE(false,
-                    "fastamp::_sanitizer_selftest: kind must be 'none', 'address', "
-                    "'undefined' or 'misaligned'; got '",
-                    kind, "'");
+  FASTAMP_CHECK_VALUE(false,
+                      "fastamp::_sanitizer_selftest: kind must be 'none', 'address', "
+                      "'undefined' or 'misaligned'; got '",
+                      kind, "'");
 }
 
 }  // namespace
 }  // namespace fastamp
 
-TORCH_LIBRARY_FRAGMENT(fastamp, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   m.def("_sanitizer_selftest(str kind) -> ()", &fastamp::sanitizer_selftest);
 }

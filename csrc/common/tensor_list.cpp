@@ -2,8 +2,6 @@
 // aliasing) before anything is written, flattened into raw pointers and element counts.
 #include "common/tensor_list.h"
 
-#include <ATen/MemoryOverlap.h>
-
 #include <algorithm>
 #include <sstream>
 #include <string>
@@ -13,44 +11,46 @@
 namespace fastamp {
 namespace {
 
-// Whether two elements of `t` share memory. at::has_internal_overlap only answers for dense
-// tensors and zero strides ("too hard" otherwise): an as_strided view with strides (1, 2) over
-// sizes (4, 4) overlaps without either. Sorted by stride, a layout is free of overlap when each
-// stride exceeds the span of the dims below it (the usual case: slices, transposes, gaps); the
-// rare interleaved layouts that fail this test are decided by listing their element offsets.
-// Listing element offsets costs 8 bytes per element; beyond this size a layout that needs the
-// listing is refused instead.
+// Whether two elements of `t` share memory. A dense tensor does not, a zero stride does; an
+// as_strided view with strides (1, 2) over sizes (4, 4) overlaps without either. Sorted by stride,
+// a layout is free of overlap when each stride exceeds the span of the dims below it (the usual
+// case: slices, transposes, gaps); the rare interleaved layouts that fail this test are decided by
+// listing their element offsets. Listing element offsets costs 8 bytes per element; beyond this
+// size a layout that needs the listing is refused instead.
 constexpr int64_t kMaxListed = int64_t{1} << 24;
 
-// The storage offset (in elements) of every element of `t`, on the CPU.
-at::Tensor element_offsets(const at::Tensor& t) {
-  at::Tensor offsets = at::full({1}, t.storage_offset(), at::kLong);
+// The storage offset (in elements) of every element of `t`, sorted.
+std::vector<int64_t> element_offsets(const Tensor& t) {
+  std::vector<int64_t> offsets{t.storage_offset()};
+  offsets.reserve(static_cast<size_t>(t.numel()));
   for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.size(d) == 1) continue;
-    offsets =
-        (offsets.unsqueeze(1) + at::arange(t.size(d), at::kLong).mul_(t.stride(d))).reshape(-1);
+    const int64_t size = t.size(d);
+    if (size == 1) continue;
+    const int64_t stride = t.stride(d);
+    const size_t n = offsets.size();
+    offsets.resize(n * static_cast<size_t>(size));
+    for (int64_t k = size - 1; k >= 0; --k) {
+      for (size_t j = 0; j < n; ++j)
+        offsets[static_cast<size_t>(k) * n + j] = offsets[j] + k * stride;
+    }
   }
+  std::sort(offsets.begin(), offsets.end());
   return offsets;
 }
 
-bool elements_overlap(const at::Tensor& t) {
-  if (t.numel() <= 1) return false;
-  switch (at::has_internal_overlap(t)) {
-    case at::MemOverlap::No:
-      return false;
-    case at::MemOverlap::Yes:
-      return true;
-    case at::MemOverlap::TooHard:
-      break;
-  }
+bool elements_overlap(const Tensor& t) {
+  if (t.numel() <= 1 || is_non_overlapping_and_dense(t)) return false;
   std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims with size > 1
   for (int64_t d = 0; d < t.dim(); ++d) {
     if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
   }
   std::sort(dims.begin(), dims.end());
+  // A zero stride repeats elements; otherwise, sorted by stride, the layout is free of overlap
+  // when each stride exceeds the span of the dims below it.
   int64_t span = 0;  // largest offset reachable with the dims seen so far
   bool separable = true;
   for (const auto& [stride, size] : dims) {
+    if (stride == 0) return true;
     if (stride <= span) {
       separable = false;
       break;
@@ -59,15 +59,15 @@ bool elements_overlap(const at::Tensor& t) {
   }
   if (separable) return false;
   if (t.numel() > kMaxListed) return true;
-  const at::Tensor sorted = std::get<0>(element_offsets(t).sort());
-  return sorted.slice(0, 1).eq(sorted.slice(0, 0, -1)).any().item<bool>();
+  const std::vector<int64_t> sorted = element_offsets(t);
+  return std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end();
 }
 
-std::string dtype_list(std::initializer_list<c10::ScalarType> allowed) {
+std::string dtype_list(std::initializer_list<ScalarType> allowed) {
   std::ostringstream os;
   bool first = true;
   for (auto d : allowed) {
-    os << (first ? "" : ", ") << c10::toString(d);
+    os << (first ? "" : ", ") << toString(d);
     first = false;
   }
   return os.str();
@@ -75,44 +75,45 @@ std::string dtype_list(std::initializer_list<c10::ScalarType> allowed) {
 
 }  // namespace
 
-FlatTensorList FlatTensorList::prepare(at::TensorList tensors, const char* op, const char* arg,
-                                       const c10::Device& device, bool writable,
-                                       std::initializer_list<c10::ScalarType> allowed) {
+FlatTensorList FlatTensorList::prepare(TensorList tensors, const char* op, const char* arg,
+                                       const Device& device, bool writable,
+                                       std::initializer_list<ScalarType> allowed) {
   FlatTensorList out;
   out.list_size_ = static_cast<int64_t>(tensors.size());
   out.items_.reserve(tensors.size());
   // Pass 1: validate everything; nothing is allocated or written until all tensors pass.
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    TORCH_CHECK(t.defined(), op, ": ", arg, "[", i,
-                "] is undefined (None); drop parameters without grads from the list");
-    TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, "[", i, "] has layout ", t.layout(),
-                "; expected a dense (strided) tensor. For sparse grads pass grad._values()");
-    TORCH_CHECK(t.device() == device, op, ": ", arg, "[", i, "] is on ", t.device(),
-                " but the op runs on ", device,
-                " (the device of its scalar tensors); group tensors by device");
+    const Tensor& t = tensors[i];
+    FASTAMP_CHECK(t.defined(), op, ": ", arg, "[", i,
+                  "] is undefined (None); drop parameters without grads from the list");
+    FASTAMP_CHECK(t.layout() == kStrided, op, ": ", arg, "[", i, "] has layout ", t.layout(),
+                  "; expected a dense (strided) tensor. For sparse grads pass grad._values()");
+    FASTAMP_CHECK(t.device() == device, op, ": ", arg, "[", i, "] is on ", t.device(),
+                  " but the op runs on ", device,
+                  " (the device of its scalar tensors); group tensors by device");
     bool ok = false;
     for (auto d : allowed) ok = ok || (t.scalar_type() == d);
     // NotImplementedError (a RuntimeError), as PyTorch's own dtype dispatch raises for a dtype
     // its kernel lacks ("... not implemented for 'ComplexFloat'").
-    TORCH_CHECK_NOT_IMPLEMENTED(ok, op, ": ", arg, "[", i, "] has dtype ", t.scalar_type(),
-                                " (not implemented for it); expected one of ", dtype_list(allowed));
+    FASTAMP_CHECK_NOT_IMPLEMENTED(ok, op, ": ", arg, "[", i, "] has dtype ", t.scalar_type(),
+                                  " (not implemented for it); expected one of ",
+                                  dtype_list(allowed));
     if (writable) {
-      TORCH_CHECK(!elements_overlap(t), op, ": ", arg, "[", i,
-                  "] is a view whose elements overlap in memory (e.g. from expand() or "
-                  "as_strided()); it cannot be written in place. Pass a tensor with its own "
-                  "storage (.clone())");
+      FASTAMP_CHECK(!elements_overlap(t), op, ": ", arg, "[", i,
+                    "] is a view whose elements overlap in memory (e.g. from expand() or "
+                    "as_strided()); it cannot be written in place. Pass a tensor with its own "
+                    "storage (.clone())");
     }
   }
   // Pass 2: flatten.
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
+    const Tensor& t = tensors[i];
     if (t.numel() == 0) continue;
-    at::Tensor src = t;
-    if (!t.is_non_overlapping_and_dense()) {
-      src = t.contiguous();
+    Tensor src = t;
+    if (!is_non_overlapping_and_dense(t)) {
+      src = contiguous_copy(t);
       // Read-only lists keep the temporary alive only; writable ones also copy it back.
-      out.staged_.emplace_back(writable ? t : at::Tensor(), src);
+      out.staged_.emplace_back(writable ? t : Tensor(), src);
     }
     out.items_.push_back(
         FlatTensor{src.data_ptr(), src.numel(), src.scalar_type(), static_cast<int64_t>(i)});
@@ -122,28 +123,50 @@ FlatTensorList FlatTensorList::prepare(at::TensorList tensors, const char* op, c
 
 void FlatTensorList::write_back() {
   for (auto& [dst, tmp] : staged_) {
-    if (dst.defined()) dst.copy_(tmp);
+    if (dst.defined()) copy_into(dst, tmp);
   }
 }
 
 namespace {
 
+// How two tensors' memory relates (c10's MemOverlapStatus, less "full").
+enum class Overlap { kNo, kPartial, kTooHard };
+
 struct Conflict {
   size_t a, b;  // positions in the flattened sequence of tensors (a listed before b in memory)
-  at::MemOverlapStatus status;
+  Overlap status;
 };
 
+// Whether `a` and `b`, whose byte bounds overlap, share an element.
+Overlap overlap_status(const Tensor& a, const Tensor& b) {
+  // Overlapping bounds: exact for dense tensors; strided views may still interleave.
+  if (is_non_overlapping_and_dense(a) && is_non_overlapping_and_dense(b)) return Overlap::kPartial;
+  // Strided views of one storage (e.g. x[::2] and x[1::2]): compare the elements.
+  if (storage_base(a) == storage_base(b) && a.element_size() == b.element_size() &&
+      a.numel() <= kMaxListed && b.numel() <= kMaxListed) {
+    const std::vector<int64_t> oa = element_offsets(a);
+    const std::vector<int64_t> ob = element_offsets(b);
+    size_t i = 0, j = 0;
+    while (i < oa.size() && j < ob.size()) {
+      if (oa[i] == ob[j]) return Overlap::kPartial;
+      (oa[i] < ob[j]) ? ++i : ++j;
+    }
+    return Overlap::kNo;
+  }
+  return Overlap::kTooHard;
+}
+
 // The first pair of tensors of `tensors` (pointers in caller order) that share memory, if any.
-c10::optional<Conflict> first_conflict(const std::vector<const at::Tensor*>& tensors) {
+std::optional<Conflict> first_conflict(const std::vector<const Tensor*>& tensors) {
   struct Span {
     uintptr_t begin, end;  // bytes [begin, end) that bound the tensor's elements
     size_t pos;
-    const at::Tensor* t;
+    const Tensor* t;
   };
   std::vector<Span> spans;
   spans.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = *tensors[i];
+    const Tensor& t = *tensors[i];
     if (!t.defined() || t.numel() == 0) continue;
     int64_t lo = 0, hi = 0;  // element offsets reachable from data_ptr (strides may be < 0)
     for (int64_t d = 0; d < t.dim(); ++d) {
@@ -159,32 +182,17 @@ c10::optional<Conflict> first_conflict(const std::vector<const at::Tensor*>& ten
             [](const Span& a, const Span& b) { return a.begin < b.begin; });
   for (size_t i = 0; i < spans.size(); ++i) {
     for (size_t j = i + 1; j < spans.size() && spans[j].begin < spans[i].end; ++j) {
-      const Span& a = spans[i];
-      const Span& b = spans[j];
-      // Overlapping bounds: exact for dense tensors; strided views may still interleave.
-      auto status = at::MemOverlapStatus::Partial;
-      if (!(a.t->is_non_overlapping_and_dense() && b.t->is_non_overlapping_and_dense())) {
-        status = at::get_overlap_status(*a.t, *b.t);
-        // Strided views of one storage (e.g. x[::2] and x[1::2]): compare the elements.
-        if (status == at::MemOverlapStatus::TooHard && a.t->is_alias_of(*b.t) &&
-            a.t->element_size() == b.t->element_size() && a.t->numel() <= kMaxListed &&
-            b.t->numel() <= kMaxListed) {
-          const bool shared =
-              at::isin(element_offsets(*b.t), element_offsets(*a.t)).any().item<bool>();
-          status = shared ? at::MemOverlapStatus::Partial : at::MemOverlapStatus::No;
-        }
-      }
-      if (status != at::MemOverlapStatus::No) return Conflict{a.pos, b.pos, status};
+      const Overlap status = overlap_status(*spans[i].t, *spans[j].t);
+      if (status != Overlap::kNo) return Conflict{spans[i].pos, spans[j].pos, status};
     }
   }
-  return c10::nullopt;
+  return std::nullopt;
 }
 
 }  // namespace
 
-void check_disjoint(const char* op,
-                    const std::vector<std::pair<const char*, at::TensorList>>& lists) {
-  std::vector<const at::Tensor*> tensors;
+void check_disjoint(const char* op, const std::vector<std::pair<const char*, TensorList>>& lists) {
+  std::vector<const Tensor*> tensors;
   std::vector<std::pair<const char*, size_t>> names;  // (arg, index) of each tensor
   for (const auto& [arg, list] : lists) {
     for (size_t i = 0; i < list.size(); ++i) {
@@ -196,19 +204,19 @@ void check_disjoint(const char* op,
   if (!c.has_value()) return;
   const auto& a = names[c->a];
   const auto& b = names[c->b];
-  TORCH_CHECK(false, op, ": ", b.first, "[", b.second, "] and ", a.first, "[", a.second, "] ",
-              c->status == at::MemOverlapStatus::TooHard ? "may share memory" : "share memory",
-              "; both are written, so shared elements would be updated twice. Pass each "
-              "tensor once, with its own storage (deduplicate the list, or .clone())");
+  FASTAMP_CHECK(false, op, ": ", b.first, "[", b.second, "] and ", a.first, "[", a.second, "] ",
+                c->status == Overlap::kTooHard ? "may share memory" : "share memory",
+                "; both are written, so shared elements would be updated twice. Pass each "
+                "tensor once, with its own storage (deduplicate the list, or .clone())");
 }
 
-std::vector<int64_t> find_shared_memory(at::TensorList tensors) {
+std::vector<int64_t> find_shared_memory(TensorList tensors) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (tensors[i].defined() && elements_overlap(tensors[i])) {
       return {static_cast<int64_t>(i), static_cast<int64_t>(i)};
     }
   }
-  std::vector<const at::Tensor*> ptrs;
+  std::vector<const Tensor*> ptrs;
   ptrs.reserve(tensors.size());
   for (const auto& t : tensors) ptrs.push_back(&t);
   const auto c = first_conflict(ptrs);
@@ -216,24 +224,24 @@ std::vector<int64_t> find_shared_memory(at::TensorList tensors) {
   return {static_cast<int64_t>(std::min(c->a, c->b)), static_cast<int64_t>(std::max(c->a, c->b))};
 }
 
-void check_scalar_tensor(const at::Tensor& t, const char* op, const char* arg,
-                         const c10::Device& device, c10::ScalarType dtype, bool as_runtime_error) {
-  TORCH_CHECK(t.defined(), op, ": ", arg, " is undefined; expected a one-element ",
-              c10::toString(dtype), " tensor");
-  TORCH_CHECK(t.device() == device, op, ": ", arg, " is on ", t.device(), "; expected ", device);
+void check_scalar_tensor(const Tensor& t, const char* op, const char* arg, const Device& device,
+                         ScalarType dtype, bool as_runtime_error) {
+  FASTAMP_CHECK(t.defined(), op, ": ", arg, " is undefined; expected a one-element ",
+                toString(dtype), " tensor");
+  FASTAMP_CHECK(t.device() == device, op, ": ", arg, " is on ", t.device(), "; expected ", device);
   if (as_runtime_error) {
     // PyTorch's amp ops raise RuntimeError for a scalar tensor of the wrong dtype or size.
-    TORCH_CHECK(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
-                "; expected ", c10::toString(dtype));
-    TORCH_CHECK(t.numel() == 1, op, ": ", arg, " has ", t.numel(),
-                " elements; expected a one-element tensor");
+    FASTAMP_CHECK(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
+                  "; expected ", toString(dtype));
+    FASTAMP_CHECK(t.numel() == 1, op, ": ", arg, " has ", t.numel(),
+                  " elements; expected a one-element tensor");
   } else {
-    TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
-                     "; expected ", c10::toString(dtype));
-    TORCH_CHECK_VALUE(t.numel() == 1, op, ": ", arg, " has ", t.numel(),
-                      " elements; expected a one-element tensor");
+    FASTAMP_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", arg, " has dtype ", t.scalar_type(),
+                       "; expected ", toString(dtype));
+    FASTAMP_CHECK_VALUE(t.numel() == 1, op, ": ", arg, " has ", t.numel(),
+                        " elements; expected a one-element tensor");
   }
-  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", arg, " must be a dense tensor");
+  FASTAMP_CHECK(t.layout() == kStrided, op, ": ", arg, " must be a dense tensor");
 }
 
 }  // namespace fastamp

@@ -5,7 +5,7 @@
 /// bad argument leaves parameters, grads and scaler state untouched.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "common/torch_api.h"
 
 #include <cstdint>
 #include <initializer_list>
@@ -20,7 +20,7 @@ namespace fastamp {
 struct FlatTensor {
   void* data;
   int64_t numel;
-  c10::ScalarType dtype;
+  ScalarType dtype;
   int64_t index;  ///< position in the caller's list (for per-tensor outputs)
 };
 
@@ -36,9 +36,9 @@ class FlatTensorList {
   ///                  rejected; memory shared *between* written tensors is check_disjoint's job,
   ///                  which the op runs once over everything it writes)
   /// @param allowed   accepted dtypes
-  static FlatTensorList prepare(at::TensorList tensors, const char* op, const char* arg,
-                                const c10::Device& device, bool writable,
-                                std::initializer_list<c10::ScalarType> allowed);
+  static FlatTensorList prepare(TensorList tensors, const char* op, const char* arg,
+                                const Device& device, bool writable,
+                                std::initializer_list<ScalarType> allowed);
 
   const std::vector<FlatTensor>& items() const { return items_; }
   int64_t list_size() const { return list_size_; }
@@ -46,7 +46,7 @@ class FlatTensorList {
 
  private:
   std::vector<FlatTensor> items_;
-  std::vector<std::pair<at::Tensor, at::Tensor>> staged_;  // (caller's tensor, temporary)
+  std::vector<std::pair<Tensor, Tensor>> staged_;  // (caller's tensor, temporary)
   int64_t list_size_ = 0;
 };
 
@@ -54,20 +54,18 @@ class FlatTensorList {
 /// given lists (e.g. `[a, a]`, two overlapping slices, a param passed again as its own exp_avg):
 /// each element would be updated twice. Tensors that share a storage without sharing elements
 /// (disjoint slices, interleaved strided views, DDP's bucket views) are accepted.
-void check_disjoint(const char* op,
-                    const std::vector<std::pair<const char*, at::TensorList>>& lists);
+void check_disjoint(const char* op, const std::vector<std::pair<const char*, TensorList>>& lists);
 
 /// The first pair [i, j] (i <= j) of `tensors` that share an element of memory, [i, i] when a
 /// tensor's own elements overlap (expand(), as_strided()), or [] when every element of every
 /// tensor has its own memory. Reads only sizes, strides and addresses. For callers that must
 /// refuse such tensors before anything is written (the optimizers check all param groups first).
-std::vector<int64_t> find_shared_memory(at::TensorList tensors);
+std::vector<int64_t> find_shared_memory(TensorList tensors);
 
 /// Checks a one-element float32 tensor argument that carries a per-step scalar on the device.
 /// A wrong dtype or size is a TypeError / ValueError, or with `as_runtime_error` a RuntimeError
 /// (what PyTorch's amp ops raise: the scaler and optimizer ops match them).
-void check_scalar_tensor(const at::Tensor& t, const char* op, const char* arg,
-                         const c10::Device& device, c10::ScalarType dtype,
-                         bool as_runtime_error = false);
+void check_scalar_tensor(const Tensor& t, const char* op, const char* arg, const Device& device,
+                         ScalarType dtype, bool as_runtime_error = false);
 
 }  // namespace fastamp

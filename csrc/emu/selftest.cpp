@@ -2,6 +2,9 @@
 // a known fault, so tests/cuda_emu/test_emulator.py can check the emulator's model of barriers,
 // warp collectives, atomics and launch limits against what CUDA specifies, and that each kind of
 // fault is reported. Written in the same CUDA dialect as csrc/**/*.cu (through common/gpu.cuh).
+// The emulator library is a test harness built against the torch it runs with, so it uses
+// libtorch's full C++ API; the fastamp sources it compiles use only the stable ABI.
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "common/gpu.cuh"

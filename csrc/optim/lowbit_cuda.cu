@@ -10,7 +10,7 @@
 // 8-bit: each of the 512 threads takes one element of two consecutive 256-element blocks per
 // iteration; the new absmax of each block is a max over its 256 threads (warp shuffles, then the
 // 8 warp values in shared memory), which is exact in any order, as on the CPU.
-#include <torch/library.h>
+#include "common/torch_api.h"
 
 #include "common/gpu.cuh"
 #include "common/multi_tensor_apply_cuda.cuh"
@@ -18,8 +18,6 @@
 #include "optim/optim_checks.h"
 #include "optim/optim_cuda.cuh"
 #include "optim/optim_math.h"
-
-#include <ATen/ATen.h>
 
 #include <array>
 #include <cstdint>
@@ -239,6 +237,6 @@ void adam_lowbit_step_cuda(const AdamLowbitArgs& args) {
 
 FASTAMP_CUDA_KERNELS(m) {
   namespace o = fastamp::optim;
-  m.impl("adam_lowbit_step_", &o::adam_lowbit_step_op<o::adam_lowbit_step_cuda>);
-  m.impl("sgd_lowbit_step_", &o::sgd_lowbit_step_op<o::sgd_lowbit_step_cuda>);
+  m.impl("adam_lowbit_step_", TORCH_BOX(&o::adam_lowbit_step_op<o::adam_lowbit_step_cuda>));
+  m.impl("sgd_lowbit_step_", TORCH_BOX(&o::sgd_lowbit_step_op<o::sgd_lowbit_step_cuda>));
 }

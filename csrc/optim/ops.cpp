@@ -2,7 +2,7 @@
 // device-independent registrations; the C++ op functions that pack each schema's arguments into
 // one struct are in optim_args.h, the argument checks in optim_checks.cpp, the kernels in
 // optim_cpu.cpp, optim_cuda.cu and lowbit_cuda.cu.
-#include <torch/library.h>
+#include "common/torch_api.h"
 
 #include "optim/optim_checks.h"
 
@@ -17,10 +17,11 @@ namespace {
 template <typename Args>
 void no_kernel(const Args& args) {
   const auto plan = check_args(args);
-  TORCH_CHECK(plan.empty(), Args::kOp, ": no kernel for params on ", plan.device, " in this build");
+  FASTAMP_CHECK(plan.empty(), Args::kOp, ": no kernel for params on ", plan.device,
+                " in this build");
 }
 
-std::vector<int64_t> shared_memory_pair(at::TensorList tensors) {
+std::vector<int64_t> shared_memory_pair(TensorList tensors) {
   return find_shared_memory(tensors);
 }
 
@@ -28,9 +29,7 @@ std::vector<int64_t> shared_memory_pair(at::TensorList tensors) {
 }  // namespace optim
 }  // namespace fastamp
 
-TORCH_LIBRARY_FRAGMENT(fastamp, m) {
-  m.set_python_module("fastamp.optim._ops");
-
+STABLE_TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   // Fused Adam/AdamW step over one param group. Reads grads (loss-scaled) and, when given, the
   // device scalars inv_scale, found_inf, clip_coef and lr_tensor. Unless found_inf != 0 it
   // updates, per element, params (or master_params, then params = cast(master)), exp_avgs,
@@ -87,11 +86,11 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   m.def("shared_memory_pair(Tensor[] tensors) -> int[]");
 }
 
-TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
-  m.impl("shared_memory_pair", &fastamp::optim::shared_memory_pair);
+STABLE_TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
+  m.impl("shared_memory_pair", TORCH_BOX(&fastamp::optim::shared_memory_pair));
   namespace o = fastamp::optim;
-  m.impl("adam_step_", &o::adam_step_op<o::no_kernel<o::AdamArgs>>);
-  m.impl("sgd_step_", &o::sgd_step_op<o::no_kernel<o::SgdArgs>>);
-  m.impl("adam_lowbit_step_", &o::adam_lowbit_step_op<o::no_kernel<o::AdamLowbitArgs>>);
-  m.impl("sgd_lowbit_step_", &o::sgd_lowbit_step_op<o::no_kernel<o::SgdLowbitArgs>>);
+  m.impl("adam_step_", TORCH_BOX(&o::adam_step_op<o::no_kernel<o::AdamArgs>>));
+  m.impl("sgd_step_", TORCH_BOX(&o::sgd_step_op<o::no_kernel<o::SgdArgs>>));
+  m.impl("adam_lowbit_step_", TORCH_BOX(&o::adam_lowbit_step_op<o::no_kernel<o::AdamLowbitArgs>>));
+  m.impl("sgd_lowbit_step_", TORCH_BOX(&o::sgd_lowbit_step_op<o::no_kernel<o::SgdLowbitArgs>>));
 }

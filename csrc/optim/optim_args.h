@@ -7,8 +7,7 @@
 
 #include "optim/optim_math.h"
 
-#include <ATen/ATen.h>
-#include <c10/util/Optional.h>
+#include "common/torch_api.h"
 
 #include <cstdint>
 
@@ -17,10 +16,10 @@ namespace optim {
 
 /// The optional device scalars of every step op (lr_tensor overrides the float lr).
 struct StepTensors {
-  c10::optional<at::Tensor> lr_tensor;
-  c10::optional<at::Tensor> inv_scale;
-  c10::optional<at::Tensor> found_inf;
-  c10::optional<at::Tensor> clip_coef;
+  OptTensor lr_tensor;
+  OptTensor inv_scale;
+  OptTensor found_inf;
+  OptTensor clip_coef;
 };
 
 /// The float and bool hyper-parameters of adam_step_ and adam_lowbit_step_ (amsgrad: false for
@@ -57,7 +56,7 @@ struct SgdOptions {
 /// fastamp::adam_step_'s arguments.
 struct AdamArgs {
   static constexpr const char* kOp = "fastamp::adam_step_";
-  at::TensorList params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params;
+  TensorList params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params;
   AdamOptions opt;
   StepTensors tensors;
 };
@@ -65,8 +64,8 @@ struct AdamArgs {
 /// fastamp::adam_lowbit_step_'s arguments.
 struct AdamLowbitArgs {
   static constexpr const char* kOp = "fastamp::adam_lowbit_step_";
-  at::TensorList params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax,
-      state_steps, master_params;
+  TensorList params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
+      master_params;
   int64_t seed;
   AdamOptions opt;
   StepTensors tensors;
@@ -75,7 +74,7 @@ struct AdamLowbitArgs {
 /// fastamp::sgd_step_'s arguments.
 struct SgdArgs {
   static constexpr const char* kOp = "fastamp::sgd_step_";
-  at::TensorList params, grads, momentum_buffers, state_steps, master_params;
+  TensorList params, grads, momentum_buffers, state_steps, master_params;
   SgdOptions opt;
   StepTensors tensors;
 };
@@ -83,24 +82,23 @@ struct SgdArgs {
 /// fastamp::sgd_lowbit_step_'s arguments.
 struct SgdLowbitArgs {
   static constexpr const char* kOp = "fastamp::sgd_lowbit_step_";
-  at::TensorList params, grads, momentum_buffers, state_steps, master_params;
+  TensorList params, grads, momentum_buffers, state_steps, master_params;
   int64_t seed;
   SgdOptions opt;
   StepTensors tensors;
 };
 
 // --- the op functions, one per schema (ops.cpp), each wrapping a kernel of one struct
-// -------------- Registered as e.g. `m.impl("adam_step_", &adam_step_op<adam_step_cpu>)`.
+// -------------- Registered as e.g. `m.impl("adam_step_",
+// TORCH_BOX(&adam_step_op<adam_step_cpu>))`.
 
 template <void (*Kernel)(const AdamArgs&)>
-void adam_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                  at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
-                  at::TensorList state_steps, at::TensorList master_params, double lr,
-                  const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+void adam_step_op(TensorList params, TensorList grads, TensorList exp_avgs, TensorList exp_avg_sqs,
+                  TensorList max_exp_avg_sqs, TensorList state_steps, TensorList master_params,
+                  double lr, const OptTensor& lr_tensor, double beta1, double beta2,
                   double weight_decay, double eps, bool amsgrad, bool decoupled_weight_decay,
-                  bool maximize, const c10::optional<at::Tensor>& inv_scale,
-                  const c10::optional<at::Tensor>& found_inf,
-                  const c10::optional<at::Tensor>& clip_coef) {
+                  bool maximize, const OptTensor& inv_scale, const OptTensor& found_inf,
+                  const OptTensor& clip_coef) {
   Kernel(AdamArgs{params,
                   grads,
                   exp_avgs,
@@ -113,15 +111,14 @@ void adam_step_op(at::TensorList params, at::TensorList grads, at::TensorList ex
 }
 
 template <void (*Kernel)(const AdamLowbitArgs&)>
-void adam_lowbit_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                         at::TensorList exp_avg_sqs, at::TensorList exp_avg_absmax,
-                         at::TensorList exp_avg_sq_absmax, at::TensorList state_steps,
-                         at::TensorList master_params, int64_t seed, double lr,
-                         const c10::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+void adam_lowbit_step_op(TensorList params, TensorList grads, TensorList exp_avgs,
+                         TensorList exp_avg_sqs, TensorList exp_avg_absmax,
+                         TensorList exp_avg_sq_absmax, TensorList state_steps,
+                         TensorList master_params, int64_t seed, double lr,
+                         const OptTensor& lr_tensor, double beta1, double beta2,
                          double weight_decay, double eps, bool decoupled_weight_decay,
-                         bool maximize, const c10::optional<at::Tensor>& inv_scale,
-                         const c10::optional<at::Tensor>& found_inf,
-                         const c10::optional<at::Tensor>& clip_coef) {
+                         bool maximize, const OptTensor& inv_scale, const OptTensor& found_inf,
+                         const OptTensor& clip_coef) {
   Kernel(
       AdamLowbitArgs{params,
                      grads,
@@ -137,13 +134,11 @@ void adam_lowbit_step_op(at::TensorList params, at::TensorList grads, at::Tensor
 }
 
 template <void (*Kernel)(const SgdArgs&)>
-void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
-                 at::TensorList state_steps, at::TensorList master_params, double lr,
-                 const c10::optional<at::Tensor>& lr_tensor, double weight_decay, double momentum,
-                 double dampening, bool nesterov, bool maximize,
-                 const c10::optional<at::Tensor>& inv_scale,
-                 const c10::optional<at::Tensor>& found_inf,
-                 const c10::optional<at::Tensor>& clip_coef) {
+void sgd_step_op(TensorList params, TensorList grads, TensorList momentum_buffers,
+                 TensorList state_steps, TensorList master_params, double lr,
+                 const OptTensor& lr_tensor, double weight_decay, double momentum, double dampening,
+                 bool nesterov, bool maximize, const OptTensor& inv_scale,
+                 const OptTensor& found_inf, const OptTensor& clip_coef) {
   Kernel(SgdArgs{params,
                  grads,
                  momentum_buffers,
@@ -154,14 +149,11 @@ void sgd_step_op(at::TensorList params, at::TensorList grads, at::TensorList mom
 }
 
 template <void (*Kernel)(const SgdLowbitArgs&)>
-void sgd_lowbit_step_op(at::TensorList params, at::TensorList grads,
-                        at::TensorList momentum_buffers, at::TensorList state_steps,
-                        at::TensorList master_params, int64_t seed, double lr,
-                        const c10::optional<at::Tensor>& lr_tensor, double weight_decay,
-                        double momentum, double dampening, bool nesterov, bool maximize,
-                        const c10::optional<at::Tensor>& inv_scale,
-                        const c10::optional<at::Tensor>& found_inf,
-                        const c10::optional<at::Tensor>& clip_coef) {
+void sgd_lowbit_step_op(TensorList params, TensorList grads, TensorList momentum_buffers,
+                        TensorList state_steps, TensorList master_params, int64_t seed, double lr,
+                        const OptTensor& lr_tensor, double weight_decay, double momentum,
+                        double dampening, bool nesterov, bool maximize, const OptTensor& inv_scale,
+                        const OptTensor& found_inf, const OptTensor& clip_coef) {
   Kernel(SgdLowbitArgs{params,
                        grads,
                        momentum_buffers,

@@ -10,15 +10,16 @@ namespace optim {
 namespace {
 
 void check_len(const char* op, const char* name, size_t len, size_t n) {
-  TORCH_CHECK(len == n, op, ": ", name, " has ", len, " tensors; expected one per param (", n, ")");
+  FASTAMP_CHECK(len == n, op, ": ", name, " has ", len, " tensors; expected one per param (", n,
+                ")");
 }
 
 /// The list-length checks every step op starts with: grads, each of `state`, state_steps and
 /// (when given) master_params hold one tensor per param. Returns whether master params are given.
-bool check_lengths(const char* op, at::TensorList params, at::TensorList grads,
-                   const std::vector<std::pair<const char*, at::TensorList>>& state,
-                   at::TensorList state_steps, at::TensorList master_params) {
-  TORCH_CHECK(!params.empty() || grads.empty(), op, ": grads given without params");
+bool check_lengths(const char* op, TensorList params, TensorList grads,
+                   const std::vector<std::pair<const char*, TensorList>>& state,
+                   TensorList state_steps, TensorList master_params) {
+  FASTAMP_CHECK(!params.empty() || grads.empty(), op, ": grads given without params");
   const size_t n = params.size();
   check_len(op, "grads", grads.size(), n);
   check_len(op, "state_steps", state_steps.size(), n);
@@ -28,78 +29,77 @@ bool check_lengths(const char* op, at::TensorList params, at::TensorList grads,
   return has_master;
 }
 
-StepPlan check_step(const char* op, at::TensorList params, at::TensorList grads,
-                    const std::vector<std::pair<const char*, at::TensorList>>& state,
-                    at::TensorList state_steps, at::TensorList master_params) {
+StepPlan check_step(const char* op, TensorList params, TensorList grads,
+                    const std::vector<std::pair<const char*, TensorList>>& state,
+                    TensorList state_steps, TensorList master_params) {
   const size_t n = params.size();
   const bool has_master = check_lengths(op, params, grads, state, state_steps, master_params);
   StepPlan plan;
   plan.has_master = has_master;
   if (n == 0) return plan;
-  const c10::Device dev = params[0].device();
+  const Device dev = params[0].device();
   plan.device = dev;
   for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
-    const at::Tensor& g = grads[i];
-    TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
-    TORCH_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(),
-                " but params[", i, "] has shape ", p.sizes());
-    TORCH_CHECK(g.scalar_type() == p.scalar_type(), op, ": grads[", i, "] has dtype ",
-                g.scalar_type(), " but params[", i, "] has dtype ", p.scalar_type());
+    const Tensor& p = params[i];
+    const Tensor& g = grads[i];
+    FASTAMP_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
+    FASTAMP_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(),
+                  " but params[", i, "] has shape ", p.sizes());
+    FASTAMP_CHECK(g.scalar_type() == p.scalar_type(), op, ": grads[", i, "] has dtype ",
+                  g.scalar_type(), " but params[", i, "] has dtype ", p.scalar_type());
     // Elementwise over flat memory: every tensor of param i must be dense with the param's strides
     // (contiguous or e.g. channels_last alike), so element k of each span is the same element.
-    TORCH_CHECK(p.is_non_overlapping_and_dense(), op, ": params[", i,
-                "] must be a dense tensor (contiguous or a permutation of it)");
-    TORCH_CHECK(g.strides() == p.strides(), op, ": grads[", i, "] has strides ", g.strides(),
-                " but params[", i, "] has ", p.strides(), "; expected the same memory layout");
-    const auto state_dtype = has_master ? at::kFloat : p.scalar_type();
+    FASTAMP_CHECK(is_non_overlapping_and_dense(p), op, ": params[", i,
+                  "] must be a dense tensor (contiguous or a permutation of it)");
+    FASTAMP_CHECK(g.strides() == p.strides(), op, ": grads[", i, "] has strides ", g.strides(),
+                  " but params[", i, "] has ", p.strides(), "; expected the same memory layout");
+    const auto state_dtype = has_master ? kFloat : p.scalar_type();
     for (const auto& [name, list] : state) {
-      const at::Tensor& s = list[i];
-      TORCH_CHECK(s.defined() && s.device() == dev, op, ": ", name, "[", i, "] must be on ", dev);
-      TORCH_CHECK(s.sizes() == p.sizes() && s.strides() == p.strides(), op, ": ", name, "[", i,
-                  "] must have the shape ", p.sizes(), " and strides ", p.strides(), " of params[",
-                  i, "]");
-      TORCH_CHECK(s.scalar_type() == state_dtype, op, ": ", name, "[", i, "] has dtype ",
-                  s.scalar_type(), "; expected ", c10::toString(state_dtype));
+      const Tensor& s = list[i];
+      FASTAMP_CHECK(s.defined() && s.device() == dev, op, ": ", name, "[", i, "] must be on ", dev);
+      FASTAMP_CHECK(s.sizes() == p.sizes() && s.strides() == p.strides(), op, ": ", name, "[", i,
+                    "] must have the shape ", p.sizes(), " and strides ", p.strides(),
+                    " of params[", i, "]");
+      FASTAMP_CHECK(s.scalar_type() == state_dtype, op, ": ", name, "[", i, "] has dtype ",
+                    s.scalar_type(), "; expected ", c10::toString(state_dtype));
     }
-    const at::Tensor& st = state_steps[i];
-    TORCH_CHECK(
-        st.defined() && st.device() == dev && st.numel() == 1 && st.scalar_type() == at::kFloat, op,
+    const Tensor& st = state_steps[i];
+    FASTAMP_CHECK(
+        st.defined() && st.device() == dev && st.numel() == 1 && st.scalar_type() == kFloat, op,
         ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
     if (has_master) {
-      const at::Tensor& mp = master_params[i];
-      TORCH_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == at::kFloat &&
-                      mp.sizes() == p.sizes() && mp.strides() == p.strides(),
-                  op, ": master_params[", i, "] must be a float32 tensor with the shape and ",
-                  "strides of params[", i, "] on ", dev);
+      const Tensor& mp = master_params[i];
+      FASTAMP_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == kFloat &&
+                        mp.sizes() == p.sizes() && mp.strides() == p.strides(),
+                    op, ": master_params[", i, "] must be a float32 tensor with the shape and ",
+                    "strides of params[", i, "] on ", dev);
     }
   }
   // Everything written, across lists: a param passed again as a state tensor (or twice) would be
   // updated twice.
-  std::vector<std::pair<const char*, at::TensorList>> written = {{"params", params},
-                                                                 {"state_steps", state_steps}};
+  std::vector<std::pair<const char*, TensorList>> written = {{"params", params},
+                                                             {"state_steps", state_steps}};
   written.insert(written.end(), state.begin(), state.end());
   if (has_master) written.emplace_back("master_params", master_params);
   check_disjoint(op, written);
-  const std::initializer_list<c10::ScalarType> dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
+  const std::initializer_list<c10::ScalarType> dtypes = {kFloat, kHalf, kBFloat16};
   plan.params = FlatTensorList::prepare(params, op, "params", dev, true, dtypes);
   plan.grads = FlatTensorList::prepare(grads, op, "grads", dev, false, dtypes);
   for (const auto& [name, list] : state) {
     plan.state.push_back(FlatTensorList::prepare(list, op, name, dev, true, dtypes));
   }
   if (has_master) {
-    plan.master =
-        FlatTensorList::prepare(master_params, op, "master_params", dev, true, {at::kFloat});
+    plan.master = FlatTensorList::prepare(master_params, op, "master_params", dev, true, {kFloat});
   }
   return plan;
 }
 
-StepScalars check_scalars(const char* op, const c10::Device& device, const StepTensors& t) {
+StepScalars check_scalars(const char* op, const Device& device, const StepTensors& t) {
   StepScalars s;
-  const auto get = [&](const c10::optional<at::Tensor>& x, const char* name) -> const float* {
+  const auto get = [&](const OptTensor& x, const char* name) -> const float* {
     if (!x.has_value() || !x->defined()) return nullptr;
-    check_scalar_tensor(*x, op, name, device, at::kFloat, true);
-    return x->data_ptr<float>();
+    check_scalar_tensor(*x, op, name, device, kFloat, true);
+    return x->mutable_data_ptr<float>();
   };
   s.lr = get(t.lr_tensor, "lr_tensor");
   s.inv_scale = get(t.inv_scale, "inv_scale");
@@ -112,8 +112,8 @@ StepScalars check_scalars(const char* op, const c10::Device& device, const StepT
 
 StepPlan check_args(const AdamArgs& a) {
   constexpr const char* op = AdamArgs::kOp;
-  std::vector<std::pair<const char*, at::TensorList>> state = {{"exp_avgs", a.exp_avgs},
-                                                               {"exp_avg_sqs", a.exp_avg_sqs}};
+  std::vector<std::pair<const char*, TensorList>> state = {{"exp_avgs", a.exp_avgs},
+                                                           {"exp_avg_sqs", a.exp_avg_sqs}};
   if (a.opt.amsgrad) state.emplace_back("max_exp_avg_sqs", a.max_exp_avg_sqs);
   StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params);
   if (!plan.empty()) plan.scalars = check_scalars(op, plan.device, a.tensors);
@@ -123,9 +123,9 @@ StepPlan check_args(const AdamArgs& a) {
 StepPlan check_args(const SgdArgs& a) {
   constexpr const char* op = SgdArgs::kOp;
   const bool momentum = a.opt.momentum != 0.0;
-  TORCH_CHECK(momentum || a.momentum_buffers.empty(), op,
-              ": momentum_buffers must be empty when momentum == 0");
-  std::vector<std::pair<const char*, at::TensorList>> state;
+  FASTAMP_CHECK(momentum || a.momentum_buffers.empty(), op,
+                ": momentum_buffers must be empty when momentum == 0");
+  std::vector<std::pair<const char*, TensorList>> state;
   if (momentum) state.emplace_back("momentum_buffers", a.momentum_buffers);
   StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params);
   if (!plan.empty()) plan.scalars = check_scalars(op, plan.device, a.tensors);
@@ -134,45 +134,45 @@ StepPlan check_args(const SgdArgs& a) {
 
 namespace {
 
-using NamedLists = std::vector<std::pair<const char*, at::TensorList>>;
+using NamedLists = std::vector<std::pair<const char*, TensorList>>;
 
 // What the low-precision steps check alike: per param its grad, contiguity (blocks and rounding
 // counters are in memory order), each state tensor of `state` (dtype code_t, the param's shape),
 // its step counter and master copy; then that nothing written aliases, and the flat lists.
-void check_lowbit_lists(const char* op, StepPlan& plan, at::TensorList params, at::TensorList grads,
-                        const NamedLists& state, c10::ScalarType code_t, at::TensorList state_steps,
-                        at::TensorList master_params, NamedLists written) {
-  const c10::Device dev = plan.device;
+void check_lowbit_lists(const char* op, StepPlan& plan, TensorList params, TensorList grads,
+                        const NamedLists& state, c10::ScalarType code_t, TensorList state_steps,
+                        TensorList master_params, NamedLists written) {
+  const Device dev = plan.device;
   for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    const at::Tensor& g = grads[i];
-    TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
-    TORCH_CHECK(g.sizes() == p.sizes() && g.scalar_type() == p.scalar_type(), op, ": grads[", i,
-                "] has shape ", g.sizes(), " and dtype ", g.scalar_type(), " but params[", i,
-                "] has shape ", p.sizes(), " and dtype ", p.scalar_type());
-    TORCH_CHECK(p.is_contiguous() && g.is_contiguous(), op, ": params[", i, "] and grads[", i,
-                "] must be contiguous (the state's blocks and rounding counters are in memory "
-                "order)");
+    const Tensor& p = params[i];
+    const Tensor& g = grads[i];
+    FASTAMP_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
+    FASTAMP_CHECK(g.sizes() == p.sizes() && g.scalar_type() == p.scalar_type(), op, ": grads[", i,
+                  "] has shape ", g.sizes(), " and dtype ", g.scalar_type(), " but params[", i,
+                  "] has shape ", p.sizes(), " and dtype ", p.scalar_type());
+    FASTAMP_CHECK(p.is_contiguous() && g.is_contiguous(), op, ": params[", i, "] and grads[", i,
+                  "] must be contiguous (the state's blocks and rounding counters are in memory "
+                  "order)");
     for (const auto& [name, list] : state) {
-      const at::Tensor& s = list[i];
-      TORCH_CHECK(s.defined() && s.device() == dev && s.scalar_type() == code_t &&
-                      s.sizes() == p.sizes() && s.is_contiguous(),
-                  op, ": ", name, "[", i, "] must be a contiguous ", c10::toString(code_t),
-                  " tensor of the shape ", p.sizes(), " of params[", i, "] on ", dev,
-                  " (every state tensor of one call in the same format)");
+      const Tensor& s = list[i];
+      FASTAMP_CHECK(s.defined() && s.device() == dev && s.scalar_type() == code_t &&
+                        s.sizes() == p.sizes() && s.is_contiguous(),
+                    op, ": ", name, "[", i, "] must be a contiguous ", c10::toString(code_t),
+                    " tensor of the shape ", p.sizes(), " of params[", i, "] on ", dev,
+                    " (every state tensor of one call in the same format)");
     }
-    const at::Tensor& st = state_steps[i];
-    TORCH_CHECK(
-        st.defined() && st.device() == dev && st.numel() == 1 && st.scalar_type() == at::kFloat, op,
+    const Tensor& st = state_steps[i];
+    FASTAMP_CHECK(
+        st.defined() && st.device() == dev && st.numel() == 1 && st.scalar_type() == kFloat, op,
         ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
     if (plan.has_master) {
-      const at::Tensor& mp = master_params[i];
-      TORCH_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == at::kFloat &&
-                      mp.sizes() == p.sizes() && mp.is_contiguous(),
-                  op, ": master_params[", i,
-                  "] must be a contiguous float32 tensor of the shape of "
-                  "params[",
-                  i, "] on ", dev);
+      const Tensor& mp = master_params[i];
+      FASTAMP_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == kFloat &&
+                        mp.sizes() == p.sizes() && mp.is_contiguous(),
+                    op, ": master_params[", i,
+                    "] must be a contiguous float32 tensor of the shape of "
+                    "params[",
+                    i, "] on ", dev);
     }
   }
   written.emplace_back("params", params);
@@ -180,15 +180,14 @@ void check_lowbit_lists(const char* op, StepPlan& plan, at::TensorList params, a
   for (const auto& named : state) written.push_back(named);
   if (plan.has_master) written.emplace_back("master_params", master_params);
   check_disjoint(op, written);
-  const std::initializer_list<c10::ScalarType> dtypes = {at::kFloat, at::kHalf, at::kBFloat16};
+  const std::initializer_list<c10::ScalarType> dtypes = {kFloat, kHalf, kBFloat16};
   plan.params = FlatTensorList::prepare(params, op, "params", dev, true, dtypes);
   plan.grads = FlatTensorList::prepare(grads, op, "grads", dev, false, dtypes);
   for (const auto& [name, list] : state) {
     plan.state.push_back(FlatTensorList::prepare(list, op, name, dev, true, {code_t}));
   }
   if (plan.has_master) {
-    plan.master =
-        FlatTensorList::prepare(master_params, op, "master_params", dev, true, {at::kFloat});
+    plan.master = FlatTensorList::prepare(master_params, op, "master_params", dev, true, {kFloat});
   }
 }
 
@@ -197,7 +196,7 @@ void check_lowbit_lists(const char* op, StepPlan& plan, at::TensorList params, a
 LowbitPlan check_args(const AdamLowbitArgs& a) {
   constexpr const char* op = AdamLowbitArgs::kOp;
   constexpr int64_t kBlock = 256;  // lowbit_math.h's kQuantBlock
-  const at::TensorList params = a.params;
+  const TensorList params = a.params;
   const size_t n = params.size();
   const bool has_master =
       check_lengths(op, params, a.grads, {{"exp_avgs", a.exp_avgs}, {"exp_avg_sqs", a.exp_avg_sqs}},
@@ -205,12 +204,12 @@ LowbitPlan check_args(const AdamLowbitArgs& a) {
   LowbitPlan plan;
   plan.has_master = has_master;
   if (n == 0) return plan;
-  const c10::Device dev = params[0].device();
+  const Device dev = params[0].device();
   plan.device = dev;
   const c10::ScalarType code_t = a.exp_avgs[0].scalar_type();
-  TORCH_CHECK(code_t == at::kBFloat16 || code_t == at::kByte, op, ": exp_avgs[0] has dtype ",
-              code_t, "; expected bfloat16 (16-bit state) or uint8 (8-bit codes)");
-  plan.int8 = code_t == at::kByte;
+  FASTAMP_CHECK(code_t == kBFloat16 || code_t == kByte, op, ": exp_avgs[0] has dtype ", code_t,
+                "; expected bfloat16 (16-bit state) or uint8 (8-bit codes)");
+  plan.int8 = code_t == kByte;
   NamedLists written;
   if (plan.int8) {
     check_len(op, "exp_avg_absmax", a.exp_avg_absmax.size(), n);
@@ -218,29 +217,29 @@ LowbitPlan check_args(const AdamLowbitArgs& a) {
     for (size_t i = 0; i < n; ++i) {
       const int64_t blocks = (params[i].numel() + kBlock - 1) / kBlock;
       for (const auto& [name, list] :
-           {std::pair<const char*, at::TensorList>{"exp_avg_absmax", a.exp_avg_absmax},
+           {std::pair<const char*, TensorList>{"exp_avg_absmax", a.exp_avg_absmax},
             {"exp_avg_sq_absmax", a.exp_avg_sq_absmax}}) {
-        const at::Tensor& s = list[i];
-        TORCH_CHECK(s.defined() && s.device() == dev && s.scalar_type() == at::kFloat &&
-                        s.dim() == 1 && s.numel() == blocks && s.is_contiguous(),
-                    op, ": ", name, "[", i, "] must be a contiguous float32 tensor of ", blocks,
-                    " elements (one per 256-element block of params[", i, "]) on ", dev);
+        const Tensor& s = list[i];
+        FASTAMP_CHECK(s.defined() && s.device() == dev && s.scalar_type() == kFloat &&
+                          s.dim() == 1 && s.numel() == blocks && s.is_contiguous(),
+                      op, ": ", name, "[", i, "] must be a contiguous float32 tensor of ", blocks,
+                      " elements (one per 256-element block of params[", i, "]) on ", dev);
       }
     }
     written = {{"exp_avg_absmax", a.exp_avg_absmax}, {"exp_avg_sq_absmax", a.exp_avg_sq_absmax}};
   } else {
-    TORCH_CHECK(a.exp_avg_absmax.empty() && a.exp_avg_sq_absmax.empty(), op,
-                ": exp_avg_absmax and exp_avg_sq_absmax must be empty with bfloat16 state (they "
-                "hold the block scales of 8-bit codes)");
+    FASTAMP_CHECK(a.exp_avg_absmax.empty() && a.exp_avg_sq_absmax.empty(), op,
+                  ": exp_avg_absmax and exp_avg_sq_absmax must be empty with bfloat16 state (they "
+                  "hold the block scales of 8-bit codes)");
   }
   check_lowbit_lists(op, plan, params, a.grads,
                      {{"exp_avgs", a.exp_avgs}, {"exp_avg_sqs", a.exp_avg_sqs}}, code_t,
                      a.state_steps, a.master_params, written);
   if (plan.int8) {
     plan.absmax.push_back(
-        FlatTensorList::prepare(a.exp_avg_absmax, op, "exp_avg_absmax", dev, true, {at::kFloat}));
-    plan.absmax.push_back(FlatTensorList::prepare(a.exp_avg_sq_absmax, op, "exp_avg_sq_absmax", dev,
-                                                  true, {at::kFloat}));
+        FlatTensorList::prepare(a.exp_avg_absmax, op, "exp_avg_absmax", dev, true, {kFloat}));
+    plan.absmax.push_back(
+        FlatTensorList::prepare(a.exp_avg_sq_absmax, op, "exp_avg_sq_absmax", dev, true, {kFloat}));
   }
   plan.scalars = check_scalars(op, dev, a.tensors);
   return plan;
@@ -248,16 +247,16 @@ LowbitPlan check_args(const AdamLowbitArgs& a) {
 
 StepPlan check_args(const SgdLowbitArgs& a) {
   constexpr const char* op = SgdLowbitArgs::kOp;
-  TORCH_CHECK(a.opt.momentum != 0.0, op,
-              ": momentum is 0; without momentum SGD keeps no state (use "
-              "fastamp::sgd_step_)");
+  FASTAMP_CHECK(a.opt.momentum != 0.0, op,
+                ": momentum is 0; without momentum SGD keeps no state (use "
+                "fastamp::sgd_step_)");
   StepPlan plan;
   plan.has_master = check_lengths(op, a.params, a.grads, {{"momentum_buffers", a.momentum_buffers}},
                                   a.state_steps, a.master_params);
   if (a.params.empty()) return plan;
   plan.device = a.params[0].device();
   check_lowbit_lists(op, plan, a.params, a.grads, {{"momentum_buffers", a.momentum_buffers}},
-                     at::kBFloat16, a.state_steps, a.master_params, {});
+                     kBFloat16, a.state_steps, a.master_params, {});
   plan.scalars = check_scalars(op, plan.device, a.tensors);
   return plan;
 }

@@ -6,8 +6,7 @@
 #include "common/tensor_list.h"
 #include "optim/optim_args.h"
 
-#include <ATen/ATen.h>
-#include <c10/util/Optional.h>
+#include "common/torch_api.h"
 
 #include <vector>
 
@@ -31,7 +30,7 @@ struct StepPlan {
   std::vector<FlatTensorList> state;
   FlatTensorList master;
   bool has_master = false;
-  c10::Device device = c10::Device(c10::kCPU);
+  Device device = Device(DeviceType::CPU);
   StepScalars scalars;
 
   bool empty() const { return params.list_size() == 0; }

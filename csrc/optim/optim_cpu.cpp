@@ -1,6 +1,6 @@
 // CPU kernels of the fused optimizer ops: validate, skip on overflow, cut every param into chunks,
 // run the per-ISA chunk kernels in parallel, then advance the step counters.
-#include <torch/library.h>
+#include "common/torch_api.h"
 
 #include "common/cpu_capability.h"
 #include "common/multi_tensor_apply_cpu.h"
@@ -12,7 +12,7 @@ namespace optim {
 namespace {
 
 inline char* at_elem(const FlatTensor& t, int64_t start) {
-  return static_cast<char*>(t.data) + start * static_cast<int64_t>(c10::elementSize(t.dtype));
+  return static_cast<char*>(t.data) + start * static_cast<int64_t>(element_size(t.dtype));
 }
 
 inline void* at_elem_or_null(const FlatTensorList* list, size_t item, int64_t start) {
@@ -32,12 +32,12 @@ CpuScalars read_scalars(const StepScalars& s) {
                     s.clip_coef != nullptr ? *s.clip_coef : 1.0f};
 }
 
-void advance_steps(at::TensorList steps) {
-  for (const auto& t : steps) *t.data_ptr<float>() += 1.0f;
+void advance_steps(TensorList steps) {
+  for (const auto& t : steps) *t.mutable_data_ptr<float>() += 1.0f;
 }
 
 void adam_step_cpu(const AdamArgs& args) {
-  const at::TensorList state_steps = args.state_steps;
+  const TensorList state_steps = args.state_steps;
   StepPlan plan = check_args(args);
   if (plan.empty()) return;
   const StepScalars& dev = plan.scalars;
@@ -48,7 +48,8 @@ void adam_step_cpu(const AdamArgs& args) {
   const auto& items = plan.params.items();
   std::vector<AdamCoefs> coefs(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    const double step = static_cast<double>(*state_steps[items[i].index].data_ptr<float>()) + 1.0;
+    const double step =
+        static_cast<double>(*state_steps[items[i].index].mutable_data_ptr<float>()) + 1.0;
     coefs[i] = adam_coefs(h, lr_v, step);
   }
   const FlatTensorList* vmax = args.opt.amsgrad ? &plan.state[2] : nullptr;
@@ -72,7 +73,7 @@ void adam_step_cpu(const AdamArgs& args) {
 }
 
 void sgd_step_cpu(const SgdArgs& args) {
-  const at::TensorList state_steps = args.state_steps;
+  const TensorList state_steps = args.state_steps;
   StepPlan plan = check_args(args);
   if (plan.empty()) return;
   const StepScalars& dev = plan.scalars;
@@ -96,14 +97,14 @@ void sgd_step_cpu(const SgdArgs& args) {
                s.inv_scale,
                s.clip_coef,
                neg_lr,
-               *state_steps[items[it].index].data_ptr<float>() == 0.0f};
+               *state_steps[items[it].index].mutable_data_ptr<float>() == 0.0f};
     k.sgd(a, h);
   });
   advance_steps(state_steps);
 }
 
 void adam_lowbit_step_cpu(const AdamLowbitArgs& args) {
-  const at::TensorList state_steps = args.state_steps;
+  const TensorList state_steps = args.state_steps;
   const int64_t seed = args.seed;
   LowbitPlan plan = check_args(args);
   if (plan.empty()) return;
@@ -116,7 +117,7 @@ void adam_lowbit_step_cpu(const AdamLowbitArgs& args) {
   std::vector<AdamCoefs> coefs(items.size());
   std::vector<uint32_t> keys(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    const float old = *state_steps[items[i].index].data_ptr<float>();
+    const float old = *state_steps[items[i].index].mutable_data_ptr<float>();
     coefs[i] = adam_coefs(h, lr_v, static_cast<double>(old) + 1.0);
     keys[i] = sr_key(static_cast<uint32_t>(seed), static_cast<uint32_t>(old + 1.0f),
                      static_cast<uint32_t>(items[i].index));
@@ -151,7 +152,7 @@ void adam_lowbit_step_cpu(const AdamLowbitArgs& args) {
 }
 
 void sgd_lowbit_step_cpu(const SgdLowbitArgs& args) {
-  const at::TensorList state_steps = args.state_steps;
+  const TensorList state_steps = args.state_steps;
   const int64_t seed = args.seed;
   StepPlan plan = check_args(args);
   if (plan.empty()) return;
@@ -165,7 +166,7 @@ void sgd_lowbit_step_cpu(const SgdLowbitArgs& args) {
   std::vector<float> olds(items.size());
   std::vector<uint32_t> keys(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    olds[i] = *state_steps[items[i].index].data_ptr<float>();
+    olds[i] = *state_steps[items[i].index].mutable_data_ptr<float>();
     keys[i] = sr_key(static_cast<uint32_t>(seed), static_cast<uint32_t>(olds[i] + 1.0f),
                      static_cast<uint32_t>(items[i].index));
   }
@@ -205,10 +206,10 @@ const OptimCpuKernels& optim_cpu_kernels() {
 }  // namespace optim
 }  // namespace fastamp
 
-TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
   namespace o = fastamp::optim;
-  m.impl("adam_step_", &o::adam_step_op<o::adam_step_cpu>);
-  m.impl("sgd_step_", &o::sgd_step_op<o::sgd_step_cpu>);
-  m.impl("adam_lowbit_step_", &o::adam_lowbit_step_op<o::adam_lowbit_step_cpu>);
-  m.impl("sgd_lowbit_step_", &o::sgd_lowbit_step_op<o::sgd_lowbit_step_cpu>);
+  m.impl("adam_step_", TORCH_BOX(&o::adam_step_op<o::adam_step_cpu>));
+  m.impl("sgd_step_", TORCH_BOX(&o::sgd_step_op<o::sgd_step_cpu>));
+  m.impl("adam_lowbit_step_", TORCH_BOX(&o::adam_lowbit_step_op<o::adam_lowbit_step_cpu>));
+  m.impl("sgd_lowbit_step_", TORCH_BOX(&o::sgd_lowbit_step_op<o::sgd_lowbit_step_cpu>));
 }

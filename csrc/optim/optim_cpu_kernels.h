@@ -3,7 +3,7 @@
 /// scaler's: optim_cpu_kernels_<isa>.cpp include optim_cpu_kernels.inc).
 #pragma once
 
-#include <c10/core/ScalarType.h>
+#include "common/torch_api.h"
 
 #include <cstdint>
 

@@ -11,15 +11,13 @@
 //   3. advance: add 1 to every state_steps entry.
 // Passes 2 and 3 do nothing at all when *found_inf != 0. Splitting 1 from 3 means that no block of
 // pass 2 can see a counter that has already moved, whatever the block order.
-#include <torch/library.h>
+#include "common/torch_api.h"
 
 #include "common/gpu.cuh"
 #include "common/multi_tensor_apply_cuda.cuh"
 #include "optim/optim_checks.h"
 #include "optim/optim_cuda.cuh"
 #include "optim/optim_math.h"
-
-#include <ATen/ATen.h>
 
 #include <array>
 #include <cstdint>
@@ -251,6 +249,6 @@ void sgd_step_cuda(const SgdArgs& args) {
 
 FASTAMP_CUDA_KERNELS(m) {
   namespace o = fastamp::optim;
-  m.impl("adam_step_", &o::adam_step_op<o::adam_step_cuda>);
-  m.impl("sgd_step_", &o::sgd_step_op<o::sgd_step_cuda>);
+  m.impl("adam_step_", TORCH_BOX(&o::adam_step_op<o::adam_step_cuda>));
+  m.impl("sgd_step_", TORCH_BOX(&o::sgd_step_op<o::sgd_step_cuda>));
 }

@@ -8,7 +8,7 @@
 #include "common/multi_tensor_apply_cuda.cuh"
 #include "optim/optim_checks.h"
 
-#include <ATen/ATen.h>
+#include "common/torch_api.h"
 
 #include <array>
 #include <type_traits>
@@ -63,7 +63,7 @@ void run_update(const StepPlan& plan, const Op& op, const std::vector<FlatTensor
   for (const FlatTensorList& s : plan.state) l.push_back(&s.items());
   if (plan.has_master) l.push_back(&plan.master.items());
   for (const FlatTensorList& s : side) l.push_back(&s.items());
-  TORCH_INTERNAL_ASSERT(
+  FASTAMP_ASSERT(
       l.size() == static_cast<size_t>(kDepth) && side.size() == static_cast<size_t>(Side),
       "optim: ", l.size(), " lists (", side.size(), " side) for a ", kDepth, "-list kernel (", Side,
       " side)");
@@ -77,15 +77,14 @@ void run_update(const StepPlan& plan, const Op& op, const std::vector<FlatTensor
 /// counters. The op's checks admit dense tensors only, so no list of the plan is staged and
 /// nothing needs copying back.
 template <typename Update>
-void run_step(const char* op, const StepPlan& plan, at::TensorList state_steps,
+void run_step(const char* op, const StepPlan& plan, TensorList state_steps,
               const StepScalars& scalars, const Update& update) {
   gpu::check_device(plan.device, op, "params");
   FlatTensorList steps =
-      FlatTensorList::prepare(state_steps, op, "state_steps", plan.device, true, {at::kFloat});
+      FlatTensorList::prepare(state_steps, op, "state_steps", plan.device, true, {kFloat});
   gpu::DeviceGuard guard(plan.device);
-  at::Tensor old_steps =
-      at::empty({steps.list_size()}, at::TensorOptions().dtype(at::kFloat).device(plan.device));
-  float* old = old_steps.data_ptr<float>();
+  Tensor old_steps = empty({steps.list_size()}, kFloat, plan.device);
+  float* old = old_steps.mutable_data_ptr<float>();
   // Every slot is written: state_steps entries have one element each, so none is dropped.
   cuda_multi_tensor_apply(steps.items(), plan.device, SnapshotStepsOp{old});
   update(static_cast<const float*>(old));

@@ -2,7 +2,7 @@
 /// Argument checks of the gradient-bucket ops, shared by CPU and CUDA; run before any write.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "common/torch_api.h"
 
 #include "common/tensor_list.h"
 
@@ -20,32 +20,32 @@ struct Slot {
 
 /// Validates a bucket (1-D, contiguous, float32/16/bf16), its grads (same dtype and device,
 /// contiguous) and their offsets (in bounds, not overlapping), and returns the slots.
-inline std::vector<Slot> check_bucket(const char* op, const at::Tensor& bucket,
-                                      at::TensorList grads, at::IntArrayRef offsets) {
-  TORCH_CHECK(bucket.defined() && bucket.dim() == 1 && bucket.is_contiguous(), op,
-              ": bucket must be a contiguous 1-D tensor, got shape ", bucket.sizes());
+inline std::vector<Slot> check_bucket(const char* op, const Tensor& bucket, TensorList grads,
+                                      IntList offsets) {
+  FASTAMP_CHECK(bucket.defined() && bucket.dim() == 1 && bucket.is_contiguous(), op,
+                ": bucket must be a contiguous 1-D tensor, got shape ", bucket.sizes());
   const auto dt = bucket.scalar_type();
-  TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, op,
-                   ": bucket has dtype ", dt, "; expected float32, float16 or bfloat16");
-  TORCH_CHECK_VALUE(offsets.size() == grads.size(), op, ": ", grads.size(), " grads but ",
-                    offsets.size(), " offsets; expected one offset per grad");
+  FASTAMP_CHECK_TYPE(dt == kFloat || dt == kHalf || dt == kBFloat16, op, ": bucket has dtype ", dt,
+                     "; expected float32, float16 or bfloat16");
+  FASTAMP_CHECK_VALUE(offsets.size() == grads.size(), op, ": ", grads.size(), " grads but ",
+                      offsets.size(), " offsets; expected one offset per grad");
   std::vector<Slot> slots;
   slots.reserve(grads.size());
   int64_t prev_end = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
-    const at::Tensor& g = grads[i];
-    TORCH_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
-    TORCH_CHECK(g.device() == bucket.device(), op, ": grads[", i, "] is on ", g.device(),
-                " but the bucket is on ", bucket.device());
-    TORCH_CHECK_TYPE(g.scalar_type() == dt, op, ": grads[", i, "] has dtype ", g.scalar_type(),
-                     " but the bucket has ", dt, "; buckets hold one dtype");
-    TORCH_CHECK(g.is_contiguous(), op, ": grads[", i, "] must be contiguous");
+    const Tensor& g = grads[i];
+    FASTAMP_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
+    FASTAMP_CHECK(g.device() == bucket.device(), op, ": grads[", i, "] is on ", g.device(),
+                  " but the bucket is on ", bucket.device());
+    FASTAMP_CHECK_TYPE(g.scalar_type() == dt, op, ": grads[", i, "] has dtype ", g.scalar_type(),
+                       " but the bucket has ", dt, "; buckets hold one dtype");
+    FASTAMP_CHECK(g.is_contiguous(), op, ": grads[", i, "] must be contiguous");
     // offsets[i] <= numel - g.numel(), not offsets[i] + g.numel() <= numel: the sum of a huge
     // offset and the size can overflow int64 (undefined behaviour, and a wrapped sum would pass).
-    TORCH_CHECK_VALUE(offsets[i] >= prev_end && offsets[i] <= bucket.numel() - g.numel(), op,
-                      ": grads[", i, "] at offset ", offsets[i], " (", g.numel(),
-                      " elements) overlaps the previous slot or runs past the bucket's ",
-                      bucket.numel(), " elements; offsets must increase");
+    FASTAMP_CHECK_VALUE(offsets[i] >= prev_end && offsets[i] <= bucket.numel() - g.numel(), op,
+                        ": grads[", i, "] at offset ", offsets[i], " (", g.numel(),
+                        " elements) overlaps the previous slot or runs past the bucket's ",
+                        bucket.numel(), " elements; offsets must increase");
     // A grad that is a view of the bucket would be read while the bucket is written (pack) or
     // written from it (unpack), so the result would depend on the order of the chunks. The one
     // exception is a grad that is exactly its own slot: each element then maps onto itself.
@@ -56,13 +56,13 @@ inline std::vector<Slot> check_bucket(const char* op, const at::Tensor& bucket,
       const auto g0 = reinterpret_cast<uintptr_t>(g.data_ptr());
       const auto g1 = g0 + static_cast<uintptr_t>(g.numel()) * item;
       const bool shares = g0 < b1 && b0 < g1;
-      TORCH_CHECK(!shares || g0 == b0 + static_cast<uintptr_t>(offsets[i]) * item, op, ": grads[",
-                  i,
-                  "] is a view of the bucket (it shares memory with bucket "
-                  "elements other than its own slot at offset ",
-                  offsets[i],
-                  "), so the result would depend on the order of the copies. Expected grads "
-                  "with their own storage: pass grad.clone()");
+      FASTAMP_CHECK(!shares || g0 == b0 + static_cast<uintptr_t>(offsets[i]) * item, op, ": grads[",
+                    i,
+                    "] is a view of the bucket (it shares memory with bucket "
+                    "elements other than its own slot at offset ",
+                    offsets[i],
+                    "), so the result would depend on the order of the copies. Expected grads "
+                    "with their own storage: pass grad.clone()");
     }
     prev_end = offsets[i] + g.numel();
     slots.push_back(Slot{g.data_ptr(), offsets[i], g.numel()});
@@ -71,11 +71,11 @@ inline std::vector<Slot> check_bucket(const char* op, const at::Tensor& bucket,
 }
 
 /// check_bucket, plus the unpack's inv_scale (a one-element float32 tensor on the bucket's device).
-inline std::vector<Slot> check_bucket_unpack(const at::Tensor& bucket, at::TensorList grads,
-                                             at::IntArrayRef offsets, const at::Tensor& inv_scale) {
+inline std::vector<Slot> check_bucket_unpack(const Tensor& bucket, TensorList grads,
+                                             IntList offsets, const Tensor& inv_scale) {
   constexpr const char* op = "fastamp::bucket_unpack_";
   auto slots = check_bucket(op, bucket, grads, offsets);
-  check_scalar_tensor(inv_scale, op, "inv_scale", bucket.device(), at::kFloat);
+  check_scalar_tensor(inv_scale, op, "inv_scale", bucket.device(), kFloat);
   check_disjoint(op, {{"grads", grads}});
   return slots;
 }

@@ -1,9 +1,5 @@
 // CPU kernels of the gradient-bucket ops.
-#include <torch/library.h>
-
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
+#include "common/torch_api.h"
 
 #include "common/multi_tensor_apply_cpu.h"
 #include "parallel/bucket_checks.h"
@@ -17,51 +13,68 @@ namespace fastamp {
 namespace parallel {
 namespace {
 
+// Calls f(static_cast<T*>(nullptr)) for the element type T of a bucket's dtype (checked before).
+template <typename F>
+void dispatch_bucket_dtype(ScalarType dtype, const F& f) {
+  switch (dtype) {
+    case ScalarType::Float:
+      f(static_cast<float*>(nullptr));
+      break;
+    case ScalarType::Half:
+      f(static_cast<c10::Half*>(nullptr));
+      break;
+    case ScalarType::BFloat16:
+      f(static_cast<c10::BFloat16*>(nullptr));
+      break;
+    default:
+      FASTAMP_ASSERT(false, "unexpected bucket dtype ", dtype);
+  }
+}
+
 // Chunks of the slots, so large grads spread over threads and the sums stay deterministic.
 std::vector<Chunk> slot_chunks(const std::vector<Slot>& slots) {
   std::vector<FlatTensor> flat;
   flat.reserve(slots.size());
   for (size_t i = 0; i < slots.size(); ++i) {
-    flat.push_back(FlatTensor{slots[i].grad, slots[i].numel, at::kFloat, static_cast<int64_t>(i)});
+    flat.push_back(FlatTensor{slots[i].grad, slots[i].numel, kFloat, static_cast<int64_t>(i)});
   }
   return plan_chunks(flat);
 }
 
-void bucket_pack_cpu(at::Tensor& bucket, at::TensorList grads, at::IntArrayRef offsets,
-                     double scale) {
+void bucket_pack_cpu(Tensor& bucket, TensorList grads, IntList offsets, double scale) {
   const auto slots = check_bucket("fastamp::bucket_pack_", bucket, grads, offsets);
   const auto chunks = slot_chunks(slots);
   const float s = static_cast<float>(scale);
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, bucket.scalar_type(), "bucket_pack_", [&] {
-        scalar_t* b = bucket.data_ptr<scalar_t>();
-        cpu_for_each_chunk(chunks, [&](int64_t, const Chunk& ch) {
-          const Slot& sl = slots[static_cast<size_t>(ch.item)];
-          const scalar_t* g = static_cast<const scalar_t*>(sl.grad) + ch.start;
-          scalar_t* dst = b + sl.offset + ch.start;
-          for (int64_t i = 0; i < ch.len; ++i) {
-            dst[i] = static_cast<scalar_t>(static_cast<float>(g[i]) * s);
-          }
-        });
-      });
+  dispatch_bucket_dtype(bucket.scalar_type(), [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    scalar_t* b = bucket.mutable_data_ptr<scalar_t>();
+    cpu_for_each_chunk(chunks, [&](int64_t, const Chunk& ch) {
+      const Slot& sl = slots[static_cast<size_t>(ch.item)];
+      const scalar_t* g = static_cast<const scalar_t*>(sl.grad) + ch.start;
+      scalar_t* dst = b + sl.offset + ch.start;
+      for (int64_t i = 0; i < ch.len; ++i) {
+        dst[i] = static_cast<scalar_t>(static_cast<float>(g[i]) * s);
+      }
+    });
+  });
 }
 
 // The copy, then the scaler's own stats kernel over the copied chunk (still in cache): the norm and
 // inf flag DDP hands the scaler are grad_stats' on the unpacked grads, bit for bit (same chunks,
 // same per-chunk kernel, partials combined in chunk order).
-std::tuple<at::Tensor, at::Tensor> bucket_unpack_cpu(const at::Tensor& bucket, at::TensorList grads,
-                                                     at::IntArrayRef offsets,
-                                                     const at::Tensor& inv_scale) {
+std::tuple<Tensor, Tensor> bucket_unpack_cpu(const Tensor& bucket, TensorList grads,
+                                             IntList offsets, const Tensor& inv_scale) {
   const auto slots = check_bucket_unpack(bucket, grads, offsets, inv_scale);
   const auto chunks = slot_chunks(slots);
   std::vector<float> partial(chunks.size(), 0.0f);
   std::vector<uint8_t> bad(chunks.size(), 0);
-  const float inv = *inv_scale.data_ptr<float>();
+  const float inv = *inv_scale.mutable_data_ptr<float>();
   const auto dtype = bucket.scalar_type();
   const scaler::CpuKernels& k = scaler::cpu_kernels();
   constexpr auto kL2 = static_cast<int32_t>(scaler::NormKind::kL2);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "bucket_unpack_", [&] {
-    const scalar_t* b = bucket.data_ptr<scalar_t>();
+  dispatch_bucket_dtype(dtype, [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    const scalar_t* b = bucket.mutable_data_ptr<scalar_t>();
     cpu_for_each_chunk(chunks, [&](int64_t c, const Chunk& ch) {
       const Slot& sl = slots[static_cast<size_t>(ch.item)];
       scalar_t* g = static_cast<scalar_t*>(sl.grad) + ch.start;
@@ -77,15 +90,15 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cpu(const at::Tensor& bucket, a
     total = scaler::norm_combine<scaler::NormKind::kL2>(total, partial[c]);
     any = any || bad[c];
   }
-  const auto opts = bucket.options().dtype(at::kFloat);
-  return {at::full({}, any ? 1.0f : 0.0f, opts), at::full({}, total, opts)};
+  const Device dev = bucket.device();
+  return {full({}, any ? 1.0 : 0.0, kFloat, dev), full({}, total, kFloat, dev)};
 }
 
 }  // namespace
 }  // namespace parallel
 }  // namespace fastamp
 
-TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
-  m.impl("bucket_pack_", &fastamp::parallel::bucket_pack_cpu);
-  m.impl("bucket_unpack_", &fastamp::parallel::bucket_unpack_cpu);
+STABLE_TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
+  m.impl("bucket_pack_", TORCH_BOX(&fastamp::parallel::bucket_pack_cpu));
+  m.impl("bucket_unpack_", TORCH_BOX(&fastamp::parallel::bucket_unpack_cpu));
 }

@@ -5,9 +5,7 @@
 // The unpack computes its inf check and L2 partials with the scaler's StatsAcc over the grads in
 // grad_stats' chunks and per-thread order, reduces them the same way and combines them with the
 // same kernel: the norm DDP hands the scaler is bit-identical to grad_stats on the unpacked grads.
-#include <torch/library.h>
-
-#include <ATen/ATen.h>
+#include "common/torch_api.h"
 
 #include "common/gpu.cuh"
 #include "common/multi_tensor_apply_cuda.cuh"
@@ -30,7 +28,7 @@ struct SlotLists {
   std::vector<FlatTensor> slices;
 };
 
-SlotLists slot_lists(const at::Tensor& bucket, const std::vector<Slot>& slots) {
+SlotLists slot_lists(const Tensor& bucket, const std::vector<Slot>& slots) {
   SlotLists l;
   const auto dt = bucket.scalar_type();
   char* base = static_cast<char*>(bucket.data_ptr());
@@ -76,8 +74,7 @@ struct UnpackOp {
   }
 };
 
-void bucket_pack_cuda(at::Tensor& bucket, at::TensorList grads, at::IntArrayRef offsets,
-                      double scale) {
+void bucket_pack_cuda(Tensor& bucket, TensorList grads, IntList offsets, double scale) {
   gpu::check_device(bucket.device(), "fastamp::bucket_pack_", "bucket");
   const auto slots = check_bucket("fastamp::bucket_pack_", bucket, grads, offsets);
   gpu::DeviceGuard guard(bucket.device());
@@ -86,25 +83,25 @@ void bucket_pack_cuda(at::Tensor& bucket, at::TensorList grads, at::IntArrayRef 
                              PackOp{static_cast<float>(scale)});
 }
 
-std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
-                                                      at::TensorList grads, at::IntArrayRef offsets,
-                                                      const at::Tensor& inv_scale) {
+std::tuple<Tensor, Tensor> bucket_unpack_cuda(const Tensor& bucket, TensorList grads,
+                                              IntList offsets, const Tensor& inv_scale) {
   gpu::check_device(bucket.device(), "fastamp::bucket_unpack_", "bucket");
   const auto slots = check_bucket_unpack(bucket, grads, offsets, inv_scale);
   gpu::DeviceGuard guard(bucket.device());
-  const auto opts = bucket.options().dtype(at::kFloat);
-  at::Tensor found = at::zeros({}, opts);
-  at::Tensor pow_sum = at::zeros({}, opts);
+  const Device dev = bucket.device();
+  Tensor found = zeros({}, kFloat, dev);
+  Tensor pow_sum = zeros({}, kFloat, dev);
   const SlotLists l = slot_lists(bucket, slots);
   const int64_t n = scaler::count_chunks(l.grads);
   if (n == 0) return {found, pow_sum};
   // Every slot is written by exactly one block before the combining kernel reads it.
-  at::Tensor partials = at::empty({n}, opts);
+  Tensor partials = empty({n}, kFloat, dev);
   cuda_multi_tensor_apply<2>(
       {&l.grads, &l.slices}, bucket.device(),
-      UnpackOp{inv_scale.data_ptr<float>(), partials.data_ptr<float>(), found.data_ptr<float>()});
-  scaler::launch_combine<NormKind::kL2>(partials.data_ptr<float>(), n, pow_sum.data_ptr<float>(),
-                                        bucket.device());
+      UnpackOp{inv_scale.mutable_data_ptr<float>(), partials.mutable_data_ptr<float>(),
+               found.mutable_data_ptr<float>()});
+  scaler::launch_combine<NormKind::kL2>(partials.mutable_data_ptr<float>(), n,
+                                        pow_sum.mutable_data_ptr<float>(), bucket.device());
   return {found, pow_sum};
 }
 
@@ -113,6 +110,6 @@ std::tuple<at::Tensor, at::Tensor> bucket_unpack_cuda(const at::Tensor& bucket,
 }  // namespace fastamp
 
 FASTAMP_CUDA_KERNELS(m) {
-  m.impl("bucket_pack_", &fastamp::parallel::bucket_pack_cuda);
-  m.impl("bucket_unpack_", &fastamp::parallel::bucket_unpack_cuda);
+  m.impl("bucket_pack_", TORCH_BOX(&fastamp::parallel::bucket_pack_cuda));
+  m.impl("bucket_unpack_", TORCH_BOX(&fastamp::parallel::bucket_unpack_cuda));
 }

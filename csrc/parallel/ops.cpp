@@ -1,9 +1,7 @@
 // Schemas of the gradient-bucket ops used by fastamp.parallel.DistributedDataParallel.
-#include <torch/library.h>
+#include "common/torch_api.h"
 
-TORCH_LIBRARY_FRAGMENT(fastamp, m) {
-  m.set_python_module("fastamp.parallel._ops");
-
+STABLE_TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   // Copies each grads[i] into bucket[offsets[i] : offsets[i] + grads[i].numel()], multiplied by
   // `scale` in the same pass (1/world_size before a sum all-reduce). Reads grads; writes only those
   // bucket slices. One dtype per bucket.

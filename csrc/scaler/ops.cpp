@@ -1,10 +1,9 @@
 // Schemas of the GradScaler ops (each with what it reads and writes); the argument checks the
 // kernels share are in scaler_checks.cpp, the kernels in scaler_cpu.cpp and scaler_cuda.cu.
-#include <torch/library.h>
+#include "common/torch_api.h"
 
-TORCH_LIBRARY_FRAGMENT(fastamp, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   // Fake (meta) kernels live in Python, so torch.compile can trace these ops without running them.
-  m.set_python_module("fastamp.scaler._ops");
 
   // Read-only gradient statistics. Reads every element of `grads` (float32/16, bfloat16, float64,
   // mixed; all on inv_scale's device) once and writes nothing into them. Returns, as new tensors on

@@ -13,91 +13,93 @@
 namespace fastamp {
 namespace scaler {
 
-StatsPlan check_grad_stats(at::TensorList grads, const at::Tensor& inv_scale, double norm_type) {
+StatsPlan check_grad_stats(TensorList grads, const Tensor& inv_scale, double norm_type) {
   constexpr const char* op = "fastamp::grad_stats";
-  TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
+  FASTAMP_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
   const auto dev = inv_scale.device();  // its scalar tensors place an op, so [] works too
-  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat, true);
-  TORCH_CHECK(!std::isnan(norm_type) && norm_type > 0.0, op,
-              ": norm_type must be a positive number or inf, got ", norm_type);
+  check_scalar_tensor(inv_scale, op, "inv_scale", dev, kFloat, true);
+  FASTAMP_CHECK(!std::isnan(norm_type) && norm_type > 0.0, op,
+                ": norm_type must be a positive number or inf, got ", norm_type);
   auto list =
       FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/false, FASTAMP_GRAD_DTYPES);
   return StatsPlan{std::move(list), norm_kind_of(norm_type), static_cast<float>(norm_type)};
 }
 
-FlatTensorList check_unscale(at::TensorList grads, const at::Tensor& found_inf,
-                             const at::Tensor& inv_scale, const at::Tensor& tensor_found_inf) {
+FlatTensorList check_unscale(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale,
+                             const Tensor& tensor_found_inf) {
   constexpr const char* op = "fastamp::non_finite_check_and_unscale_";
-  TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
+  FASTAMP_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
   const auto dev = inv_scale.device();  // its scalar tensors place an op, so [] works too
-  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat, true);
-  check_scalar_tensor(found_inf, op, "found_inf", dev, at::kFloat, true);
-  TORCH_CHECK(tensor_found_inf.defined() && tensor_found_inf.device() == dev, op,
-              ": tensor_found_inf must be a tensor on ", dev);
-  TORCH_CHECK(tensor_found_inf.scalar_type() == at::kBool, op, ": tensor_found_inf has dtype ",
-              tensor_found_inf.scalar_type(), "; expected torch.bool");
-  TORCH_CHECK(tensor_found_inf.dim() == 1 &&
-                  tensor_found_inf.numel() == static_cast<int64_t>(grads.size()) &&
-                  tensor_found_inf.is_contiguous(),
-              op, ": tensor_found_inf must be a contiguous 1-D tensor of len(grads)=", grads.size(),
-              " elements, got shape ", tensor_found_inf.sizes());
+  check_scalar_tensor(inv_scale, op, "inv_scale", dev, kFloat, true);
+  check_scalar_tensor(found_inf, op, "found_inf", dev, kFloat, true);
+  FASTAMP_CHECK(tensor_found_inf.defined() && tensor_found_inf.device() == dev, op,
+                ": tensor_found_inf must be a tensor on ", dev);
+  FASTAMP_CHECK(tensor_found_inf.scalar_type() == kBool, op, ": tensor_found_inf has dtype ",
+                tensor_found_inf.scalar_type(), "; expected torch.bool");
+  FASTAMP_CHECK(tensor_found_inf.dim() == 1 &&
+                    tensor_found_inf.numel() == static_cast<int64_t>(grads.size()) &&
+                    tensor_found_inf.is_contiguous(),
+                op,
+                ": tensor_found_inf must be a contiguous 1-D tensor of len(grads)=", grads.size(),
+                " elements, got shape ", tensor_found_inf.sizes());
   auto list =
       FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
   check_disjoint(op, {{"grads", grads}});
   return list;
 }
 
-FlatTensorList check_clip_unscale(at::TensorList grads, const at::Tensor& inv_scale,
-                                  const at::Tensor& total_norm, double max_norm) {
+FlatTensorList check_clip_unscale(TensorList grads, const Tensor& inv_scale,
+                                  const Tensor& total_norm, double max_norm) {
   constexpr const char* op = "fastamp::clip_unscale_";
-  TORCH_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
+  FASTAMP_CHECK(inv_scale.defined(), op, ": inv_scale is undefined");
   const auto dev = inv_scale.device();  // its scalar tensors place an op, so [] works too
-  check_scalar_tensor(inv_scale, op, "inv_scale", dev, at::kFloat, true);
-  check_scalar_tensor(total_norm, op, "total_norm", dev, at::kFloat, true);
-  TORCH_CHECK(!std::isnan(max_norm) && max_norm >= 0.0, op,
-              ": max_norm must be a non-negative number, got ", max_norm);
+  check_scalar_tensor(inv_scale, op, "inv_scale", dev, kFloat, true);
+  check_scalar_tensor(total_norm, op, "total_norm", dev, kFloat, true);
+  FASTAMP_CHECK(!std::isnan(max_norm) && max_norm >= 0.0, op,
+                ": max_norm must be a non-negative number, got ", max_norm);
   auto list =
       FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
   check_disjoint(op, {{"grads", grads}});
   return list;
 }
 
-void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                        const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+void check_update_scale(const Tensor& scale, const Tensor& growth_tracker,
+                        const Tensor& hysteresis_tracker, const Tensor& found_inf,
                         double growth_factor, double backoff_factor, int64_t growth_interval,
                         int64_t hysteresis, double min_scale, double max_scale) {
   constexpr const char* op = "fastamp::update_scale_";
-  TORCH_CHECK(scale.defined(), op, ": scale is undefined");
+  FASTAMP_CHECK(scale.defined(), op, ": scale is undefined");
   const auto dev = scale.device();
-  check_scalar_tensor(scale, op, "scale", dev, at::kFloat, true);
-  check_scalar_tensor(growth_tracker, op, "growth_tracker", dev, at::kInt, true);
-  check_scalar_tensor(hysteresis_tracker, op, "hysteresis_tracker", dev, at::kInt, true);
-  check_scalar_tensor(found_inf, op, "found_inf", dev, at::kFloat, true);
-  TORCH_CHECK(std::isfinite(growth_factor) && growth_factor > 0.0, op,
-              ": growth_factor must be a positive finite number, got ", growth_factor);
-  TORCH_CHECK(std::isfinite(backoff_factor) && backoff_factor > 0.0, op,
-              ": backoff_factor must be a positive finite number, got ", backoff_factor);
+  check_scalar_tensor(scale, op, "scale", dev, kFloat, true);
+  check_scalar_tensor(growth_tracker, op, "growth_tracker", dev, kInt, true);
+  check_scalar_tensor(hysteresis_tracker, op, "hysteresis_tracker", dev, kInt, true);
+  check_scalar_tensor(found_inf, op, "found_inf", dev, kFloat, true);
+  FASTAMP_CHECK(std::isfinite(growth_factor) && growth_factor > 0.0, op,
+                ": growth_factor must be a positive finite number, got ", growth_factor);
+  FASTAMP_CHECK(std::isfinite(backoff_factor) && backoff_factor > 0.0, op,
+                ": backoff_factor must be a positive finite number, got ", backoff_factor);
   // The trackers are int32 tensors: a larger interval could never be reached, a larger
   // hysteresis could not be stored.
   constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-  TORCH_CHECK(growth_interval >= 1 && growth_interval <= kInt32Max, op,
-              ": growth_interval must be >= 1 and <= 2^31 - 1 (the growth tracker is "
-              "int32), got ",
-              growth_interval);
-  TORCH_CHECK(hysteresis >= 1 && hysteresis <= kInt32Max, op,
-              ": hysteresis must be >= 1 and <= 2^31 - 1 (the hysteresis tracker is int32), "
-              "got ",
-              hysteresis);
+  FASTAMP_CHECK(growth_interval >= 1 && growth_interval <= kInt32Max, op,
+                ": growth_interval must be >= 1 and <= 2^31 - 1 (the growth tracker is "
+                "int32), got ",
+                growth_interval);
+  FASTAMP_CHECK(hysteresis >= 1 && hysteresis <= kInt32Max, op,
+                ": hysteresis must be >= 1 and <= 2^31 - 1 (the hysteresis tracker is int32), "
+                "got ",
+                hysteresis);
   // A min_scale past float32's range would back the scale off to inf.
-  TORCH_CHECK(!std::isnan(min_scale) && min_scale >= 0.0 &&
-                  min_scale <= static_cast<double>(std::numeric_limits<float>::max()),
-              op, ": min_scale must be >= 0 and at most float32's largest value, got ", min_scale);
-  TORCH_CHECK(!std::isnan(max_scale) && max_scale >= min_scale, op,
-              ": max_scale must be >= min_scale (", min_scale, "), got ", max_scale);
-  TORCH_CHECK(scale.data_ptr() != growth_tracker.data_ptr() &&
-                  scale.data_ptr() != hysteresis_tracker.data_ptr() &&
-                  growth_tracker.data_ptr() != hysteresis_tracker.data_ptr(),
-              op, ": scale, growth_tracker and hysteresis_tracker must be distinct tensors");
+  FASTAMP_CHECK(!std::isnan(min_scale) && min_scale >= 0.0 &&
+                    min_scale <= static_cast<double>(std::numeric_limits<float>::max()),
+                op, ": min_scale must be >= 0 and at most float32's largest value, got ",
+                min_scale);
+  FASTAMP_CHECK(!std::isnan(max_scale) && max_scale >= min_scale, op,
+                ": max_scale must be >= min_scale (", min_scale, "), got ", max_scale);
+  FASTAMP_CHECK(scale.data_ptr() != growth_tracker.data_ptr() &&
+                    scale.data_ptr() != hysteresis_tracker.data_ptr() &&
+                    growth_tracker.data_ptr() != hysteresis_tracker.data_ptr(),
+                op, ": scale, growth_tracker and hysteresis_tracker must be distinct tensors");
 }
 
 }  // namespace scaler

@@ -6,13 +6,13 @@
 #include "common/tensor_list.h"
 #include "scaler/scaler_math.h"
 
-#include <ATen/ATen.h>
+#include "common/torch_api.h"
 
 namespace fastamp {
 namespace scaler {
 
 /// Gradient dtypes every scaler op accepts, mixed freely within one list.
-#define FASTAMP_GRAD_DTYPES {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble}
+#define FASTAMP_GRAD_DTYPES {kFloat, kHalf, kBFloat16, kDouble}
 
 struct StatsPlan {
   FlatTensorList grads;
@@ -20,16 +20,16 @@ struct StatsPlan {
   float p;
 };
 
-StatsPlan check_grad_stats(at::TensorList grads, const at::Tensor& inv_scale, double norm_type);
+StatsPlan check_grad_stats(TensorList grads, const Tensor& inv_scale, double norm_type);
 
-FlatTensorList check_unscale(at::TensorList grads, const at::Tensor& found_inf,
-                             const at::Tensor& inv_scale, const at::Tensor& tensor_found_inf);
+FlatTensorList check_unscale(TensorList grads, const Tensor& found_inf, const Tensor& inv_scale,
+                             const Tensor& tensor_found_inf);
 
-FlatTensorList check_clip_unscale(at::TensorList grads, const at::Tensor& inv_scale,
-                                  const at::Tensor& total_norm, double max_norm);
+FlatTensorList check_clip_unscale(TensorList grads, const Tensor& inv_scale,
+                                  const Tensor& total_norm, double max_norm);
 
-void check_update_scale(const at::Tensor& scale, const at::Tensor& growth_tracker,
-                        const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+void check_update_scale(const Tensor& scale, const Tensor& growth_tracker,
+                        const Tensor& hysteresis_tracker, const Tensor& found_inf,
                         double growth_factor, double backoff_factor, int64_t growth_interval,
                         int64_t hysteresis, double min_scale, double max_scale);
 

@@ -1,7 +1,7 @@
 // CPU kernels of the GradScaler ops. The element math comes from scaler_math.h (shared with CUDA);
 // the per-chunk loops live in scaler_cpu_kernels.inc, compiled per instruction set; this file
 // validates, plans chunks, runs them in parallel and combines per-chunk results in chunk order.
-#include <torch/library.h>
+#include "common/torch_api.h"
 
 #include "common/cpu_capability.h"
 #include "common/multi_tensor_apply_cpu.h"
@@ -23,13 +23,13 @@ float combine_partials(const std::vector<float>& partials) {
 }
 
 inline char* chunk_base(const FlatTensor& t, const Chunk& ch) {
-  return static_cast<char*>(t.data) + ch.start * static_cast<int64_t>(c10::elementSize(t.dtype));
+  return static_cast<char*>(t.data) + ch.start * static_cast<int64_t>(element_size(t.dtype));
 }
 
 // Sets tensor_found_inf[i] for tensors with a non-finite chunk; returns whether any had one.
 bool scatter_flags(const std::vector<FlatTensor>& items, const std::vector<Chunk>& chunks,
-                   const std::vector<uint8_t>& chunk_bad, at::Tensor& tensor_found_inf) {
-  bool* flags = tensor_found_inf.data_ptr<bool>();
+                   const std::vector<uint8_t>& chunk_bad, Tensor& tensor_found_inf) {
+  bool* flags = tensor_found_inf.mutable_data_ptr<bool>();
   bool any = false;
   for (size_t c = 0; c < chunks.size(); ++c) {
     if (chunk_bad[c]) {
@@ -40,20 +40,19 @@ bool scatter_flags(const std::vector<FlatTensor>& items, const std::vector<Chunk
   return any;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList grads,
-                                                              const at::Tensor& inv_scale,
-                                                              double norm_type) {
+std::tuple<Tensor, Tensor, Tensor> grad_stats_cpu(TensorList grads, const Tensor& inv_scale,
+                                                  double norm_type) {
   StatsPlan plan = check_grad_stats(grads, inv_scale, norm_type);
-  const auto opts = inv_scale.options();
-  at::Tensor found_inf = at::zeros({}, opts.dtype(at::kFloat));
-  at::Tensor pow_sum = at::zeros({}, opts.dtype(at::kFloat));
-  at::Tensor tensor_found_inf = at::zeros({plan.grads.list_size()}, opts.dtype(at::kBool));
+  const Device dev = inv_scale.device();
+  Tensor found_inf = zeros({}, kFloat, dev);
+  Tensor pow_sum = zeros({}, kFloat, dev);
+  Tensor tensor_found_inf = zeros({plan.grads.list_size()}, kBool, dev);
 
   const auto& items = plan.grads.items();
   const auto chunks = plan_chunks(items);
   std::vector<float> partials(chunks.size(), 0.0f);
   std::vector<uint8_t> chunk_bad(chunks.size(), 0);
-  const float inv = *inv_scale.data_ptr<float>();  // a CPU tensor: no device sync
+  const float inv = *inv_scale.mutable_data_ptr<float>();  // a CPU tensor: no device sync
   const float p = plan.p;
   const int32_t kind = static_cast<int32_t>(plan.kind);
   const CpuKernels& k = cpu_kernels();
@@ -67,18 +66,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cpu(at::TensorList gra
   const float total = plan.kind == NormKind::kInf ? combine_partials<NormKind::kInf>(partials)
                                                   : combine_partials<NormKind::kL2>(partials);
   const bool any = scatter_flags(items, chunks, chunk_bad, tensor_found_inf);
-  *found_inf.data_ptr<float>() = any ? 1.0f : 0.0f;
-  *pow_sum.data_ptr<float>() = total;
+  *found_inf.mutable_data_ptr<float>() = any ? 1.0f : 0.0f;
+  *pow_sum.mutable_data_ptr<float>() = total;
   return {found_inf, pow_sum, tensor_found_inf};
 }
 
-void non_finite_check_and_unscale_cpu(at::TensorList grads, at::Tensor& found_inf,
-                                      const at::Tensor& inv_scale, at::Tensor& tensor_found_inf) {
+void non_finite_check_and_unscale_cpu(TensorList grads, Tensor& found_inf, const Tensor& inv_scale,
+                                      Tensor& tensor_found_inf) {
   FlatTensorList list = check_unscale(grads, found_inf, inv_scale, tensor_found_inf);
   const auto& items = list.items();
   const auto chunks = plan_chunks(items);
   std::vector<uint8_t> chunk_bad(chunks.size(), 0);
-  const float inv = *inv_scale.data_ptr<float>();
+  const float inv = *inv_scale.mutable_data_ptr<float>();
   const CpuKernels& k = cpu_kernels();
   cpu_for_each_chunk(chunks, [&](int64_t c, const Chunk& ch) {
     const FlatTensor& t = items[static_cast<size_t>(ch.item)];
@@ -86,17 +85,17 @@ void non_finite_check_and_unscale_cpu(at::TensorList grads, at::Tensor& found_in
   });
   list.write_back();
   if (scatter_flags(items, chunks, chunk_bad, tensor_found_inf)) {
-    *found_inf.data_ptr<float>() = 1.0f;
+    *found_inf.mutable_data_ptr<float>() = 1.0f;
   }
 }
 
-void clip_unscale_cpu(at::TensorList grads, const at::Tensor& inv_scale,
-                      const at::Tensor& total_norm, double max_norm) {
+void clip_unscale_cpu(TensorList grads, const Tensor& inv_scale, const Tensor& total_norm,
+                      double max_norm) {
   FlatTensorList list = check_clip_unscale(grads, inv_scale, total_norm, max_norm);
   const auto& items = list.items();
   const auto chunks = plan_chunks(items);
-  const float inv = *inv_scale.data_ptr<float>();
-  const float coef = clip_coef(*total_norm.data_ptr<float>(), static_cast<float>(max_norm));
+  const float inv = *inv_scale.mutable_data_ptr<float>();
+  const float coef = clip_coef(*total_norm.mutable_data_ptr<float>(), static_cast<float>(max_norm));
   const CpuKernels& k = cpu_kernels();
   cpu_for_each_chunk(chunks, [&](int64_t, const Chunk& ch) {
     const FlatTensor& t = items[static_cast<size_t>(ch.item)];
@@ -105,15 +104,15 @@ void clip_unscale_cpu(at::TensorList grads, const at::Tensor& inv_scale,
   list.write_back();
 }
 
-void update_scale_cpu(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hysteresis_tracker,
-                      const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+void update_scale_cpu(Tensor& scale, Tensor& growth_tracker, Tensor& hysteresis_tracker,
+                      const Tensor& found_inf, double growth_factor, double backoff_factor,
                       int64_t growth_interval, int64_t hysteresis, double min_scale,
                       double max_scale) {
   check_update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
                      backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
-  update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-               hysteresis_tracker.data_ptr<int32_t>(), *found_inf.data_ptr<float>(), growth_factor,
-               backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+  update_scale(scale.mutable_data_ptr<float>(), growth_tracker.mutable_data_ptr<int32_t>(),
+               hysteresis_tracker.mutable_data_ptr<int32_t>(), *found_inf.mutable_data_ptr<float>(),
+               growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
 }
 
 }  // namespace
@@ -128,9 +127,10 @@ const CpuKernels& cpu_kernels() {
 }  // namespace scaler
 }  // namespace fastamp
 
-TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
-  m.impl("grad_stats", &fastamp::scaler::grad_stats_cpu);
-  m.impl("non_finite_check_and_unscale_", &fastamp::scaler::non_finite_check_and_unscale_cpu);
-  m.impl("clip_unscale_", &fastamp::scaler::clip_unscale_cpu);
-  m.impl("update_scale_", &fastamp::scaler::update_scale_cpu);
+STABLE_TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
+  m.impl("grad_stats", TORCH_BOX(&fastamp::scaler::grad_stats_cpu));
+  m.impl("non_finite_check_and_unscale_",
+         TORCH_BOX(&fastamp::scaler::non_finite_check_and_unscale_cpu));
+  m.impl("clip_unscale_", TORCH_BOX(&fastamp::scaler::clip_unscale_cpu));
+  m.impl("update_scale_", TORCH_BOX(&fastamp::scaler::update_scale_cpu));
 }

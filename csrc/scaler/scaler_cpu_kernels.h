@@ -7,7 +7,7 @@
 /// written for the auto-vectoriser: fixed-width lanes of independent accumulators, no branches.
 #pragma once
 
-#include <c10/core/ScalarType.h>
+#include "common/torch_api.h"
 
 #include <cstdint>
 

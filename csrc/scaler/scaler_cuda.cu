@@ -6,7 +6,7 @@
 // Every launch here goes through the engine except update_scale_kernel: one thread updating three
 // scalars (scale, growth and hysteresis trackers) has no list to chunk; it is launched <<<1, 1>>>
 // on the current stream, right after the stats that produce found_inf.
-#include <torch/library.h>
+#include "common/torch_api.h"
 
 #include "common/gpu.cuh"
 #include "common/multi_tensor_apply_cuda.cuh"
@@ -98,35 +98,34 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
 }
 
 template <NormKind K>
-void launch_grad_stats(const std::vector<FlatTensor>& items, const c10::Device& device,
+void launch_grad_stats(const std::vector<FlatTensor>& items, const Device& device,
                        const StatsOp<K>& op, int64_t nchunks, float* norm_out) {
   cuda_multi_tensor_apply(items, device, op);
   launch_combine<K>(op.partials, nchunks, norm_out, device);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList grads,
-                                                               const at::Tensor& inv_scale,
-                                                               double norm_type) {
+std::tuple<Tensor, Tensor, Tensor> grad_stats_cuda(TensorList grads, const Tensor& inv_scale,
+                                                   double norm_type) {
   StatsPlan plan = check_grad_stats(grads, inv_scale, norm_type);
-  const c10::Device device = inv_scale.device();
+  const Device device = inv_scale.device();
   gpu::check_device(device, "fastamp::grad_stats", "inv_scale");
   gpu::DeviceGuard guard(device);
-  const auto opts = inv_scale.options();
-  at::Tensor found_inf = at::zeros({}, opts.dtype(at::kFloat));
-  at::Tensor pow_sum = at::zeros({}, opts.dtype(at::kFloat));
-  at::Tensor tensor_found_inf = at::zeros({plan.grads.list_size()}, opts.dtype(at::kBool));
+  const Device dev = inv_scale.device();
+  Tensor found_inf = zeros({}, kFloat, dev);
+  Tensor pow_sum = zeros({}, kFloat, dev);
+  Tensor tensor_found_inf = zeros({plan.grads.list_size()}, kBool, dev);
 
   const auto& items = plan.grads.items();
   const int64_t nchunks = count_chunks(items);
   if (nchunks == 0) return {found_inf, pow_sum, tensor_found_inf};
 
   // Every slot is written by exactly one block before the finalize kernel reads it.
-  at::Tensor partials = at::empty({nchunks}, opts.dtype(at::kFloat));
-  float* part = partials.data_ptr<float>();
-  const float* inv = inv_scale.data_ptr<float>();
-  float* found = found_inf.data_ptr<float>();
-  bool* flags = tensor_found_inf.data_ptr<bool>();
-  float* norm_out = pow_sum.data_ptr<float>();
+  Tensor partials = empty({nchunks}, kFloat, dev);
+  float* part = partials.mutable_data_ptr<float>();
+  const float* inv = inv_scale.mutable_data_ptr<float>();
+  float* found = found_inf.mutable_data_ptr<float>();
+  bool* flags = tensor_found_inf.mutable_data_ptr<bool>();
+  float* norm_out = pow_sum.mutable_data_ptr<float>();
   visit_norm_kind(plan.kind, [&](auto k) {
     constexpr NormKind K = decltype(k)::value;
     launch_grad_stats(items, device, StatsOp<K>{inv, plan.p, part, found, flags}, nchunks,
@@ -135,45 +134,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> grad_stats_cuda(at::TensorList gr
   return {found_inf, pow_sum, tensor_found_inf};
 }
 
-void non_finite_check_and_unscale_cuda(at::TensorList grads, at::Tensor& found_inf,
-                                       const at::Tensor& inv_scale, at::Tensor& tensor_found_inf) {
+void non_finite_check_and_unscale_cuda(TensorList grads, Tensor& found_inf, const Tensor& inv_scale,
+                                       Tensor& tensor_found_inf) {
   FlatTensorList list = check_unscale(grads, found_inf, inv_scale, tensor_found_inf);
-  const c10::Device device = inv_scale.device();
+  const Device device = inv_scale.device();
   gpu::check_device(device, "fastamp::non_finite_check_and_unscale_", "inv_scale");
   gpu::DeviceGuard guard(device);
-  cuda_multi_tensor_apply(list.items(), device,
-                          UnscaleOp{inv_scale.data_ptr<float>(), found_inf.data_ptr<float>(),
-                                    tensor_found_inf.data_ptr<bool>()});
+  cuda_multi_tensor_apply(
+      list.items(), device,
+      UnscaleOp{inv_scale.mutable_data_ptr<float>(), found_inf.mutable_data_ptr<float>(),
+                tensor_found_inf.mutable_data_ptr<bool>()});
   // Copies staged (non-dense) grads back, stream-ordered after the kernel.
   list.write_back();
 }
 
-void clip_unscale_cuda(at::TensorList grads, const at::Tensor& inv_scale,
-                       const at::Tensor& total_norm, double max_norm) {
+void clip_unscale_cuda(TensorList grads, const Tensor& inv_scale, const Tensor& total_norm,
+                       double max_norm) {
   FlatTensorList list = check_clip_unscale(grads, inv_scale, total_norm, max_norm);
-  const c10::Device device = inv_scale.device();
+  const Device device = inv_scale.device();
   gpu::check_device(device, "fastamp::clip_unscale_", "inv_scale");
   gpu::DeviceGuard guard(device);
-  cuda_multi_tensor_apply(list.items(), device,
-                          ClipUnscaleOp{inv_scale.data_ptr<float>(), total_norm.data_ptr<float>(),
-                                        static_cast<float>(max_norm)});
+  cuda_multi_tensor_apply(
+      list.items(), device,
+      ClipUnscaleOp{inv_scale.mutable_data_ptr<float>(), total_norm.mutable_data_ptr<float>(),
+                    static_cast<float>(max_norm)});
   list.write_back();
 }
 
-void update_scale_cuda(at::Tensor& scale, at::Tensor& growth_tracker,
-                       at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
-                       double growth_factor, double backoff_factor, int64_t growth_interval,
-                       int64_t hysteresis, double min_scale, double max_scale) {
+void update_scale_cuda(Tensor& scale, Tensor& growth_tracker, Tensor& hysteresis_tracker,
+                       const Tensor& found_inf, double growth_factor, double backoff_factor,
+                       int64_t growth_interval, int64_t hysteresis, double min_scale,
+                       double max_scale) {
   check_update_scale(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
                      backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
-  const c10::Device device = scale.device();
+  const Device device = scale.device();
   gpu::check_device(device, "fastamp::update_scale_", "scale");
   gpu::DeviceGuard guard(device);
   gpu::launch("update_scale_kernel", &update_scale_kernel, dim3(1), dim3(1),
-              gpu::current_stream(device), scale.data_ptr<float>(),
-              growth_tracker.data_ptr<int32_t>(), hysteresis_tracker.data_ptr<int32_t>(),
-              static_cast<const float*>(found_inf.data_ptr<float>()), growth_factor, backoff_factor,
-              growth_interval, hysteresis, min_scale, max_scale);
+              gpu::current_stream(device), scale.mutable_data_ptr<float>(),
+              growth_tracker.mutable_data_ptr<int32_t>(),
+              hysteresis_tracker.mutable_data_ptr<int32_t>(),
+              static_cast<const float*>(found_inf.mutable_data_ptr<float>()), growth_factor,
+              backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
 }
 
 }  // namespace
@@ -181,8 +183,9 @@ void update_scale_cuda(at::Tensor& scale, at::Tensor& growth_tracker,
 }  // namespace fastamp
 
 FASTAMP_CUDA_KERNELS(m) {
-  m.impl("grad_stats", &fastamp::scaler::grad_stats_cuda);
-  m.impl("non_finite_check_and_unscale_", &fastamp::scaler::non_finite_check_and_unscale_cuda);
-  m.impl("clip_unscale_", &fastamp::scaler::clip_unscale_cuda);
-  m.impl("update_scale_", &fastamp::scaler::update_scale_cuda);
+  m.impl("grad_stats", TORCH_BOX(&fastamp::scaler::grad_stats_cuda));
+  m.impl("non_finite_check_and_unscale_",
+         TORCH_BOX(&fastamp::scaler::non_finite_check_and_unscale_cuda));
+  m.impl("clip_unscale_", TORCH_BOX(&fastamp::scaler::clip_unscale_cuda));
+  m.impl("update_scale_", TORCH_BOX(&fastamp::scaler::update_scale_cuda));
 }

@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kFinalizeThreads)
 
 /// Launches combine_partials_kernel for partials of norm kind K (stream-ordered).
 template <NormKind K>
-void launch_combine(const float* partials, int64_t n, float* out, const c10::Device& device) {
+void launch_combine(const float* partials, int64_t n, float* out, const Device& device) {
   constexpr NormKind C = kCombineKind<K>;
   gpu::launch("combine_partials_kernel", &combine_partials_kernel<C>, dim3(1),
               dim3(kFinalizeThreads), gpu::current_stream(device), partials, n, out);

@@ -1,20 +1,28 @@
-"""Loads the compiled operator library ``fastamp._C`` and checks it matches the running torch.
+"""Loads the compiled operator library ``fastamp._C`` and checks it can run on this torch.
 
-A C++ extension is tied to the exact libtorch it was compiled against (the C++ ABI of libtorch is
-not stable across releases), so a mismatch is refused here with both versions and the rebuild
-command, instead of failing later with an undefined-symbol error or, worse, a crash.
+The library speaks only the LibTorch stable ABI (csrc/common/torch_api.h): it calls torch through
+its versioned C shim, so one binary loads on every torch from the floor it was compiled for
+(``TORCH_TARGET``, the stable ABI's ``TORCH_TARGET_VERSION``) up. An older torch is refused here
+with both versions and the fix, instead of failing later with an undefined-symbol error.
+
+The stable ABI carries every C++ exception across as a RuntimeError. The kernels mark a refusal
+that Python users expect as another class by starting its message with that class's name
+(``"TypeError: ..."``); :class:`StableOps` (what each capability's ``_ops.py`` calls the operators
+through) raises that class with the rest of the message.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 _REBUILD = (
-    "Rebuild fastamp against the torch you are running:\n"
+    "Install a torch it supports, or rebuild fastamp for this one:\n"
     "    pip install --no-build-isolation --force-reinstall --no-deps <path to fastamp source>\n"
     "(or `pip install --no-build-isolation -e .` in a source checkout)."
 )
@@ -30,26 +38,89 @@ def _load_build_info() -> Any:
         ) from exc
 
 
-def check_torch_version(built: str, running: str) -> None:
-    """Raises ImportError when the torch fastamp was built for is not the running one."""
-    if built != running:
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as "2.13.0+cpu" or "2.15.0.dev20261101"."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def check_torch_version(target: str, running: str) -> None:
+    """Raises ImportError when the running torch is older than the one the library targets."""
+    if _release(running) < _release(target):
         raise ImportError(
-            f"fastamp was built against torch {built}, but torch {running} is installed. "
-            "C++ extensions must be compiled against the exact torch they run with.\n" + _REBUILD
+            f"fastamp's compiled library needs torch {target} or newer (it was compiled for the "
+            f"LibTorch stable ABI of torch {target}), but torch {running} is installed.\n"
+            + _REBUILD
         )
 
 
 _info = _load_build_info()
-check_torch_version(_info.TORCH_VERSION, torch.__version__)
+check_torch_version(_info.TORCH_TARGET, torch.__version__)
 
 try:
-    from fastamp import _C  # noqa: F401  (importing runs the TORCH_LIBRARY registrations)
+    from fastamp import _C  # noqa: F401  (importing runs the operator registrations)
 except ImportError as exc:  # pragma: no cover - exercised only with broken builds
     raise ImportError(
         f"fastamp's operator library failed to load: {exc}\n"
-        f"It was built for torch {_info.TORCH_VERSION} (CUDA: {_info.TORCH_CUDA_VERSION or 'none'}); "
-        f"running torch {torch.__version__} (CUDA: {torch.version.cuda or 'none'}).\n" + _REBUILD
+        f"It was built with torch {_info.TORCH_VERSION} for torch >= {_info.TORCH_TARGET} "
+        f"(CUDA: {_info.TORCH_CUDA_VERSION or 'none'}); running torch {torch.__version__} "
+        f"(CUDA: {torch.version.cuda or 'none'}). A CUDA build needs a CUDA torch.\n" + _REBUILD
     ) from exc
+
+
+_ERROR_CLASSES: dict[str, type[Exception]] = {
+    "TypeError": TypeError,
+    "ValueError": ValueError,
+    "NotImplementedError": NotImplementedError,
+}
+_MARKED = re.compile(r"^(TypeError|ValueError|NotImplementedError): ", re.S)
+
+
+def translate_error(exc: RuntimeError) -> Exception:
+    """The exception a kernel meant: ``RuntimeError("TypeError: msg")`` becomes ``TypeError("msg")``;
+    any other error is returned as it is."""
+    m = _MARKED.match(str(exc))
+    if m is None or type(exc) is not RuntimeError:
+        return exc
+    return _ERROR_CLASSES[m.group(1)](str(exc)[m.end() :])
+
+
+def _translating(op: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(op)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return op(*args, **kwargs)
+        except RuntimeError as exc:
+            err = translate_error(exc)
+            if err is exc:
+                raise
+            raise err from None
+
+    return call
+
+
+class StableOps:
+    """``torch.ops.<namespace>`` whose calls raise the exception class each kernel meant (see the
+    module docstring). ``StableOps("fastamp").grad_stats(...)`` calls
+    ``torch.ops.fastamp.grad_stats``; ``.overload(name)`` gives the ``.default`` overload, wrapped
+    the same way."""
+
+    def __init__(self, namespace: str) -> None:
+        self._packets = getattr(torch.ops, namespace)
+        self._calls: dict[str, Callable[..., Any]] = {}
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        call = self._calls.get(name)
+        if call is None:
+            call = self._calls[name] = _translating(getattr(self._packets, name))
+        return call
+
+    def overload(self, name: str) -> Callable[..., Any]:
+        return _translating(getattr(self._packets, name).default)
 
 
 def build_info() -> dict[str, Any]:
@@ -57,6 +128,7 @@ def build_info() -> dict[str, Any]:
     return {
         "fastamp_version": _version(),
         "torch_version": _info.TORCH_VERSION,
+        "torch_target": _info.TORCH_TARGET,
         "torch_cuda_version": _info.TORCH_CUDA_VERSION or None,
         "with_cuda": bool(_info.WITH_CUDA),
         "cuda_compiler_version": _info.CUDA_COMPILER_VERSION or None,

@@ -36,6 +36,7 @@ HOST_SOURCES = [
     "scaler/scaler_checks.cpp",
     "optim/optim_checks.cpp",
     "common/tensor_list.cpp",
+    "common/torch_api.cpp",
 ]
 
 SANITIZE = [

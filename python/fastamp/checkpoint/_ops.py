@@ -7,11 +7,75 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-import fastamp._library  # noqa: F401  (loads the operator library)
 from fastamp._checks import dense_list
+from fastamp._library import StableOps  # (importing it loads the operator library)
 
 __all__ = ["rng_get_state", "rng_set_state", "tensor_digest"]
 
+_ops = StableOps("fastamp")
+
+# The RNG ops are defined here, in Python: generators are not part of the LibTorch stable ABI the
+# compiled library is limited to. They stay operators (with fake kernels below) so that a
+# checkpointed region traced by torch.compile keeps them as calls.
+_lib = torch.library.Library("fastamp", "FRAGMENT")
+_lib.define("rng_get_state() -> Tensor[]")
+_lib.define("rng_set_state(Tensor[] states) -> ()")
+
+
+def _cuda_device_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _rng_get_state_impl() -> list[Tensor]:
+    out = [torch.default_generator.get_state()]
+    for i in range(_cuda_device_count()):
+        # A device this process never initialised has no generator state worth restoring (and
+        # reading one would initialise it): an empty tensor says "nothing to restore".
+        if torch._C._cuda_hasPrimaryContext(i):
+            out.append(torch.cuda.default_generators[i].get_state())
+        else:
+            out.append(torch.empty(0, dtype=torch.uint8))
+    return out
+
+
+def _generator(i: int) -> torch.Generator:
+    return torch.default_generator if i == 0 else torch.cuda.default_generators[i - 1]
+
+
+def _rng_set_state_impl(states: list[Tensor]) -> None:
+    op = "fastamp::rng_set_state"
+    if not states:
+        raise ValueError(
+            f"{op}: states is empty; expected the list returned by fastamp::rng_get_state (CPU "
+            "state first, then one entry per CUDA device)"
+        )
+    n = _cuda_device_count()
+    if len(states) > n + 1:
+        raise ValueError(
+            f"{op}: states has {len(states)} entries but this process sees {n} CUDA device(s); "
+            f"expected at most {n + 1}"
+        )
+    for i, s in enumerate(states):
+        if s.dtype != torch.uint8 or s.device.type != "cpu" or s.layout != torch.strided:
+            raise TypeError(f"{op}: states[{i}] must be a CPU uint8 tensor (a generator state)")
+    previous = _rng_get_state_impl() if len(states) > 1 else []
+    for i, s in enumerate(states):
+        if i > 0 and s.numel() == 0:
+            continue
+        try:
+            _generator(i).set_state(s.contiguous())
+        except RuntimeError as exc:
+            for j in range(i):  # all or nothing: put back the generators already restored
+                if j == 0 or previous[j].numel() > 0:
+                    _generator(j).set_state(previous[j])
+            raise ValueError(
+                f"{op}: states[{i}] is not a valid {'CPU' if i == 0 else 'CUDA'} generator state "
+                f"({exc}); no generator was changed"
+            ) from None
+
+
+_lib.impl("rng_get_state", _rng_get_state_impl, "CompositeExplicitAutograd")
+_lib.impl("rng_set_state", _rng_set_state_impl, "CompositeExplicitAutograd")
 
 # The OpOverloads themselves, for the checkpoint's per-region RNG snapshot (a call through the
 # packet resolves the overload every time).
@@ -40,7 +104,7 @@ def tensor_digest(tensors: Sequence[Tensor]) -> Tensor:
     tensors = dense_list(tensors, "tensor_digest", "tensors")
     if not tensors:
         return torch.empty(0, dtype=torch.int64)
-    return torch.ops.fastamp.tensor_digest(tensors)
+    return _ops.tensor_digest(tensors)
 
 
 @torch.library.register_fake("fastamp::rng_get_state")

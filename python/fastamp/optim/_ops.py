@@ -16,7 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp._library import check_fake_devices  # (importing it loads the operator library)
+from fastamp._library import (  # (importing it loads the operator library)
+    StableOps,
+    check_fake_devices,
+)
 from fastamp.handoff import AmpStep
 
 __all__ = [
@@ -29,7 +32,7 @@ __all__ = [
     "shared_memory_pair",
 ]
 
-_ops = torch.ops.fastamp
+_ops = StableOps("fastamp")
 
 # No scaler: grads taken as they are, the step unconditional, no clipping.
 _NO_AMP = AmpStep(None, None, None)
@@ -180,7 +183,7 @@ def _register_step_fake(name: str) -> None:
     """The fake kernel of the step op ``fastamp::<name>``, from its schema: every ``Tensor[]`` and
     ``Tensor?`` argument must be on the device of ``params[0]``."""
     # private-ok: an OpOverload's schema (argument names and types) has no public spelling.
-    args = getattr(_ops, name).default._schema.arguments
+    args = getattr(torch.ops.fastamp, name).default._schema.arguments
     names = [a.name for a in args]
     lists = [a.name for a in args if a.type.isSubtypeOf(torch._C.ListType.ofTensors())]
     scalars = [

@@ -8,11 +8,14 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastamp._library import check_fake_devices  # (importing it loads the operator library)
+from fastamp._library import (  # (importing it loads the operator library)
+    StableOps,
+    check_fake_devices,
+)
 
 __all__ = ["bucket_pack_", "bucket_unpack_"]
 
-_ops = torch.ops.fastamp
+_ops = StableOps("fastamp")
 
 
 def bucket_pack_(

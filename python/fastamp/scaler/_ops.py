@@ -13,7 +13,10 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import dense_list
-from fastamp._library import check_fake_devices  # (importing it loads the operator library)
+from fastamp._library import (  # (importing it loads the operator library)
+    StableOps,
+    check_fake_devices,
+)
 
 __all__ = [
     "grad_stats",
@@ -22,7 +25,7 @@ __all__ = [
     "update_scale_",
 ]
 
-_ops = torch.ops.fastamp
+_ops = StableOps("fastamp")
 
 
 def _dense(grads: Sequence[Tensor], op: str) -> list[Tensor]:
