@@ -80,13 +80,17 @@ def _build(r: _Report) -> bool:
     if fastamp.LOAD_ERROR is not None:
         r.problem(
             f"fastamp's compiled library did not load: {fastamp.LOAD_ERROR}",
-            "rebuild fastamp against this torch: pip install --no-build-isolation "
-            "--force-reinstall --no-deps <fastamp source> (or `make test` in a checkout)",
+            "install a torch the library supports (see the message), or rebuild fastamp: pip "
+            "install --no-build-isolation --force-reinstall --no-deps <fastamp source> (or "
+            "`make test` in a checkout)",
         )
         return False
     info = fastamp.build_info()
     r.info("fastamp", info["fastamp_version"])
-    r.info("built for torch", info["torch_version"])
+    r.info(
+        "built for torch",
+        f">= {info['torch_target']} (LibTorch stable ABI; compiled with {info['torch_version']})",
+    )
     r.info(
         "CUDA kernels", f"yes, archs {' '.join(info['cuda_archs'])}" if info["with_cuda"] else "no"
     )

@@ -27,12 +27,13 @@ def test_console_script_is_installed():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
-def test_doctor_explains_a_library_built_for_another_torch():
+def test_doctor_explains_a_library_that_needs_a_newer_torch():
     code = textwrap.dedent(
         """
         import runpy, sys, types
         fake = types.ModuleType("fastamp._build_info")
         fake.TORCH_VERSION = "1.99.0+fake"
+        fake.TORCH_TARGET = "9.99"
         sys.modules["fastamp._build_info"] = fake
         sys.argv = ["-m", "doctor"]
         runpy.run_module("fastamp", run_name="__main__", alter_sys=True)
@@ -41,7 +42,7 @@ def test_doctor_explains_a_library_built_for_another_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "PROBLEM: fastamp's compiled library did not load" in out.stdout
-    assert "1.99.0+fake" in out.stdout and "pip install --no-build-isolation" in out.stdout
+    assert "torch 9.99 or newer" in out.stdout and "pip install --no-build-isolation" in out.stdout
     assert "Traceback" not in out.stderr
 
 

@@ -62,8 +62,11 @@ def _rng_set_state_impl(states: list[Tensor]) -> None:
     for i, s in enumerate(states):
         if i > 0 and s.numel() == 0:
             continue
+        # torch's set_state reads a view's storage from its start: hand it a tensor of its own.
+        if not s.is_contiguous() or s.storage_offset() != 0:
+            s = s.clone(memory_format=torch.contiguous_format)
         try:
-            _generator(i).set_state(s.contiguous())
+            _generator(i).set_state(s)
         except RuntimeError as exc:
             for j in range(i):  # all or nothing: put back the generators already restored
                 if j == 0 or previous[j].numel() > 0:
