@@ -43,7 +43,7 @@ StepPlan check_step(const char* op, TensorList params, TensorList grads,
     const Tensor& p = params[i];
     const Tensor& g = grads[i];
     FASTAMP_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
-    FASTAMP_CHECK(g.sizes() == p.sizes(), op, ": grads[", i, "] has shape ", g.sizes(),
+    FASTAMP_CHECK(g.sizes().equals(p.sizes()), op, ": grads[", i, "] has shape ", g.sizes(),
                   " but params[", i, "] has shape ", p.sizes());
     FASTAMP_CHECK(g.scalar_type() == p.scalar_type(), op, ": grads[", i, "] has dtype ",
                   g.scalar_type(), " but params[", i, "] has dtype ", p.scalar_type());
@@ -51,14 +51,14 @@ StepPlan check_step(const char* op, TensorList params, TensorList grads,
     // (contiguous or e.g. channels_last alike), so element k of each span is the same element.
     FASTAMP_CHECK(is_non_overlapping_and_dense(p), op, ": params[", i,
                   "] must be a dense tensor (contiguous or a permutation of it)");
-    FASTAMP_CHECK(g.strides() == p.strides(), op, ": grads[", i, "] has strides ", g.strides(),
+    FASTAMP_CHECK(g.strides().equals(p.strides()), op, ": grads[", i, "] has strides ", g.strides(),
                   " but params[", i, "] has ", p.strides(), "; expected the same memory layout");
     const auto state_dtype = has_master ? kFloat : p.scalar_type();
     for (const auto& [name, list] : state) {
       const Tensor& s = list[i];
       FASTAMP_CHECK(s.defined() && s.device() == dev, op, ": ", name, "[", i, "] must be on ", dev);
-      FASTAMP_CHECK(s.sizes() == p.sizes() && s.strides() == p.strides(), op, ": ", name, "[", i,
-                    "] must have the shape ", p.sizes(), " and strides ", p.strides(),
+      FASTAMP_CHECK(s.sizes().equals(p.sizes()) && s.strides().equals(p.strides()), op, ": ", name,
+                    "[", i, "] must have the shape ", p.sizes(), " and strides ", p.strides(),
                     " of params[", i, "]");
       FASTAMP_CHECK(s.scalar_type() == state_dtype, op, ": ", name, "[", i, "] has dtype ",
                     s.scalar_type(), "; expected ", c10::toString(state_dtype));
@@ -70,7 +70,7 @@ StepPlan check_step(const char* op, TensorList params, TensorList grads,
     if (has_master) {
       const Tensor& mp = master_params[i];
       FASTAMP_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == kFloat &&
-                        mp.sizes() == p.sizes() && mp.strides() == p.strides(),
+                        mp.sizes().equals(p.sizes()) && mp.strides().equals(p.strides()),
                     op, ": master_params[", i, "] must be a float32 tensor with the shape and ",
                     "strides of params[", i, "] on ", dev);
     }
@@ -147,8 +147,8 @@ void check_lowbit_lists(const char* op, StepPlan& plan, TensorList params, Tenso
     const Tensor& p = params[i];
     const Tensor& g = grads[i];
     FASTAMP_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
-    FASTAMP_CHECK(g.sizes() == p.sizes() && g.scalar_type() == p.scalar_type(), op, ": grads[", i,
-                  "] has shape ", g.sizes(), " and dtype ", g.scalar_type(), " but params[", i,
+    FASTAMP_CHECK(g.sizes().equals(p.sizes()) && g.scalar_type() == p.scalar_type(), op, ": grads[",
+                  i, "] has shape ", g.sizes(), " and dtype ", g.scalar_type(), " but params[", i,
                   "] has shape ", p.sizes(), " and dtype ", p.scalar_type());
     FASTAMP_CHECK(p.is_contiguous() && g.is_contiguous(), op, ": params[", i, "] and grads[", i,
                   "] must be contiguous (the state's blocks and rounding counters are in memory "
@@ -156,7 +156,7 @@ void check_lowbit_lists(const char* op, StepPlan& plan, TensorList params, Tenso
     for (const auto& [name, list] : state) {
       const Tensor& s = list[i];
       FASTAMP_CHECK(s.defined() && s.device() == dev && s.scalar_type() == code_t &&
-                        s.sizes() == p.sizes() && s.is_contiguous(),
+                        s.sizes().equals(p.sizes()) && s.is_contiguous(),
                     op, ": ", name, "[", i, "] must be a contiguous ", c10::toString(code_t),
                     " tensor of the shape ", p.sizes(), " of params[", i, "] on ", dev,
                     " (every state tensor of one call in the same format)");
@@ -168,7 +168,7 @@ void check_lowbit_lists(const char* op, StepPlan& plan, TensorList params, Tenso
     if (plan.has_master) {
       const Tensor& mp = master_params[i];
       FASTAMP_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == kFloat &&
-                        mp.sizes() == p.sizes() && mp.is_contiguous(),
+                        mp.sizes().equals(p.sizes()) && mp.is_contiguous(),
                     op, ": master_params[", i,
                     "] must be a contiguous float32 tensor of the shape of "
                     "params[",
