@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients test-matrix bench cuda-build emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients test-matrix wheel bench cuda-build emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -27,7 +27,8 @@ help:
 	@echo "  make emu           build the CUDA emulator library only"
 	@echo "  make emu-faults    planted CUDA faults the emulated tests must catch"
 	@echo "  make test-clients  the Lightning / accelerate / transformers tier, in .venv-clients"
-	@echo "  make test-matrix   build and test against other torch releases (MATRIX=\"2.11.0 2.15.0\")"
+	@echo "  make wheel         the CPU and CUDA abi3 wheels and the sdist in dist/, audited"
+	@echo "  make test-matrix   the CPU wheel installed beside other torch releases, tested (MATRIX=...)"
 	@echo "  make bench         the scaler, optimizer and checkpoint benchmarks (benchmarks/ has more)"
 	@echo "  make cuda-build    build the CUDA flavour against torch 2.14.1 in .venv-cuda (nvcc needed)"
 	@echo "  make sanitize      CPU kernels and the emulator under ASan + UBSan, in .venv-asan"
@@ -37,11 +38,11 @@ help:
 	@echo "compile log goes to build/<venv>.log, its steps print as [n/N] lines."
 
 # A requirements file passed in EXTRA_DEPS (-r FILE) is a prerequisite: changed pins reinstall.
-$(VENV)/.deps: $(filter-out -r,$(EXTRA_DEPS))
+$(VENV)/.deps: requirements/wheel.txt $(filter-out -r,$(EXTRA_DEPS))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@echo "installing $(TORCH_SPEC) and the build/test tools into $(VENV) (a minute or more: torch is large) ..."
-	$(PIP) install -q "$(TORCH_SPEC)" $(BUILD_TOOLS) numpy pytest expecttest hypothesis tqdm matplotlib $(EXTRA_DEPS)
+	$(PIP) install -q "$(TORCH_SPEC)" $(BUILD_TOOLS) -r requirements/wheel.txt numpy pytest expecttest hypothesis tqdm matplotlib $(EXTRA_DEPS)
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake -type f 2>/dev/null)
@@ -85,20 +86,53 @@ test-clients: $(VENV)/.built
 	$(PY) .ci/share_build.py $(CLIENTS_VENV)/bin/python
 	FASTAMP_REQUIRE_CLIENTS=1 $(CLIENTS_VENV)/bin/python -m pytest -q -m clients $(PYTEST_ARGS)
 
-# The torch version matrix: for each release in MATRIX, a venv with that torch (PyPI's CUDA wheels,
-# run on the CPU; PIP_CONSTRAINT=/dev/null lifts this machine's pip cap at 2.14.1), fastamp built
-# against it (CPU only), and the CPU suites of the Python side that follows torch's internals.
-# Not in CI (about 10 minutes per release on 2 cores); results: benchmarks/results/torch_matrix.md.
-MATRIX ?= 2.11.0 2.15.0
-MATRIX_TESTS ?= tests/scaler tests/optim tests/checkpoint tests/parallel tests/toolkit tests/test_architecture.py
+# The torch version matrix: the CPU wheel of `make wheel` (one file, compiled once against the
+# stable ABI of torch 2.11) installed beside each release in MATRIX (PyPI's CUDA wheels, run on the
+# CPU; PIP_CONSTRAINT=/dev/null lifts this machine's pip cap at 2.14.1), then the CPU suites.
+# Results: benchmarks/results/torch_matrix.md.
+MATRIX ?= 2.11.0 2.12.0 2.13.0 2.14.1 2.15.0
+MATRIX_TESTS ?= tests/scaler tests/optim tests/checkpoint tests/parallel tests/toolkit tests/test_library.py tests/test_architecture.py
 
-test-matrix:
+test-matrix: dist/cpu/.built
 	@for v in $(MATRIX); do \
-	  echo "=== torch $$v ==="; \
-	  PIP_CONSTRAINT=/dev/null $(MAKE) --no-print-directory .venv-torch$$v/.built VENV=.venv-torch$$v \
-	    TORCH_SPEC=torch==$$v FASTAMP_CUDA=OFF || exit 1; \
-	  .venv-torch$$v/bin/python -m pytest -q $(MATRIX_TESTS) $(PYTEST_ARGS) || exit 1; \
+	  echo "=== torch $$v, with $$(ls dist/cpu/*.whl) ==="; \
+	  [ -f .venv-torch$$v/.deps ] || PIP_CONSTRAINT=/dev/null $(MAKE) --no-print-directory .venv-torch$$v/.deps \
+	    VENV=.venv-torch$$v TORCH_SPEC=torch==$$v || exit 1; \
+	  .venv-torch$$v/bin/python -m pip install -q --no-deps --force-reinstall dist/cpu/*.whl || exit 1; \
+	  (cd tests && ../.venv-torch$$v/bin/python -c "import fastamp, torch; print('torch', torch.__version__, 'fastamp from', fastamp.__file__)") || exit 1; \
+	  .venv-torch$$v/bin/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) $(PYTEST_ARGS) || exit 1; \
 	done
+
+# Release artefacts, in dist/: a CPU wheel (built in .venv), a CUDA wheel (built in .venv-cuda with
+# nvcc, the default arch list) and the sdist. Each wheel is Python abi3 and loads on every torch
+# from 2.11 up (LibTorch stable ABI); auditwheel repairs it to its manylinux tag, leaving out the
+# libraries torch itself provides; .ci/check_library.py audits the library inside. The reports go
+# to dist/wheels.txt (copied into benchmarks/results/wheels.md by hand with the matrix results).
+WHEEL_EXCLUDE := --exclude libtorch_cpu.so --exclude libtorch_cuda.so --exclude 'libcudart.so.*'
+
+dist/cpu/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake python -type f -not -name '*.pyc' 2>/dev/null)
+	rm -rf dist/cpu dist/raw-cpu && mkdir -p dist
+	FASTAMP_CUDA=OFF FASTAMP_WERROR=ON $(PIP) wheel -q --no-build-isolation --no-deps -w dist/raw-cpu . -Cbuild-dir=build/wheel-cpu
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair $(WHEEL_EXCLUDE) -w dist/cpu dist/raw-cpu/*.whl
+	rm -rf dist/raw-cpu
+	touch $@
+
+# CUDA_VENV: any venv with a CUDA torch >= 2.11 and the build tools (default: the cuda-build one).
+CUDA_VENV ?= $(VENV)-cuda
+dist/cuda/.built: $(shell find csrc cmake python -type f -not -name '*.pyc' 2>/dev/null)
+	[ -x $(CUDA_VENV)/bin/python ] || $(MAKE) $(CUDA_VENV)/.deps VENV=$(CUDA_VENV) TORCH_SPEC=torch==2.14.1
+	rm -rf dist/cuda dist/raw-cuda && mkdir -p dist
+	PATH="/usr/local/cuda/bin:$$PATH" FASTAMP_CUDA=ON FASTAMP_WERROR=ON $(CUDA_VENV)/bin/python -m pip wheel -q --no-build-isolation --no-deps \
+	  -w dist/raw-cuda . -Cbuild-dir=build/wheel-cuda
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair $(WHEEL_EXCLUDE) -w dist/cuda dist/raw-cuda/*.whl
+	rm -rf dist/raw-cuda
+	touch $@
+
+wheel: dist/cpu/.built dist/cuda/.built
+	rm -f dist/*.tar.gz && $(PY) -m build --sdist --no-isolation -o dist . > /dev/null
+	{ for w in dist/cpu/*.whl dist/cuda/*.whl; do echo "### $$w"; $(VENV)/bin/auditwheel show $$w; done; \
+	  $(PY) .ci/check_library.py dist/cpu dist/cuda; } 2>&1 | tee dist/wheels.txt
+	@ls -l dist/*.tar.gz dist/cpu/*.whl dist/cuda/*.whl
 
 bench: $(VENV)/.built
 	$(PY) benchmarks/scaler/bench_grad_scaler.py
