@@ -434,3 +434,47 @@ def test_classes_call_the_op_layer(path):
     assert "torch.ops.fastamp" not in path.read_text(), (
         f"{path.relative_to(ROOT)} calls torch.ops.fastamp directly; call the capability's _ops.py"
     )
+
+
+# The shipped library speaks only the LibTorch stable ABI (csrc/common/torch_api.h): no libtorch C++
+# header, no at:: / torch:: C++ API. c10:: names are allowed only where the header-only library
+# defines them (torch/headeronly: ScalarType, Half, BFloat16, toString). csrc/emu/ is the CUDA
+# emulator, a test harness built against the running torch, and is exempt.
+_UNSTABLE = [
+    (re.compile(r"#\s*include\s*[<\"](ATen/|c10/|torch/library\.h|torch/extension\.h|torch/all\.h)"), "includes a libtorch C++ header"),
+    (re.compile(r"\bat::"), "uses the at:: C++ API"),
+    (re.compile(r"\bc10::(?!(ScalarType|Half|BFloat16|toString|DeviceType|Layout)\b)\w+"), "uses a c10:: name outside torch/headeronly"),
+    (re.compile(r"\bTORCH_(CHECK|INTERNAL_ASSERT|LIBRARY)\w*\("), "uses a libtorch C++ macro"),
+]
+
+
+def unstable_uses(text: str) -> list[str]:
+    """Lines of ``text`` (C++ source, comments stripped) that reach past the stable ABI."""
+    code = re.sub(r"//[^\n]*", "", text)
+    out = []
+    for n, line in enumerate(code.splitlines(), 1):
+        out += [f"line {n}: {why}" for rx, why in _UNSTABLE if rx.search(line)]
+    return out
+
+
+def test_stable_abi_scanner_catches_and_allows():
+    ok = '#include "common/torch_api.h"\nc10::ScalarType t; c10::Half h; // at::Tensor in a comment\n'
+    assert unstable_uses(ok) == []
+    assert unstable_uses("#include <ATen/ATen.h>\n") == ["line 1: includes a libtorch C++ header"]
+    assert unstable_uses("x;\nat::Tensor t;\n") == ["line 2: uses the at:: C++ API"]
+    assert unstable_uses("c10::cuda::CUDAGuard g(d);\n") == [
+        "line 1: uses a c10:: name outside torch/headeronly"
+    ]
+    assert unstable_uses('TORCH_LIBRARY_IMPL(fastamp, CPU, m) {}\n') == [
+        "line 1: uses a libtorch C++ macro"
+    ]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in _sources() if p.suffix != ".py" and "emu" not in p.relative_to(ROOT).parts],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_csrc_uses_only_the_stable_abi(path):
+    bad = unstable_uses(path.read_text())
+    assert not bad, f"{path.relative_to(ROOT)} reaches past the LibTorch stable ABI: {bad}"

@@ -25,8 +25,7 @@ T launder(T v) {
 /// kind "undefined": overflows a signed int (UBSan: signed-integer-overflow).
 /// kind "misaligned": loads an int64 from an odd address (UBSan: misaligned address).
 /// kind "none": does nothing (checks the op itself is reachable without a report).
-void sanitizer_selftest(c10::string_view kind_view) {
-  const std::string kind(kind_view);
+void sanitizer_selftest(std::string kind) {
   if (kind == "none") return;
   if (kind == "address") {
     std::unique_ptr<int[]> a(new int[4]{1, 2, 3, 4});
@@ -58,5 +57,9 @@ void sanitizer_selftest(c10::string_view kind_view) {
 }  // namespace fastamp
 
 STABLE_TORCH_LIBRARY_FRAGMENT(fastamp, m) {
-  m.def("_sanitizer_selftest(str kind) -> ()", &fastamp::sanitizer_selftest);
+  m.def("_sanitizer_selftest(str kind) -> ()");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
+  m.impl("_sanitizer_selftest", TORCH_BOX(&fastamp::sanitizer_selftest));
 }

@@ -18,11 +18,11 @@ std = "c++20" if mm >= (2, 14) else "c++17"
 print(std, ",".join(ce.include_paths()), os.path.join(os.path.dirname(torch.__file__), "lib"))
 PYEOF
 )
-flags=(-std="$std" -O1 -I"$root/csrc" --expt-relaxed-constexpr -Xcompiler=-Wno-unused)
+flags=(-std="$std" -O1 -DUSE_CUDA -I"$root/csrc" --expt-relaxed-constexpr -Xcompiler=-Wno-unused)
 IFS=, read -ra inc_arr <<< "$incs"
 for d in "${inc_arr[@]}"; do flags+=(-isystem "$d"); done
 for t in test_mta_pack test_mta_chunk_loop; do
-  nvcc "${flags[@]}" "$here/$t.cu" -o "$out/$t" -L"$libdir" -lc10 -Xlinker -rpath="$libdir"
+  nvcc "${flags[@]}" "$here/$t.cu" -o "$out/$t" -L"$libdir" -ltorch_cpu -ltorch_cuda -Xlinker -rpath="$libdir"
   echo "== $t"
   "$out/$t"
 done

@@ -10,7 +10,7 @@ template <int Depth>
 int run(std::mt19937_64& rng, int ntens, int64_t maxn, bool big) {
   std::vector<FlatTensor> l[Depth];
   std::uniform_int_distribution<int64_t> dn(1, maxn);
-  const c10::ScalarType types[4] = {at::kFloat, at::kHalf, at::kBFloat16, at::kDouble};
+  const c10::ScalarType types[4] = {kFloat, kHalf, kBFloat16, kDouble};
   int64_t idx = 0;
   for (int i = 0; i < ntens; ++i) {
     int64_t n = (rng() % 7 == 0) ? (rng() % 3) * kChunkElems + 1 : dn(rng);
