@@ -52,7 +52,9 @@ def check(lib: Path) -> list[str]:
     problems: list[str] = []
     # The console script installed beside this interpreter (requirements/wheel.txt).
     exe = Path(sys.executable).parent / "torch-abi-audit"
-    audit = subprocess.run([str(exe), "--check", "both", "-v", str(lib)], capture_output=True, text=True)
+    audit = subprocess.run(
+        [str(exe), "--check", "both", "-v", str(lib)], capture_output=True, text=True
+    )
     print(audit.stdout.rstrip())
     if audit.returncode != 0:
         problems.append(f"torch-abi-audit --check both failed ({audit.returncode}): {audit.stderr}")
@@ -67,7 +69,9 @@ def check(lib: Path) -> list[str]:
         name = line.split(None, 2)[-1]
         if CXX_TORCH.match(name):
             problems.append(f"exported libtorch C++ symbol: {name}")
-    for needed in re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", _run(["readelf", "-d", str(lib)])):
+    for needed in re.findall(
+        r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", _run(["readelf", "-d", str(lib)])
+    ):
         if not ALLOWED_NEEDED.match(needed):
             problems.append(f"links a library outside the stable ABI and the runtimes: {needed}")
     return problems

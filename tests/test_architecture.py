@@ -441,9 +441,17 @@ def test_classes_call_the_op_layer(path):
 # defines them (torch/headeronly: ScalarType, Half, BFloat16, toString). csrc/emu/ is the CUDA
 # emulator, a test harness built against the running torch, and is exempt.
 _UNSTABLE = [
-    (re.compile(r"#\s*include\s*[<\"](ATen/|c10/|torch/library\.h|torch/extension\.h|torch/all\.h)"), "includes a libtorch C++ header"),
+    (
+        re.compile(
+            r"#\s*include\s*[<\"](ATen/|c10/|torch/library\.h|torch/extension\.h|torch/all\.h)"
+        ),
+        "includes a libtorch C++ header",
+    ),
     (re.compile(r"\bat::"), "uses the at:: C++ API"),
-    (re.compile(r"\bc10::(?!(ScalarType|Half|BFloat16|toString|DeviceType|Layout)\b)\w+"), "uses a c10:: name outside torch/headeronly"),
+    (
+        re.compile(r"\bc10::(?!(ScalarType|Half|BFloat16|toString|DeviceType|Layout)\b)\w+"),
+        "uses a c10:: name outside torch/headeronly",
+    ),
     (re.compile(r"\bTORCH_(CHECK|INTERNAL_ASSERT|LIBRARY)\w*\("), "uses a libtorch C++ macro"),
 ]
 
@@ -465,7 +473,7 @@ def test_stable_abi_scanner_catches_and_allows():
     assert unstable_uses("c10::cuda::CUDAGuard g(d);\n") == [
         "line 1: uses a c10:: name outside torch/headeronly"
     ]
-    assert unstable_uses('TORCH_LIBRARY_IMPL(fastamp, CPU, m) {}\n') == [
+    assert unstable_uses("TORCH_LIBRARY_IMPL(fastamp, CPU, m) {}\n") == [
         "line 1: uses a libtorch C++ macro"
     ]
 

@@ -111,9 +111,7 @@ def test_raw_update_scale_op_raises_like_torchs(case):
     hyst = torch.ones(1, dtype=torch.int32)
     before = [scale.clone(), tracker.clone(), hyst.clone()]
     got = _outcome(
-        lambda: _ops.update_scale_(
-            scale, tracker, hyst, found, 2.0, 0.5, 3, 1, 0.0, float("inf")
-        )
+        lambda: _ops.update_scale_(scale, tracker, hyst, found, 2.0, 0.5, 3, 1, 0.0, float("inf"))
     )
     assert got is want, (got, want)
     assert_bitwise_equal([scale.clone(), tracker.clone(), hyst.clone()], before)
