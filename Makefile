@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients test-matrix wheel bench cuda-build emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -29,6 +29,7 @@ help:
 	@echo "  make test-clients  the Lightning / accelerate / transformers tier, in .venv-clients"
 	@echo "  make wheel         the CPU and CUDA abi3 wheels and the sdist in dist/, audited"
 	@echo "  make test-matrix   the CPU wheel installed beside other torch releases, tested (MATRIX=...)"
+	@echo "  make test-matrix-ci  the floor and newest torch beside .venv's library (what CI runs)"
 	@echo "  make bench         the scaler, optimizer and checkpoint benchmarks (benchmarks/ has more)"
 	@echo "  make cuda-build    build the CUDA flavour against torch 2.14.1 in .venv-cuda (nvcc needed)"
 	@echo "  make sanitize      CPU kernels and the emulator under ASan + UBSan, in .venv-asan"
@@ -101,6 +102,20 @@ test-matrix: dist/cpu/.built
 	  .venv-torch$$v/bin/python -m pip install -q --no-deps --force-reinstall dist/cpu/*.whl || exit 1; \
 	  (cd tests && ../.venv-torch$$v/bin/python -c "import fastamp, torch; print('torch', torch.__version__, 'fastamp from', fastamp.__file__)") || exit 1; \
 	  .venv-torch$$v/bin/python -m pytest -q -p no:cacheprovider $(MATRIX_TESTS) $(PYTEST_ARGS) || exit 1; \
+	done
+
+# CI's slice of the matrix: the floor and the newest torch, each beside .venv's compiled library
+# (copied, not rebuilt: .ci/share_build.py), running the suites that follow torch's internals.
+MATRIX_CI ?= 2.11.0 2.15.0
+MATRIX_CI_TESTS ?= tests/test_library.py tests/test_torch_contract.py tests/scaler tests/optim tests/parallel/test_ddp.py tests/parallel/test_ddp_parity.py tests/checkpoint/test_checkpoint_ops.py
+
+test-matrix-ci: $(VENV)/.built
+	@for v in $(MATRIX_CI); do \
+	  echo "=== torch $$v, beside .venv's compiled library ==="; \
+	  [ -f .venv-torch$$v/.deps ] || PIP_CONSTRAINT=/dev/null $(MAKE) --no-print-directory .venv-torch$$v/.deps \
+	    VENV=.venv-torch$$v TORCH_SPEC=torch==$$v || exit 1; \
+	  $(PY) .ci/share_build.py .venv-torch$$v/bin/python || exit 1; \
+	  .venv-torch$$v/bin/python -m pytest -q -p no:cacheprovider $(MATRIX_CI_TESTS) $(PYTEST_ARGS) || exit 1; \
 	done
 
 # Release artefacts, in dist/: a CPU wheel (built in .venv), a CUDA wheel (built in .venv-cuda with

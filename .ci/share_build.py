@@ -1,7 +1,8 @@
 """Install fastamp into another venv by copying this venv's install of it (the compiled ``_C``
 included) instead of compiling again: ``make test-clients`` runs it with .venv's Python for
-.venv-clients. The two venvs must have the same Python and the same torch (checked here), so the
-library built against one loads beside the other.
+.venv-clients, ``make test-matrix-ci`` for the floor and the newest torch. The library speaks the
+LibTorch stable ABI, so the other venv may have any torch from the library's target (2.11) up; the
+Python must be the same (an editable install's finder names this Python's paths).
 
     .venv/bin/python .ci/share_build.py .venv-clients/bin/python
 """
@@ -22,17 +23,18 @@ PROBE = (
 
 
 def main(target_python: str) -> int:
-    import torch
-
     src = Path(sysconfig.get_paths()["purelib"])
     out = subprocess.run([target_python, "-c", PROBE], capture_output=True, text=True, check=True)
     dst_dir, version, torch_version = json.loads(out.stdout)
     dst = Path(dst_dir)
-    if tuple(version) != sys.version_info[:2] or torch_version != torch.__version__:
+    from fastamp._library import _release, build_info
+
+    target = build_info()["torch_target"]
+    if tuple(version) != sys.version_info[:2] or _release(torch_version) < _release(target):
         print(
             f"share_build: {target_python} has Python {tuple(version)} and torch {torch_version}, "
-            f"this venv Python {sys.version_info[:2]} and torch {torch.__version__}: the built "
-            "library cannot be shared; build fastamp there instead",
+            f"this venv Python {sys.version_info[:2]} and a library for torch >= {target}: the "
+            "built library cannot be shared; build fastamp there instead",
             file=sys.stderr,
         )
         return 1
