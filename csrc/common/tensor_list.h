@@ -25,6 +25,17 @@ struct FlatTensor {
 };
 
 /// A validated tensor list. Empty tensors are dropped from items() but keep their index.
+/// A tensor-list argument with each tensor's TensorMeta, read from torch once: the checks of an op
+/// (its own, check_disjoint's, FlatTensorList's) all read the same MetaList.
+struct MetaList {
+  TensorList tensors;
+  std::vector<TensorMeta> metas;
+
+  static MetaList read(TensorList tensors);
+  size_t size() const { return metas.size(); }
+  const TensorMeta& operator[](size_t i) const { return metas[i]; }
+};
+
 /// Tensors with gaps in memory (e.g. a strided slice) are staged through a contiguous temporary;
 /// for writable lists, write_back() copies the temporaries back into the caller's tensors.
 class FlatTensorList {
@@ -36,9 +47,14 @@ class FlatTensorList {
   ///                  rejected; memory shared *between* written tensors is check_disjoint's job,
   ///                  which the op runs once over everything it writes)
   /// @param allowed   accepted dtypes
-  static FlatTensorList prepare(TensorList tensors, const char* op, const char* arg,
+  static FlatTensorList prepare(const MetaList& tensors, const char* op, const char* arg,
                                 const Device& device, bool writable,
                                 std::initializer_list<ScalarType> allowed);
+  static FlatTensorList prepare(TensorList tensors, const char* op, const char* arg,
+                                const Device& device, bool writable,
+                                std::initializer_list<ScalarType> allowed) {
+    return prepare(MetaList::read(tensors), op, arg, device, writable, allowed);
+  }
 
   const std::vector<FlatTensor>& items() const { return items_; }
   int64_t list_size() const { return list_size_; }
@@ -54,7 +70,8 @@ class FlatTensorList {
 /// given lists (e.g. `[a, a]`, two overlapping slices, a param passed again as its own exp_avg):
 /// each element would be updated twice. Tensors that share a storage without sharing elements
 /// (disjoint slices, interleaved strided views, DDP's bucket views) are accepted.
-void check_disjoint(const char* op, const std::vector<std::pair<const char*, TensorList>>& lists);
+void check_disjoint(const char* op,
+                    const std::vector<std::pair<const char*, const MetaList*>>& lists);
 
 /// The first pair [i, j] (i <= j) of `tensors` that share an element of memory, [i, i] when a
 /// tensor's own elements overlap (expand(), as_strided()), or [] when every element of every

@@ -125,12 +125,50 @@ void copy_into(Tensor& dst, const Tensor& src);
 /// `t` on `device` (a copy when it is elsewhere), waiting for the copy when `blocking`.
 Tensor to_device(const Tensor& t, const Device& device, bool non_blocking);
 
+/// What the checks read of one tensor, fetched from torch's C shim once. Each property of a
+/// stable-ABI Tensor is a call into torch (its dtype, device type and layout one more call per
+/// candidate value), and the checks of a step over thousands of parameters read each property
+/// several times: they read this instead. `size_data`/`stride_data` point into the tensor and stay
+/// valid while it lives; `data`, `storage_offset` and `stride_data` are read for strided tensors
+/// only.
+struct TensorMeta {
+  bool defined = false;
+  void* data = nullptr;
+  int64_t numel = 0;
+  int64_t dim = 0;
+  int64_t storage_offset = 0;
+  const int64_t* size_data = nullptr;
+  const int64_t* stride_data = nullptr;
+  ScalarType dtype = ScalarType::Undefined;
+  Layout layout = Layout::Strided;
+  DeviceType device_type = DeviceType::CPU;
+  int8_t device_index = -1;
+
+  /// Empty for an undefined tensor; strides() also for a non-strided (sparse) one.
+  IntList sizes() const {
+    return size_data ? IntList(size_data, static_cast<size_t>(dim)) : IntList();
+  }
+  IntList strides() const {
+    return stride_data ? IntList(stride_data, static_cast<size_t>(dim)) : IntList();
+  }
+  Device device() const { return Device(device_type, device_index); }
+  bool on(const Device& d) const { return device_type == d.type() && device_index == d.index(); }
+  int64_t element_size() const { return ::fastamp::element_size(dtype); }
+  /// c10's is_non_overlapping_and_dense, from sizes and strides.
+  bool dense() const;
+  /// c10's is_contiguous() (row-major; dims of size 1 may have any stride).
+  bool contiguous() const;
+};
+
+/// `t`'s TensorMeta (only `defined` is set for an undefined tensor).
+TensorMeta meta_of(const Tensor& t);
+
 /// Whether `t`'s elements fill a span of memory exactly once (c10's is_non_overlapping_and_dense:
 /// contiguous in some order of its dims), computed from sizes and strides.
 bool is_non_overlapping_and_dense(const Tensor& t);
 /// The start of `t`'s storage (data_ptr less the storage offset): equal for two views of one
 /// storage.
-const void* storage_base(const Tensor& t);
+const void* storage_base(const TensorMeta& m);
 
 /// Runs f(begin, end) over [0, n) on torch's intra-op thread pool, `grain` items at least per
 /// call.

@@ -39,37 +39,42 @@ StepPlan check_step(const char* op, TensorList params, TensorList grads,
   if (n == 0) return plan;
   const Device dev = params[0].device();
   plan.device = dev;
+  // Each list's tensors read from torch once, for every check below.
+  const MetaList P = MetaList::read(params), G = MetaList::read(grads);
+  const MetaList ST = MetaList::read(state_steps), MP = MetaList::read(master_params);
+  std::vector<MetaList> S;
+  for (const auto& named : state) S.push_back(MetaList::read(named.second));
   for (size_t i = 0; i < n; ++i) {
-    const Tensor& p = params[i];
-    const Tensor& g = grads[i];
-    FASTAMP_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
+    const TensorMeta& p = P[i];
+    const TensorMeta& g = G[i];
+    FASTAMP_CHECK(g.defined, op, ": grads[", i, "] is undefined (None)");
     FASTAMP_CHECK(g.sizes().equals(p.sizes()), op, ": grads[", i, "] has shape ", g.sizes(),
                   " but params[", i, "] has shape ", p.sizes());
-    FASTAMP_CHECK(g.scalar_type() == p.scalar_type(), op, ": grads[", i, "] has dtype ",
-                  g.scalar_type(), " but params[", i, "] has dtype ", p.scalar_type());
+    FASTAMP_CHECK(g.dtype == p.dtype, op, ": grads[", i, "] has dtype ", g.dtype, " but params[", i,
+                  "] has dtype ", p.dtype);
     // Elementwise over flat memory: every tensor of param i must be dense with the param's strides
     // (contiguous or e.g. channels_last alike), so element k of each span is the same element.
-    FASTAMP_CHECK(is_non_overlapping_and_dense(p), op, ": params[", i,
+    FASTAMP_CHECK(p.dense(), op, ": params[", i,
                   "] must be a dense tensor (contiguous or a permutation of it)");
     FASTAMP_CHECK(g.strides().equals(p.strides()), op, ": grads[", i, "] has strides ", g.strides(),
                   " but params[", i, "] has ", p.strides(), "; expected the same memory layout");
-    const auto state_dtype = has_master ? kFloat : p.scalar_type();
-    for (const auto& [name, list] : state) {
-      const Tensor& s = list[i];
-      FASTAMP_CHECK(s.defined() && s.device() == dev, op, ": ", name, "[", i, "] must be on ", dev);
+    const auto state_dtype = has_master ? kFloat : p.dtype;
+    for (size_t k = 0; k < state.size(); ++k) {
+      const char* name = state[k].first;
+      const TensorMeta& s = S[k][i];
+      FASTAMP_CHECK(s.defined && s.on(dev), op, ": ", name, "[", i, "] must be on ", dev);
       FASTAMP_CHECK(s.sizes().equals(p.sizes()) && s.strides().equals(p.strides()), op, ": ", name,
                     "[", i, "] must have the shape ", p.sizes(), " and strides ", p.strides(),
                     " of params[", i, "]");
-      FASTAMP_CHECK(s.scalar_type() == state_dtype, op, ": ", name, "[", i, "] has dtype ",
-                    s.scalar_type(), "; expected ", c10::toString(state_dtype));
+      FASTAMP_CHECK(s.dtype == state_dtype, op, ": ", name, "[", i, "] has dtype ", s.dtype,
+                    "; expected ", c10::toString(state_dtype));
     }
-    const Tensor& st = state_steps[i];
-    FASTAMP_CHECK(
-        st.defined() && st.device() == dev && st.numel() == 1 && st.scalar_type() == kFloat, op,
-        ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
+    const TensorMeta& st = ST[i];
+    FASTAMP_CHECK(st.defined && st.on(dev) && st.numel == 1 && st.dtype == kFloat, op,
+                  ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
     if (has_master) {
-      const Tensor& mp = master_params[i];
-      FASTAMP_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == kFloat &&
+      const TensorMeta& mp = MP[i];
+      FASTAMP_CHECK(mp.defined && mp.on(dev) && mp.dtype == kFloat &&
                         mp.sizes().equals(p.sizes()) && mp.strides().equals(p.strides()),
                     op, ": master_params[", i, "] must be a float32 tensor with the shape and ",
                     "strides of params[", i, "] on ", dev);
@@ -77,19 +82,19 @@ StepPlan check_step(const char* op, TensorList params, TensorList grads,
   }
   // Everything written, across lists: a param passed again as a state tensor (or twice) would be
   // updated twice.
-  std::vector<std::pair<const char*, TensorList>> written = {{"params", params},
-                                                             {"state_steps", state_steps}};
-  written.insert(written.end(), state.begin(), state.end());
-  if (has_master) written.emplace_back("master_params", master_params);
+  std::vector<std::pair<const char*, const MetaList*>> written = {{"params", &P},
+                                                                  {"state_steps", &ST}};
+  for (size_t k = 0; k < state.size(); ++k) written.emplace_back(state[k].first, &S[k]);
+  if (has_master) written.emplace_back("master_params", &MP);
   check_disjoint(op, written);
   const std::initializer_list<c10::ScalarType> dtypes = {kFloat, kHalf, kBFloat16};
-  plan.params = FlatTensorList::prepare(params, op, "params", dev, true, dtypes);
-  plan.grads = FlatTensorList::prepare(grads, op, "grads", dev, false, dtypes);
-  for (const auto& [name, list] : state) {
-    plan.state.push_back(FlatTensorList::prepare(list, op, name, dev, true, dtypes));
+  plan.params = FlatTensorList::prepare(P, op, "params", dev, true, dtypes);
+  plan.grads = FlatTensorList::prepare(G, op, "grads", dev, false, dtypes);
+  for (size_t k = 0; k < state.size(); ++k) {
+    plan.state.push_back(FlatTensorList::prepare(S[k], op, state[k].first, dev, true, dtypes));
   }
   if (has_master) {
-    plan.master = FlatTensorList::prepare(master_params, op, "master_params", dev, true, {kFloat});
+    plan.master = FlatTensorList::prepare(MP, op, "master_params", dev, true, {kFloat});
   }
   return plan;
 }
@@ -143,51 +148,58 @@ void check_lowbit_lists(const char* op, StepPlan& plan, TensorList params, Tenso
                         const NamedLists& state, c10::ScalarType code_t, TensorList state_steps,
                         TensorList master_params, NamedLists written) {
   const Device dev = plan.device;
+  // Each list's tensors read from torch once, for every check below.
+  const MetaList P = MetaList::read(params), G = MetaList::read(grads);
+  const MetaList ST = MetaList::read(state_steps), MP = MetaList::read(master_params);
+  std::vector<MetaList> S;
+  for (const auto& named : state) S.push_back(MetaList::read(named.second));
   for (size_t i = 0; i < params.size(); ++i) {
-    const Tensor& p = params[i];
-    const Tensor& g = grads[i];
-    FASTAMP_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
-    FASTAMP_CHECK(g.sizes().equals(p.sizes()) && g.scalar_type() == p.scalar_type(), op, ": grads[",
-                  i, "] has shape ", g.sizes(), " and dtype ", g.scalar_type(), " but params[", i,
-                  "] has shape ", p.sizes(), " and dtype ", p.scalar_type());
-    FASTAMP_CHECK(p.is_contiguous() && g.is_contiguous(), op, ": params[", i, "] and grads[", i,
+    const TensorMeta& p = P[i];
+    const TensorMeta& g = G[i];
+    FASTAMP_CHECK(g.defined, op, ": grads[", i, "] is undefined (None)");
+    FASTAMP_CHECK(g.sizes().equals(p.sizes()) && g.dtype == p.dtype, op, ": grads[", i,
+                  "] has shape ", g.sizes(), " and dtype ", g.dtype, " but params[", i,
+                  "] has shape ", p.sizes(), " and dtype ", p.dtype);
+    FASTAMP_CHECK(p.contiguous() && g.contiguous(), op, ": params[", i, "] and grads[", i,
                   "] must be contiguous (the state's blocks and rounding counters are in memory "
                   "order)");
-    for (const auto& [name, list] : state) {
-      const Tensor& s = list[i];
-      FASTAMP_CHECK(s.defined() && s.device() == dev && s.scalar_type() == code_t &&
-                        s.sizes().equals(p.sizes()) && s.is_contiguous(),
+    for (size_t k = 0; k < state.size(); ++k) {
+      const char* name = state[k].first;
+      const TensorMeta& s = S[k][i];
+      FASTAMP_CHECK(s.defined && s.on(dev) && s.dtype == code_t && s.sizes().equals(p.sizes()) &&
+                        s.contiguous(),
                     op, ": ", name, "[", i, "] must be a contiguous ", c10::toString(code_t),
                     " tensor of the shape ", p.sizes(), " of params[", i, "] on ", dev,
                     " (every state tensor of one call in the same format)");
     }
-    const Tensor& st = state_steps[i];
-    FASTAMP_CHECK(
-        st.defined() && st.device() == dev && st.numel() == 1 && st.scalar_type() == kFloat, op,
-        ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
+    const TensorMeta& st = ST[i];
+    FASTAMP_CHECK(st.defined && st.on(dev) && st.numel == 1 && st.dtype == kFloat, op,
+                  ": state_steps[", i, "] must be a one-element float32 tensor on ", dev);
     if (plan.has_master) {
-      const Tensor& mp = master_params[i];
-      FASTAMP_CHECK(mp.defined() && mp.device() == dev && mp.scalar_type() == kFloat &&
-                        mp.sizes().equals(p.sizes()) && mp.is_contiguous(),
+      const TensorMeta& mp = MP[i];
+      FASTAMP_CHECK(mp.defined && mp.on(dev) && mp.dtype == kFloat &&
+                        mp.sizes().equals(p.sizes()) && mp.contiguous(),
                     op, ": master_params[", i,
                     "] must be a contiguous float32 tensor of the shape of "
                     "params[",
                     i, "] on ", dev);
     }
   }
-  written.emplace_back("params", params);
-  written.emplace_back("state_steps", state_steps);
-  for (const auto& named : state) written.push_back(named);
-  if (plan.has_master) written.emplace_back("master_params", master_params);
-  check_disjoint(op, written);
+  std::vector<MetaList> extra;  // the written lists the caller checked (the block scales)
+  for (const auto& named : written) extra.push_back(MetaList::read(named.second));
+  std::vector<std::pair<const char*, const MetaList*>> all = {{"params", &P}, {"state_steps", &ST}};
+  for (size_t k = 0; k < written.size(); ++k) all.emplace_back(written[k].first, &extra[k]);
+  for (size_t k = 0; k < state.size(); ++k) all.emplace_back(state[k].first, &S[k]);
+  if (plan.has_master) all.emplace_back("master_params", &MP);
+  check_disjoint(op, all);
   const std::initializer_list<c10::ScalarType> dtypes = {kFloat, kHalf, kBFloat16};
-  plan.params = FlatTensorList::prepare(params, op, "params", dev, true, dtypes);
-  plan.grads = FlatTensorList::prepare(grads, op, "grads", dev, false, dtypes);
-  for (const auto& [name, list] : state) {
-    plan.state.push_back(FlatTensorList::prepare(list, op, name, dev, true, {code_t}));
+  plan.params = FlatTensorList::prepare(P, op, "params", dev, true, dtypes);
+  plan.grads = FlatTensorList::prepare(G, op, "grads", dev, false, dtypes);
+  for (size_t k = 0; k < state.size(); ++k) {
+    plan.state.push_back(FlatTensorList::prepare(S[k], op, state[k].first, dev, true, {code_t}));
   }
   if (plan.has_master) {
-    plan.master = FlatTensorList::prepare(master_params, op, "master_params", dev, true, {kFloat});
+    plan.master = FlatTensorList::prepare(MP, op, "master_params", dev, true, {kFloat});
   }
 }
 

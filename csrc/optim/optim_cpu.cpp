@@ -32,8 +32,14 @@ CpuScalars read_scalars(const StepScalars& s) {
                     s.clip_coef != nullptr ? *s.clip_coef : 1.0f};
 }
 
+// The step counter of a state_steps tensor (checked to be a one-element float32 tensor: the raw
+// pointer skips the dtype check a typed stable-ABI access repeats, through torch, per tensor).
+inline float* step_of(const Tensor& t) {
+  return static_cast<float*>(t.data_ptr());
+}
+
 void advance_steps(TensorList steps) {
-  for (const auto& t : steps) *t.mutable_data_ptr<float>() += 1.0f;
+  for (const auto& t : steps) *step_of(t) += 1.0f;
 }
 
 void adam_step_cpu(const AdamArgs& args) {
@@ -48,8 +54,7 @@ void adam_step_cpu(const AdamArgs& args) {
   const auto& items = plan.params.items();
   std::vector<AdamCoefs> coefs(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    const double step =
-        static_cast<double>(*state_steps[items[i].index].mutable_data_ptr<float>()) + 1.0;
+    const double step = static_cast<double>(*step_of(state_steps[items[i].index])) + 1.0;
     coefs[i] = adam_coefs(h, lr_v, step);
   }
   const FlatTensorList* vmax = args.opt.amsgrad ? &plan.state[2] : nullptr;
@@ -97,7 +102,7 @@ void sgd_step_cpu(const SgdArgs& args) {
                s.inv_scale,
                s.clip_coef,
                neg_lr,
-               *state_steps[items[it].index].mutable_data_ptr<float>() == 0.0f};
+               *step_of(state_steps[items[it].index]) == 0.0f};
     k.sgd(a, h);
   });
   advance_steps(state_steps);
@@ -117,7 +122,7 @@ void adam_lowbit_step_cpu(const AdamLowbitArgs& args) {
   std::vector<AdamCoefs> coefs(items.size());
   std::vector<uint32_t> keys(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    const float old = *state_steps[items[i].index].mutable_data_ptr<float>();
+    const float old = *step_of(state_steps[items[i].index]);
     coefs[i] = adam_coefs(h, lr_v, static_cast<double>(old) + 1.0);
     keys[i] = sr_key(static_cast<uint32_t>(seed), static_cast<uint32_t>(old + 1.0f),
                      static_cast<uint32_t>(items[i].index));
@@ -166,7 +171,7 @@ void sgd_lowbit_step_cpu(const SgdLowbitArgs& args) {
   std::vector<float> olds(items.size());
   std::vector<uint32_t> keys(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    olds[i] = *state_steps[items[i].index].mutable_data_ptr<float>();
+    olds[i] = *step_of(state_steps[items[i].index]);
     keys[i] = sr_key(static_cast<uint32_t>(seed), static_cast<uint32_t>(olds[i] + 1.0f),
                      static_cast<uint32_t>(items[i].index));
   }

@@ -20,41 +20,45 @@ struct Slot {
 
 /// Validates a bucket (1-D, contiguous, float32/16/bf16), its grads (same dtype and device,
 /// contiguous) and their offsets (in bounds, not overlapping), and returns the slots.
-inline std::vector<Slot> check_bucket(const char* op, const Tensor& bucket, TensorList grads,
-                                      IntList offsets) {
-  FASTAMP_CHECK(bucket.defined() && bucket.dim() == 1 && bucket.is_contiguous(), op,
-                ": bucket must be a contiguous 1-D tensor, got shape ", bucket.sizes());
-  const auto dt = bucket.scalar_type();
+inline std::vector<Slot> check_bucket(const char* op, const Tensor& bucket_tensor,
+                                      const MetaList& grads, IntList offsets) {
+  const TensorMeta bucket = meta_of(bucket_tensor);
+  FASTAMP_CHECK(
+      bucket.defined && bucket.layout == kStrided && bucket.dim == 1 && bucket.contiguous(), op,
+      ": bucket must be a contiguous 1-D tensor, got shape ", bucket.sizes());
+  const auto dt = bucket.dtype;
   FASTAMP_CHECK_TYPE(dt == kFloat || dt == kHalf || dt == kBFloat16, op, ": bucket has dtype ", dt,
                      "; expected float32, float16 or bfloat16");
   FASTAMP_CHECK_VALUE(offsets.size() == grads.size(), op, ": ", grads.size(), " grads but ",
                       offsets.size(), " offsets; expected one offset per grad");
+  const Device dev = bucket.device();
   std::vector<Slot> slots;
   slots.reserve(grads.size());
   int64_t prev_end = 0;
   for (size_t i = 0; i < grads.size(); ++i) {
-    const Tensor& g = grads[i];
-    FASTAMP_CHECK(g.defined(), op, ": grads[", i, "] is undefined (None)");
-    FASTAMP_CHECK(g.device() == bucket.device(), op, ": grads[", i, "] is on ", g.device(),
-                  " but the bucket is on ", bucket.device());
-    FASTAMP_CHECK_TYPE(g.scalar_type() == dt, op, ": grads[", i, "] has dtype ", g.scalar_type(),
+    const TensorMeta& g = grads[i];
+    FASTAMP_CHECK(g.defined, op, ": grads[", i, "] is undefined (None)");
+    FASTAMP_CHECK(g.on(dev), op, ": grads[", i, "] is on ", g.device(), " but the bucket is on ",
+                  dev);
+    FASTAMP_CHECK_TYPE(g.dtype == dt, op, ": grads[", i, "] has dtype ", g.dtype,
                        " but the bucket has ", dt, "; buckets hold one dtype");
-    FASTAMP_CHECK(g.is_contiguous(), op, ": grads[", i, "] must be contiguous");
-    // offsets[i] <= numel - g.numel(), not offsets[i] + g.numel() <= numel: the sum of a huge
+    FASTAMP_CHECK(g.layout == kStrided && g.contiguous(), op, ": grads[", i,
+                  "] must be contiguous");
+    // offsets[i] <= numel - g.numel, not offsets[i] + g.numel <= numel: the sum of a huge
     // offset and the size can overflow int64 (undefined behaviour, and a wrapped sum would pass).
-    FASTAMP_CHECK_VALUE(offsets[i] >= prev_end && offsets[i] <= bucket.numel() - g.numel(), op,
-                        ": grads[", i, "] at offset ", offsets[i], " (", g.numel(),
+    FASTAMP_CHECK_VALUE(offsets[i] >= prev_end && offsets[i] <= bucket.numel - g.numel, op,
+                        ": grads[", i, "] at offset ", offsets[i], " (", g.numel,
                         " elements) overlaps the previous slot or runs past the bucket's ",
-                        bucket.numel(), " elements; offsets must increase");
+                        bucket.numel, " elements; offsets must increase");
     // A grad that is a view of the bucket would be read while the bucket is written (pack) or
     // written from it (unpack), so the result would depend on the order of the chunks. The one
     // exception is a grad that is exactly its own slot: each element then maps onto itself.
-    if (g.numel() > 0 && bucket.numel() > 0) {
+    if (g.numel > 0 && bucket.numel > 0) {
       const auto item = static_cast<uintptr_t>(bucket.element_size());
-      const auto b0 = reinterpret_cast<uintptr_t>(bucket.data_ptr());
-      const auto b1 = b0 + static_cast<uintptr_t>(bucket.numel()) * item;
-      const auto g0 = reinterpret_cast<uintptr_t>(g.data_ptr());
-      const auto g1 = g0 + static_cast<uintptr_t>(g.numel()) * item;
+      const auto b0 = reinterpret_cast<uintptr_t>(bucket.data);
+      const auto b1 = b0 + static_cast<uintptr_t>(bucket.numel) * item;
+      const auto g0 = reinterpret_cast<uintptr_t>(g.data);
+      const auto g1 = g0 + static_cast<uintptr_t>(g.numel) * item;
       const bool shares = g0 < b1 && b0 < g1;
       FASTAMP_CHECK(!shares || g0 == b0 + static_cast<uintptr_t>(offsets[i]) * item, op, ": grads[",
                     i,
@@ -64,19 +68,25 @@ inline std::vector<Slot> check_bucket(const char* op, const Tensor& bucket, Tens
                     "), so the result would depend on the order of the copies. Expected grads "
                     "with their own storage: pass grad.clone()");
     }
-    prev_end = offsets[i] + g.numel();
-    slots.push_back(Slot{g.data_ptr(), offsets[i], g.numel()});
+    prev_end = offsets[i] + g.numel;
+    slots.push_back(Slot{g.data, offsets[i], g.numel});
   }
   return slots;
 }
 
+inline std::vector<Slot> check_bucket(const char* op, const Tensor& bucket, TensorList grads,
+                                      IntList offsets) {
+  return check_bucket(op, bucket, MetaList::read(grads), offsets);
+}
+
 /// check_bucket, plus the unpack's inv_scale (a one-element float32 tensor on the bucket's device).
-inline std::vector<Slot> check_bucket_unpack(const Tensor& bucket, TensorList grads,
+inline std::vector<Slot> check_bucket_unpack(const Tensor& bucket, TensorList grad_list,
                                              IntList offsets, const Tensor& inv_scale) {
   constexpr const char* op = "fastamp::bucket_unpack_";
+  const MetaList grads = MetaList::read(grad_list);
   auto slots = check_bucket(op, bucket, grads, offsets);
   check_scalar_tensor(inv_scale, op, "inv_scale", bucket.device(), kFloat);
-  check_disjoint(op, {{"grads", grads}});
+  check_disjoint(op, {{"grads", &grads}});
   return slots;
 }
 

@@ -42,9 +42,9 @@ FlatTensorList check_unscale(TensorList grads, const Tensor& found_inf, const Te
                 op,
                 ": tensor_found_inf must be a contiguous 1-D tensor of len(grads)=", grads.size(),
                 " elements, got shape ", tensor_found_inf.sizes());
-  auto list =
-      FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
-  check_disjoint(op, {{"grads", grads}});
+  const MetaList g = MetaList::read(grads);
+  auto list = FlatTensorList::prepare(g, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
+  check_disjoint(op, {{"grads", &g}});
   return list;
 }
 
@@ -57,9 +57,9 @@ FlatTensorList check_clip_unscale(TensorList grads, const Tensor& inv_scale,
   check_scalar_tensor(total_norm, op, "total_norm", dev, kFloat, true);
   FASTAMP_CHECK(!std::isnan(max_norm) && max_norm >= 0.0, op,
                 ": max_norm must be a non-negative number, got ", max_norm);
-  auto list =
-      FlatTensorList::prepare(grads, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
-  check_disjoint(op, {{"grads", grads}});
+  const MetaList g = MetaList::read(grads);
+  auto list = FlatTensorList::prepare(g, op, "grads", dev, /*writable=*/true, FASTAMP_GRAD_DTYPES);
+  check_disjoint(op, {{"grads", &g}});
   return list;
 }
 
