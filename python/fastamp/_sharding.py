@@ -44,7 +44,14 @@ def _dtensor_class() -> Any:
     return getattr(module, "DTensor", None)
 
 
+# The types almost every tensor a step sees has: answered without the module lookup (a step over
+# thousands of parameters asks several times per parameter).
+_PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
+
+
 def is_dtensor(t: Any) -> bool:
+    if type(t) in _PLAIN_TYPES:
+        return False
     cls = _dtensor_class()
     return cls is not None and isinstance(t, cls)
 
@@ -64,7 +71,7 @@ def local(t: Tensor) -> Tensor:
 
 def local_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """An optimizer state dict with each DTensor replaced by this rank's shard of it."""
-    return {k: local(v) if is_dtensor(v) else v for k, v in state.items()}
+    return {k: local(v) for k, v in state.items()}
 
 
 def misplaced_state(p: Tensor, state: Mapping[str, Any]) -> tuple[str, str] | None:
