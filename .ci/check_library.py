@@ -39,7 +39,7 @@ def libraries(paths: list[str], tmp: Path) -> list[Path]:
         if p.is_dir():
             found += sorted(p.rglob("_C*.so")) + libraries([str(w) for w in p.rglob("*.whl")], tmp)
         elif p.suffix == ".whl":
-            out = tmp / p.stem
+            out = tmp / f"{len(found)}-{p.parent.name}-{p.stem}"  # the CPU and CUDA wheels share a name
             with zipfile.ZipFile(p) as z:
                 z.extractall(out)
             found += sorted(out.rglob("_C*.so"))

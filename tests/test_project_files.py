@@ -59,3 +59,26 @@ def test_bare_make_lists_the_targets_and_builds_nothing():
     shown = subprocess.run(["make"], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
     for target in ("demo", "test", "test-clients", "bench", "cuda-build", "sanitize", "lint"):
         assert f"make {target}" in shown.stdout, target
+
+
+def test_library_check_passes_ours_and_catches_a_classic_api_library():
+    # .ci/check_library.py (CI runs it on both builds): fastamp's library uses torch only through
+    # the stable ABI; the CUDA emulator's test library, built against libtorch's C++ API on
+    # purpose, is the planted violation it must catch.
+    import sys
+
+    import fastamp._C
+
+    if not (Path(sys.executable).parent / "torch-abi-audit").exists():
+        pytest.skip("torch-abi-audit is not installed (requirements/wheel.txt)")
+    check = [sys.executable, str(ROOT / ".ci" / "check_library.py")]
+    ours = subprocess.run([*check, fastamp._C.__file__], capture_output=True, text=True)
+    assert ours.returncode == 0, ours.stdout + ours.stderr
+    assert "Torch ABI:   STABLE" in ours.stdout and "Min torch:   2.11" in ours.stdout
+    emu = ROOT / "build" / "cuda_emu" / "default" / "_cuda_emu.so"
+    if not emu.exists():
+        pytest.skip("no emulator library (make emu builds it)")
+    classic = subprocess.run([*check, str(emu)], capture_output=True, text=True)
+    assert classic.returncode == 1, classic.stdout
+    assert "undefined libtorch C++ symbol: c10::" in classic.stdout
+    assert "links a library outside the stable ABI and the runtimes: libc10.so" in classic.stdout
