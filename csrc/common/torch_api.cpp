@@ -174,11 +174,6 @@ bool TensorMeta::contiguous() const {
   return true;
 }
 
-bool is_non_overlapping_and_dense(const Tensor& t) {
-  const TensorMeta m = meta_of(t);
-  return m.dense();
-}
-
 namespace {
 
 bool dense_layout(int64_t dim, const int64_t* sizes, const int64_t* strides) {

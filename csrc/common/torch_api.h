@@ -163,9 +163,6 @@ struct TensorMeta {
 /// `t`'s TensorMeta (only `defined` is set for an undefined tensor).
 TensorMeta meta_of(const Tensor& t);
 
-/// Whether `t`'s elements fill a span of memory exactly once (c10's is_non_overlapping_and_dense:
-/// contiguous in some order of its dims), computed from sizes and strides.
-bool is_non_overlapping_and_dense(const Tensor& t);
 /// The start of `t`'s storage (data_ptr less the storage offset): equal for two views of one
 /// storage.
 const void* storage_base(const TensorMeta& m);
