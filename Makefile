@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -32,6 +32,7 @@ help:
 	@echo "  make test-matrix-ci  the floor and newest torch beside .venv's library (what CI runs)"
 	@echo "  make bench         the scaler, optimizer and checkpoint benchmarks (benchmarks/ has more)"
 	@echo "  make cuda-build    build the CUDA flavour against torch 2.14.1 in .venv-cuda (nvcc needed)"
+	@echo "  make gpu-check     the GPU tier: kernels vs CPU bit for bit, CUDA tests, ncu traffic, GPU benchmarks"
 	@echo "  make sanitize      CPU kernels and the emulator under ASan + UBSan, in .venv-asan"
 	@echo "  make lint          ruff format --check, ruff check, clang-format (make format fixes)"
 	@echo "  make clean         remove build/ and the venvs"
@@ -156,6 +157,12 @@ bench: $(VENV)/.built
 	$(PY) benchmarks/scaler/bench_grad_scaler.py
 	$(PY) benchmarks/optim/bench_optim_step.py
 	$(PY) benchmarks/checkpoint/bench_checkpoint.py
+
+# The GPU tier (.ci/gpu_check.sh; docs/reliability.md): on a CUDA machine, the CUDA kernels against
+# the CPU kernels bit for bit, the CUDA tests, measured DRAM traffic (ncu) and the GPU benchmarks;
+# without a GPU it runs up to the first step that needs one and says what it skipped.
+gpu-check: dist/cuda/.built
+	PY=$(CUDA_VENV)/bin/python bash .ci/gpu_check.sh dist/cuda/*.whl
 
 # The CUDA flavour: torch 2.14.1 (CUDA 13.0) + nvcc; builds the CUDA kernels (no GPU needed),
 # checks every op has a CUDA kernel registered, that no multiply-add is fused (CPU objects, PTX),

@@ -4,6 +4,13 @@ memory), so the two can be compared on the same inputs.
 
 The library is the one FASTAMP_EMU_LIB names, else build/cuda_emu/default/_cuda_emu.so, built (or
 brought up to date from cached objects) on first use.
+
+With FASTAMP_EMU_DEVICE=cuda the same differential tests run each op on a real GPU instead
+(``make gpu-check``): every tensor argument's whole storage is copied to the device (so the
+canaries around it travel too), ``torch.ops.fastamp.<op>`` runs there, and the storages are copied
+back, so the harness compares the GPU's bits with the CPU kernel's exactly as it compares the
+emulator's. FASTAMP_EMU_DEVICE=cpu takes the same path on the CPU (a self-test of the copying).
+Emulator-only checks (launch orders, the emulator's own self-tests and counters) skip there.
 """
 
 from __future__ import annotations
@@ -23,6 +30,9 @@ _loaded: str | None = None
 _mirror: torch.library.Library | None = None
 
 ORDERS = ("ascending", "descending", "random")
+
+#: "" runs the ops on the emulator; "cuda" (or "cpu") runs them on that device (see the top).
+DEVICE = os.environ.get("FASTAMP_EMU_DEVICE", "")
 
 
 def fastamp_ops() -> list[str]:
@@ -57,6 +67,10 @@ def library_path() -> Path:
 def load() -> str:
     """Loads the emulator library once per process and returns its path."""
     global _loaded
+    if DEVICE:
+        import pytest
+
+        pytest.skip(f"emulator-only check (FASTAMP_EMU_DEVICE={DEVICE} runs the ops on the device)")
     if _loaded is None:
         path = str(library_path())
         _define_mirror()
@@ -66,13 +80,64 @@ def load() -> str:
 
 
 def op(name: str):
+    if DEVICE:
+        return _DeviceOp(name, DEVICE)
     load()
     return getattr(torch.ops.fastamp_emu, name)
 
 
+class _DeviceOp:
+    """``torch.ops.fastamp.<name>`` run on `device` with CPU arguments and CPU results: each CPU
+    tensor argument becomes the same view of a device copy of its whole storage (aliases stay
+    aliases, the canaries around a placed tensor travel with it), and after the call every
+    storage is copied back into the CPU tensors."""
+
+    def __init__(self, name: str, device: str):
+        if name.split(".")[0] not in {n.split(".")[0] for n in fastamp_ops()}:
+            import pytest
+
+            pytest.skip(f"{name} is the emulator's own op")
+        self.name = name
+        self.device = torch.device(device)
+
+    def __call__(self, *args):
+        storages: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def to_device(x):
+            if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+                st = x.untyped_storage()
+                if st.data_ptr() not in storages:
+                    host = torch.empty(0, dtype=torch.uint8).set_(st)
+                    storages[st.data_ptr()] = (host, host.to(self.device, copy=True))
+                dev = storages[st.data_ptr()][1].view(x.dtype)
+                return dev.as_strided(x.size(), x.stride(), x.storage_offset())
+            if isinstance(x, (list, tuple)):
+                return type(x)(to_device(i) for i in x)
+            return x
+
+        def to_host(x):
+            if isinstance(x, torch.Tensor):
+                return x.cpu()
+            if isinstance(x, (list, tuple)):
+                return type(x)(to_host(i) for i in x)
+            return x
+
+        dev_args = [to_device(a) for a in args]
+        result = getattr(torch.ops.fastamp, self.name)(*dev_args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for host, dev in storages.values():
+            host.copy_(dev)
+        return to_host(result)
+
+
 @contextlib.contextmanager
 def order(kind: str, seed: int = 0) -> Iterator[None]:
-    """Runs the launches inside the block with blocks and threads started in `kind` order."""
+    """Runs the launches inside the block with blocks and threads started in `kind` order (on a
+    real device, which schedules its own blocks, the block just runs: each order is a repeat)."""
+    if DEVICE:
+        yield
+        return
     load()
     torch.ops.fastamp_emu.set_order(kind, seed)
     try:
