@@ -73,6 +73,10 @@ def run(recipe: str, state: str, numel: int, device: str) -> None:
     print(f"{recipe}/{state}: {TENSORS} x {n} parameters, step done")
 
 
+def _num(row: dict, key: str) -> float:
+    return float((row.get(key) or "0").replace(",", "") or 0)
+
+
 def read_ncu_csv(path: Path) -> list[dict[str, float | str]]:
     """The kernels of one ncu --csv --page raw report: name, bytes read, bytes written."""
     lines = path.read_text(errors="replace").splitlines()
@@ -84,14 +88,11 @@ def read_ncu_csv(path: Path) -> list[dict[str, float | str]]:
         if not (row.get("ID") or "").strip().isdigit():
             continue  # the units row
 
-        def num(key: str) -> float:
-            return float((row.get(key) or "0").replace(",", "") or 0)
-
         rows.append(
             {
                 "kernel": row.get("Kernel Name", "?"),
-                "read": num("dram__bytes_read.sum"),
-                "write": num("dram__bytes_write.sum"),
+                "read": _num(row, "dram__bytes_read.sum"),
+                "write": _num(row, "dram__bytes_write.sum"),
             }
         )
     return rows
