@@ -106,7 +106,7 @@ if [ "$HAS_GPU" = 1 ]; then
     mkdir -p "$OUT/traffic"
     for rs in torch:float32 fastamp:float32 fastamp:bfloat16 fastamp:int8; do
       stage "traffic-${rs/:/-}" 60 "$NCU" --profile-from-start off --clock-control none \
-        --metrics dram__bytes_read.sum,dram__bytes_write.sum --csv --page raw \
+        --metrics dram__bytes_read.sum,dram__bytes_write.sum --csv --page raw --print-units base \
         --log-file "$OUT/traffic/${rs/:/-}.csv" \
         "$PY" benchmarks/gpu/step_traffic.py --recipe "${rs%%:*}" --state "${rs##*:}"
     done
