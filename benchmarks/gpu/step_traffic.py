@@ -93,6 +93,7 @@ def read_ncu_csv(path: Path) -> list[dict[str, float | str]]:
                 "kernel": row.get("Kernel Name", "?"),
                 "read": _num(row, "dram__bytes_read.sum"),
                 "write": _num(row, "dram__bytes_write.sum"),
+                "ns": _num(row, "gpu__time_duration.sum"),
             }
         )
     return rows
@@ -107,10 +108,12 @@ def summarize(folder: Path, numel: int, bandwidth: float | None) -> dict:
             "kernels": len(kernels),
             "bytes_per_param": total / numel,
             "predicted_ms": (total / bandwidth * 1e3) if bandwidth else None,
+            "kernel_ms": sum(k["ns"] for k in kernels) / 1e6,
             "per_kernel": [
                 {
                     "kernel": str(k["kernel"])[:90],
                     "bytes_per_param": (k["read"] + k["write"]) / numel,
+                    "us": k["ns"] / 1e3,
                 }
                 for k in kernels
             ],
@@ -123,6 +126,10 @@ def summarize(folder: Path, numel: int, bandwidth: float | None) -> dict:
         pred = f"{r['predicted_ms']:.3f}" if r["predicted_ms"] else "-"
         print(f"{name:<22}{r['kernels']:>8}{r['bytes_per_param']:>10.1f}{ratio:>10}{pred:>14}")
     print("(predicted = measured bytes / the copy bandwidth measured in the same run: a model)")
+    for name, r in out["recipes"].items():
+        print(f"\n{name}: {r['kernels']} kernels, {r['kernel_ms']:.3f} ms of kernel time under ncu")
+        for k in r["per_kernel"]:
+            print(f"  {k['bytes_per_param']:7.2f} B/param {k['us']:9.1f} us  {k['kernel']}")
     return out
 
 

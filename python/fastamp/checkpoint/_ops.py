@@ -28,14 +28,17 @@ def _cuda_device_count() -> int:
 
 def _rng_get_state_impl() -> list[Tensor]:
     out = [torch.default_generator.get_state()]
-    for i in range(_cuda_device_count()):
-        # A device this process never initialised has no generator state worth restoring (and
-        # reading one would initialise it): an empty tensor says "nothing to restore".
-        if torch._C._cuda_hasPrimaryContext(i):
-            out.append(torch.cuda.default_generators[i].get_state())
-        else:
-            out.append(torch.empty(0, dtype=torch.uint8))
-    return out
+    n = _cuda_device_count()
+    if not torch.cuda.is_initialized():
+        # No CUDA generator exists before CUDA is initialised (and asking for one would
+        # initialise it): an empty tensor per device says "nothing to restore".
+        return out + [torch.empty(0, dtype=torch.uint8) for _ in range(n)]
+    # Every device's generator, whether or not the device has a context yet: reading a CUDA
+    # generator's state (a seed and an offset) creates none, and a device first used after the
+    # snapshot must be put back to it too. (Keying this on a primary context instead left a
+    # device that had none at the snapshot un-restored: seen on an H200, where
+    # torch.cuda.init() creates no context.)
+    return out + [torch.cuda.default_generators[i].get_state() for i in range(n)]
 
 
 def _generator(i: int) -> torch.Generator:
@@ -87,8 +90,8 @@ rng_set_state_overload = torch.ops.fastamp.rng_set_state.default
 
 
 def rng_get_state() -> list[Tensor]:
-    """``[cpu_state, cuda:0_state, ...]``: the default CPU generator and every *initialised* CUDA
-    device's generator in one call (an uninitialised device gets an empty tensor).
+    """``[cpu_state, cuda:0_state, ...]``: the default CPU generator and, once CUDA is initialised,
+    every CUDA device's generator in one call (before that, an empty tensor per device).
 
     ``torch.utils.checkpoint`` stashes only the devices of the checkpointed function's tensor
     arguments, so a block that draws random numbers on another GPU replays them wrong; this covers
