@@ -104,6 +104,9 @@ FASTAMP_HOST_DEVICE inline V lane_min(V a, V b) {
 /// bfloat16): sign | exponent (4 bits, bias 15) | mantissa (3 bits), the mantissa rounded to
 /// nearest even. Below 2^-14 after rounding the exponent field is 0 (the code decodes to 0); past
 /// the range (NaN, inf, |y| >= 2: a block scale makes |y| <= 1) the magnitude saturates at 127.
+/// A NaN's code is 127 whatever its sign: which sign a NaN carries is the hardware's choice (x86's
+/// default NaN is negative, an NVIDIA GPU's canonical NaN positive), so a signed code would make
+/// the state differ between backends (its block scale is NaN: the code decodes to NaN either way).
 /// Working on the high half keeps the CPU loop in 16-bit lanes, twice as many per instruction.
 template <class H>
 FASTAMP_HOST_DEVICE inline H m8_code(H h) {
@@ -111,7 +114,7 @@ FASTAMP_HOST_DEVICE inline H m8_code(H h) {
   const H t = (a + 7u + ((a >> 4) & 1u)) >> 4;      // float exponent << 3 | 3-bit mantissa, rounded
   const H lo = lane_max(t, splat<H>(896u)) - 896u;  // exponent field e + 15 (0 below 2^-14)
   const H mag = lane_min(lo, splat<H>(127u));
-  return mag | ((h >> 8) & 0x80u);
+  return mag | sel(a > splat<H>(0x7F80u), splat<H>(0u), (h >> 8) & 0x80u);
 }
 
 /// The code of y in [0, 1] from the high half of its bits: exponent (5 bits, bias 31) | mantissa

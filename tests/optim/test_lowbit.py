@@ -57,6 +57,10 @@ def test_codecs_round_to_nearest_even_against_float64():
     # Out of range (a NaN/inf block scale, never |y| > 1 otherwise) saturates, NaN included.
     odd = torch.tensor([math.inf, -math.inf, math.nan, 3.0, 1e-30, -1e-30, 0.0])
     assert lowbit.encode_m8(odd).tolist() == [127, 255, 127, 127, 0, 128, 0]
+    # A NaN's code is 127 whatever its sign (x86 makes negative NaNs, a GPU positive ones).
+    nans = torch.tensor([math.nan, -math.nan])
+    assert nans.view(torch.int32)[1] < 0, "the second NaN carries a sign bit"
+    assert lowbit.encode_m8(nans).tolist() == [127, 127]
     assert lowbit.encode_v8(odd.abs()).tolist() == [255, 255, 255, 255, 0, 0, 0]
     assert lowbit.decode_m8(torch.tensor([128], dtype=torch.uint8)).tolist() == [0.0]
     # The relative error bound of the docs: half a step of the 3-bit mantissa plus the truncation.
@@ -160,6 +164,20 @@ def test_int8_step_is_the_float32_step_plus_the_codec_bit_for_bit(
         "codes and scales",
     )
     assert float(steps) == 5.0
+
+
+def test_int8_nan_moment_codes_do_not_depend_on_the_nan_sign():
+    """A NaN gradient stepped in (no scaler) makes NaN moments; their codes are 127 whichever sign
+    the hardware gave the NaN, so a CPU and a GPU store the same state (an H200 stored 127 where
+    x86 stored 255 before the codec dropped a NaN's sign)."""
+    p, g, st, _ = _state(4096, "int8", seed=2)
+    g[5], g[700], g[3000] = math.nan, -math.nan, math.nan
+    g[3000] = -g[3000]  # a NaN with the sign bit set, made by arithmetic
+    assert (g.view(torch.int32)[[700, 3000]] < 0).all()
+    _lowbit_call(p, g, st, torch.tensor(3.0))
+    assert st["exp_avg"][[5, 700, 3000]].tolist() == [127, 127, 127]
+    m, _ = _floats(st)
+    assert torch.isnan(m[[5, 700, 3000]]).all()
 
 
 @pytest.mark.parametrize("lr_t", [None, 2e-3], ids=["lr", "lr_tensor"])

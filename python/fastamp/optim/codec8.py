@@ -30,7 +30,8 @@ def _float(b: Tensor) -> Tensor:
 def encode_m8(y: Tensor) -> Tensor:
     h, t = _rounded_high_half(y)
     mag = (t.clamp(min=896) - 896).clamp(max=127)  # exponent field 0 below 2^-14; saturates
-    return (mag | ((h >> 8) & 0x80)).to(torch.uint8)
+    sign = torch.where((h & 0x7FFF) > 0x7F80, 0, (h >> 8) & 0x80)  # a NaN's sign is not kept
+    return (mag | sign).to(torch.uint8)
 
 
 def decode_m8(c: Tensor) -> Tensor:
