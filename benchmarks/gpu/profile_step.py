@@ -79,7 +79,15 @@ def measure(kind: str, numel: int, device: str, reps: int) -> None:
         step()
         sync()
     events = prof.key_averages()
-    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    # The kernels themselves: device-side records that are not user annotations (torch records
+    # "Optimizer.step#AdamW.step" on the device too; counting it counted every kernel twice).
+    kernel_us = sum(
+        e.self_device_time_total
+        for e in events
+        if e.device_type.name == "CUDA"
+        and not getattr(e, "is_user_annotation", False)
+        and not e.key.startswith("Optimizer.")
+    )
     launches = sum(
         e.count
         for e in events
