@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -33,6 +33,7 @@ help:
 	@echo "  make bench         the scaler, optimizer and checkpoint benchmarks (benchmarks/ has more)"
 	@echo "  make cuda-build    build the CUDA flavour against torch 2.14.1 in .venv-cuda (nvcc needed)"
 	@echo "  make gpu-check     the GPU tier: kernels vs CPU bit for bit, CUDA tests, ncu traffic, GPU benchmarks"
+	@echo "  make gpu-resources registers/spills/occupancy per CUDA kernel (sm_80/86/90): docs/gpu_resources.md"
 	@echo "  make sanitize      CPU kernels and the emulator under ASan + UBSan, in .venv-asan"
 	@echo "  make lint          ruff format --check, ruff check, clang-format (make format fixes)"
 	@echo "  make clean         remove build/ and the venvs"
@@ -163,6 +164,13 @@ bench: $(VENV)/.built
 # without a GPU it runs up to the first step that needs one and says what it skipped.
 gpu-check: dist/cuda/.built
 	PY=$(CUDA_VENV)/bin/python bash .ci/gpu_check.sh dist/cuda/*.whl
+
+# Registers, spills, shared memory and theoretical occupancy of every CUDA kernel for sm_80/86/90,
+# from ptxas -v with the CUDA build's own flags (.ci/gpu_resources.py); writes docs/gpu_resources.md
+# and fails on a spill or an occupancy under the floor. Needs the CUDA build (make cuda-build).
+CUDA_BUILD ?= build/$(notdir $(VENV))-cuda
+gpu-resources:
+	PATH="/usr/local/cuda/bin:$$PATH" $(PY) .ci/gpu_resources.py --build $(CUDA_BUILD) --markdown docs/gpu_resources.md --check
 
 # The CUDA flavour: torch 2.14.1 (CUDA 13.0) + nvcc; builds the CUDA kernels (no GPU needed),
 # checks every op has a CUDA kernel registered, that no multiply-add is fused (CPU objects, PTX),
