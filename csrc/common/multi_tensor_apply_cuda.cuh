@@ -104,21 +104,30 @@ struct MtaBlock {
 
 namespace detail {
 
-template <int Depth, typename Op>
-__global__ void __launch_bounds__(kMtaThreads)
-    multi_tensor_apply_kernel(const MtaMeta<Depth> meta, const Op op) {
-  const int slot = meta.block_slot[blockIdx.x];
+/// What block `b` of a launch works on, from the launch's metadata: the kernel's own index
+/// arithmetic, host-callable so that tests/cuda_host checks it on tensors past 2^31 and 2^33
+/// elements without a GPU or their memory.
+template <int Depth>
+__host__ __device__ __forceinline__ MtaBlock<Depth> mta_block(const MtaMeta<Depth>& meta, int b) {
+  const int slot = meta.block_slot[b];
   MtaBlock<Depth> blk;
 #pragma unroll
   for (int d = 0; d < Depth; ++d) {
     blk.data[d] = meta.data[d][slot];
     blk.dtype[d] = static_cast<c10::ScalarType>(meta.dtype[d][slot]);
   }
-  blk.start = static_cast<int64_t>(meta.block_chunk[blockIdx.x]) * kChunkElems;
+  blk.start = static_cast<int64_t>(meta.block_chunk[b]) * kChunkElems;
   const int64_t left = meta.numel[slot] - blk.start;
   blk.len = static_cast<int>(left < kChunkElems ? left : kChunkElems);
   blk.index = meta.index[slot];
-  blk.chunk_id = meta.first_chunk + blockIdx.x;
+  blk.chunk_id = meta.first_chunk + b;
+  return blk;
+}
+
+template <int Depth, typename Op>
+__global__ void __launch_bounds__(kMtaThreads)
+    multi_tensor_apply_kernel(const MtaMeta<Depth> meta, const Op op) {
+  const MtaBlock<Depth> blk = mta_block(meta, static_cast<int>(blockIdx.x));
   // The tag is the same for every thread of the block, so this switch never diverges.
   switch (blk.dtype[0]) {
     case c10::ScalarType::Float:

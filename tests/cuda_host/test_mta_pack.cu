@@ -35,15 +35,15 @@ int run(std::mt19937_64& rng, int ntens, int64_t maxn, bool big) {
       if (slot < maxslot || slot > maxslot + 1) { printf("non-monotone slot\n"); ++errors; }
       maxslot = slot > maxslot ? slot : maxslot;
       if (slot >= MtaMeta<Depth>::kMaxTensors) { printf("slot overflow\n"); ++errors; }
-      int64_t start = int64_t(m.block_chunk[b]) * kChunkElems;
-      int64_t left = m.numel[slot] - start;
-      int64_t len = left < kChunkElems ? left : kChunkElems;
+      // The kernel's own arithmetic (mta_block), not a recomputation: an int32 product or a
+      // truncated length there fails here on the tensors past 2^31 and 2^33 elements.
+      const auto blk = fastamp::detail::mta_block(m, b);
       const Chunk& ch = chunks.at(next);
       const FlatTensor& t = l[0][ch.item];
-      bool ok = start == ch.start && len == ch.len && m.index[slot] == t.index &&
-                m.first_chunk + b == (int64_t)next;
+      bool ok = blk.start == ch.start && blk.len == ch.len && blk.index == t.index &&
+                blk.chunk_id == (int64_t)next;
       for (int d = 0; d < Depth; ++d)
-        ok = ok && m.data[d][slot] == l[d][ch.item].data && m.dtype[d][slot] == (uint8_t)l[d][ch.item].dtype;
+        ok = ok && blk.data[d] == l[d][ch.item].data && (uint8_t)blk.dtype[d] == (uint8_t)l[d][ch.item].dtype;
       if (!ok) { printf("mismatch at chunk %zu\n", next); ++errors; }
       ++next;
     }
