@@ -149,3 +149,20 @@ settings.register_profile(
     database=None,
     print_blob=True,
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument coverage (tests/_argcov.py): every fastamp op call of the session is classified
+# argument by argument, and tests/test_argument_coverage.py, moved to the end of the run, checks
+# that each value class of each argument reached both the CPU and the emulated CUDA kernels.
+from tests import _argcov  # noqa: E402
+
+_argcov.install()
+
+ARGCOV_TEST = "test_argument_coverage.py"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    last = [i for i in items if i.nodeid.split("::")[0].endswith(ARGCOV_TEST)]
+    if last:
+        items[:] = [i for i in items if i not in last] + last

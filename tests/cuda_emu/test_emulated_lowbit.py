@@ -32,7 +32,10 @@ SPECS = {
 }
 
 
-def _build(spec, fmt, master, found=0.0, inject=None):
+def _build(
+    spec, fmt, master, found=0.0, inject=None, lr_tensor=False, decoupled=True, maximize=False,
+    scaled=True, weight_decay=0.01,
+):  # fmt: skip
     def build(mem: Mem):
         params = [mem.place(mem.randn(n, dt, 0.1), off) for n, dt, off in spec]
         gs = []
@@ -66,16 +69,16 @@ def _build(spec, fmt, master, found=0.0, inject=None):
             masters,
             12345,
             0.05,
-            None,
+            torch.tensor(0.02) if lr_tensor else None,
             0.9,
             0.999,
-            0.01,
+            weight_decay,
             1e-8,
-            True,
-            False,
-            torch.tensor(1 / 64),
-            torch.tensor(found),
-            torch.tensor(0.7),
+            decoupled,
+            maximize,
+            torch.tensor(1 / 64) if scaled else None,
+            torch.tensor(found) if scaled else None,
+            torch.tensor(0.7) if scaled else None,
         )
 
     return build
@@ -86,6 +89,24 @@ def _build(spec, fmt, master, found=0.0, inject=None):
 def test_adam_lowbit_step(name, fmt):
     master = name != "fp32-blocks"
     run_case("adam_lowbit_step_", _build(SPECS[name], fmt, master))
+
+
+# Each argument value the kernel branches on, against the CPU kernel (tests/_argcov.py checks
+# that every one reaches both): a tensor lr, Adam's L2 decay, maximize, no scaler, no decay.
+ADAM_VARIANTS = {
+    "lr-tensor": {"lr_tensor": True},
+    "l2-decay": {"decoupled": False},
+    "maximize": {"maximize": True},
+    "unscaled": {"scaled": False},
+    "no-decay": {"weight_decay": 0.0},
+}
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+@pytest.mark.parametrize("variant", sorted(ADAM_VARIANTS))
+def test_adam_lowbit_step_variants(variant, fmt):
+    build = _build(SPECS["fp16"], fmt, True, **ADAM_VARIANTS[variant])
+    run_case("adam_lowbit_step_", build, orders=("ascending", "random"))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
@@ -114,7 +135,10 @@ def test_adam_lowbit_step_non_finite_gradient_without_found_inf(fmt):
     assert any(torch.isnan(t.float()).any() for t in out["emu"] if t.is_floating_point())
 
 
-def _build_sgd(spec, master, found=0.0, first=False):
+def _build_sgd(
+    spec, master, found=0.0, first=False, lr_tensor=False, weight_decay=0.01, dampening=0.1,
+    nesterov=True, maximize=False, scaled=True,
+):  # fmt: skip
     def build(mem: Mem):
         params = [mem.place(mem.randn(n, dt, 0.1), off) for n, dt, off in spec]
         gs = [mem.place(mem.randn(n, dt, 64.0), off) for n, dt, off in spec]
@@ -131,15 +155,15 @@ def _build_sgd(spec, master, found=0.0, first=False):
             masters,
             777,
             0.05,
-            None,
-            0.01,
+            torch.tensor(0.02) if lr_tensor else None,
+            weight_decay,
             0.9,
-            0.1,
-            True,
-            False,
-            torch.tensor(1 / 64),
-            torch.tensor(found),
-            torch.tensor(0.7),
+            dampening,
+            nesterov,
+            maximize,
+            torch.tensor(1 / 64) if scaled else None,
+            torch.tensor(found) if scaled else None,
+            torch.tensor(0.7) if scaled else None,
         )
 
     return build
@@ -149,6 +173,22 @@ def _build_sgd(spec, master, found=0.0, first=False):
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_sgd_lowbit_step(name, first):
     run_case("sgd_lowbit_step_", _build_sgd(SPECS[name], name != "fp32-blocks", first=first))
+
+
+SGD_VARIANTS = {
+    "lr-tensor": {"lr_tensor": True},
+    "no-decay": {"weight_decay": 0.0},
+    "no-dampening": {"dampening": 0.0},
+    "heavy-ball": {"nesterov": False},
+    "maximize": {"maximize": True},
+    "unscaled": {"scaled": False},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(SGD_VARIANTS))
+def test_sgd_lowbit_step_variants(variant):
+    build = _build_sgd(SPECS["bf16"], True, **SGD_VARIANTS[variant])
+    run_case("sgd_lowbit_step_", build, orders=("ascending", "random"))
 
 
 def test_sgd_lowbit_step_found_inf_writes_nothing():

@@ -348,7 +348,18 @@ SGD_VARIANTS = [
 ]
 
 
-def _sgd_build(spec, *, momentum, dampening, nesterov, master, first, found=0.0, lr_tensor=False):
+def _sgd_build(
+    spec,
+    *,
+    momentum,
+    dampening,
+    nesterov,
+    master,
+    first,
+    found=0.0,
+    lr_tensor=False,
+    maximize=False,
+):
     def build(mem):
         params = grads(mem, spec, 1.0)
         gs = grads(mem, spec, 64.0)
@@ -374,13 +385,27 @@ def _sgd_build(spec, *, momentum, dampening, nesterov, master, first, found=0.0,
             momentum,
             dampening,
             nesterov,
-            False,
+            maximize,
             torch.tensor(1 / 64),
             torch.tensor(found),
             torch.tensor(0.5),
         )
 
     return build
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9], ids=["plain", "momentum"])
+def test_sgd_step_maximize(momentum):
+    build = _sgd_build(
+        OPT_SPECS["fp16"],
+        momentum=momentum,
+        dampening=0.0,
+        nesterov=False,
+        master=True,
+        first=False,
+        maximize=True,
+    )
+    run_case("sgd_step_", build, orders=("ascending", "random"))
 
 
 @pytest.mark.parametrize(
@@ -477,7 +502,12 @@ def test_bucket_unpack_many_chunks():
 # --- tensor digest ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [F32, F16, BF16, F64, torch.int64, torch.uint8])
+# Every dtype the CPU tests digest: the kernel reads bytes, whatever they encode.
+DIGEST_DTYPES = [F32, F16, BF16, F64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                 torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DIGEST_DTYPES, ids=str)
 def test_tensor_digest(dtype):
     sizes = [1, 3, 7, 8, 9, 1000, 300000]
 

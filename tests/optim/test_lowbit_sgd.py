@@ -28,11 +28,15 @@ def _inputs(n: int, dtype: torch.dtype, seed: int):
     return p, g, buf
 
 
+@pytest.mark.parametrize("lr_t", [None, 0.02], ids=["lr", "lr_tensor"])
 @pytest.mark.parametrize("nesterov", [False, True], ids=["plain", "nesterov"])
 @pytest.mark.parametrize("first", [True, False], ids=["first-update", "later"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(dtype, first, nesterov):
+def test_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(
+    dtype, first, nesterov, lr_t
+):
     n = 65_536 + 4_097  # two chunks, the second partial
+    lr_t = None if lr_t is None else torch.tensor(lr_t)  # a tensor lr overrides the float one
     p, g, buf = _inputs(n, dtype, seed=n + int(first))
     g[11], g[12] = math.nan, math.inf  # stepped in (no found_inf): the buffer's NaN rule
     master = p.float() if dtype != torch.float32 else None
@@ -52,7 +56,7 @@ def test_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(dtype, fi
         [count32],
         [mp32] if mp32 is not None else [],
         LR,
-        None,
+        lr_t,
         WD,
         MOMENTUM,
         DAMPENING,
@@ -70,7 +74,7 @@ def test_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(dtype, fi
         [master] if master is not None else [],
         7,
         LR,
-        None,
+        lr_t,
         WD,
         MOMENTUM,
         DAMPENING,
