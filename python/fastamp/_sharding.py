@@ -74,6 +74,15 @@ def local_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return {k: local(v) for k, v in state.items()}
 
 
+def local_param(p: Tensor, state: Mapping[str, Any]) -> tuple[Tensor, Mapping[str, Any]]:
+    """``(local(p), local_state(state))`` for reading: a plain param (not a DTensor, so neither
+    is its state) and its state mapping come back as they are, with no copy (a step asks this
+    once per parameter)."""
+    if type(p) in _PLAIN_TYPES:
+        return p, state
+    return local(p), local_state(state)
+
+
 def misplaced_state(p: Tensor, state: Mapping[str, Any]) -> tuple[str, str] | None:
     """For a DTensor param: the first state entry of its shape that is not a DTensor laid out as
     it is, as ``(key, what it is instead)`` (a full tensor would be taken for this rank's shard);

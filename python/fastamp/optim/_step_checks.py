@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import is_real
-from fastamp._sharding import is_dtensor, local, local_state, misplaced_state
+from fastamp._sharding import is_dtensor, local, local_param, misplaced_state
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import FLOAT_TYPES, where_in_groups
@@ -160,7 +160,7 @@ class StepChecks:
             # A DTensor param's state is checked as the kernel takes it: the local shards.
             if is_dtensor(q):
                 self._sharded_state(g, i, q, state)
-            p, state = local(q), local_state(state)
+            p, state = local_param(q, state)
             master = self.master_weights and p.dtype != torch.float32
             want = torch.float32 if master else p.dtype
             # Formatted only if a check fails (this runs for every parameter at every step).

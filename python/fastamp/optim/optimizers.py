@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from fastamp._devices import to_device
-from fastamp._sharding import is_dtensor, local, local_state, wrap_like
+from fastamp._sharding import is_dtensor, local, local_param, local_state, wrap_like
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, take
 from fastamp.optim import _family as family
 from fastamp.optim import _ops, lowbit
@@ -406,9 +406,8 @@ class _AdamBase(_FusedOptimizer):
         for p in params:
             # .get: no entry is created before the kernel ran. A DTensor param (FSDP2) steps as
             # its local shard, with its state's local shards.
-            state = local_state(self.state.get(p) or {})
+            lp, state = local_param(p, self.state.get(p) or {})
             new: dict[str, Any] = {}
-            lp = local(p)
             kp = kernel_view(lp)
             if kp is not lp:
                 staged.append((lp, kp))
@@ -424,7 +423,7 @@ class _AdamBase(_FusedOptimizer):
                 max_sqs.append(mx)
             steps.append(self._step_tensor(lp, state, new))
             kparams.append(kp)
-            grads.append(grad_like(local(p.grad), kp))
+            grads.append(grad_like(p.grad if lp is p else local(p.grad), kp))
             if master is not None:
                 masters.append(master)
             news.append(new)
@@ -560,9 +559,8 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
         for p in params:
             # Like torch.optim.SGD, momentum-free SGD keeps no per-param state at all (an entry,
             # even empty, would show up in state_dict()); .get creates none.
-            state = local_state(self.state.get(p) or {})
+            lp, state = local_param(p, self.state.get(p) or {})
             new: dict[str, Any] = {}
-            lp = local(p)
             kp = kernel_view(lp)
             if kp is not lp:
                 staged.append((lp, kp))
@@ -575,7 +573,7 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
                 bufs.append(self._moments_for(fmt, moments, like, state, new)["momentum_buffer"])
             counts.append(count)
             kparams.append(kp)
-            grads.append(grad_like(local(p.grad), kp))
+            grads.append(grad_like(p.grad if lp is p else local(p.grad), kp))
             if master is not None:
                 masters.append(master)
             news.append(new)
