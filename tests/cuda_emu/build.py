@@ -5,9 +5,9 @@ that registers the CUDA host launchers as CPU kernels of ``torch.ops.fastamp_emu
 
     python tests/cuda_emu/build.py [--out DIR] [--sanitize] [--mutant NAME]
 
-Object files are cached by the hash of (flags, the translation unit and the .cpp files it includes,
-every header of csrc),
-so a planted-fault build (``--mutant``, see mutants.py) recompiles only the .cu file it changes.
+Object files are cached by the hash of (flags, the translation unit, and every csrc header it
+includes, transitively), so a planted-fault or mutant build recompiles only the units its change
+reaches.
 Prints the library's path on its last line.
 """
 
@@ -17,6 +17,7 @@ import argparse
 import concurrent.futures
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,13 +88,35 @@ def base_flags(sanitize: bool) -> list[str]:
     return flags
 
 
-def shared_hash() -> str:
-    """Hash of every header a translation unit may include (.h, .cuh, .inc under csrc)."""
+HEADER_SUFFIXES = (".h", ".cuh", ".inc")
+
+
+def includes(rel: str, headers: dict[str, str] | None = None) -> set[str]:
+    """The csrc headers translation unit or header `rel` includes, transitively (#include "x"
+    names its path from csrc/; system and torch headers are not followed)."""
+    headers = headers or {}
+    seen: set[str] = set()
+    todo = [rel]
+    while todo:
+        cur = todo.pop()
+        text = headers[cur] if cur in headers else (CSRC / cur).read_text()
+        for inc in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.M):
+            if inc not in seen and (CSRC / inc).is_file():
+                seen.add(inc)
+                todo.append(inc)
+    return seen
+
+
+def shared_hash(headers: dict[str, str] | None = None) -> str:
+    """Hash of every header a translation unit may include (.h, .cuh, .inc under csrc), with
+    `headers` (relative path -> text) standing in for the files they name."""
+    headers = headers or {}
     h = hashlib.sha256()
     for p in sorted(CSRC.rglob("*")):
-        if p.is_file() and p.suffix in (".h", ".cuh", ".inc"):
-            h.update(str(p.relative_to(CSRC)).encode())
-            h.update(p.read_bytes())
+        if p.is_file() and p.suffix in HEADER_SUFFIXES:
+            rel = str(p.relative_to(CSRC))
+            h.update(rel.encode())
+            h.update(headers[rel].encode() if rel in headers else p.read_bytes())
     return h.hexdigest()
 
 
@@ -106,24 +129,35 @@ def build(
     verbose: bool = False,
 ) -> Path:
     """Compiles (or reuses) every object and links ``out/name``. ``overrides`` maps a .cu file
-    (relative to csrc/) to replacement source text."""
+    or a header (relative to csrc/) to replacement source text. A replaced header is written to
+    a shadow include folder searched before csrc/ (every #include in csrc/ names its path from
+    csrc/), and enters every object's cache key."""
     overrides = overrides or {}
+    headers = {rel: t for rel, t in overrides.items() if rel.endswith(HEADER_SUFFIXES)}
     for rel in overrides:
-        if not rel.endswith(".cu"):
-            raise ValueError(
-                f"overrides may replace .cu files only (objects of other files are "
-                f"shared between builds); got {rel!r}"
-            )
+        if not rel.endswith(".cu") and rel not in headers:
+            raise ValueError(f"overrides may replace .cu files and headers only; got {rel!r}")
     cxx = os.environ.get("CXX", "g++")
     cflags, ldflags = torch_flags()
     flags = base_flags(sanitize) + cflags
-    shared = shared_hash()
     objdir = out / "obj"
     objdir.mkdir(parents=True, exist_ok=True)
+    if headers:
+        shadow = out / f"shadow-{shared_hash(headers)[:16]}"
+        for rel, text in headers.items():
+            (shadow / rel).parent.mkdir(parents=True, exist_ok=True)
+            (shadow / rel).write_text(text)
+        flags = [f"-I{shadow}", *flags]
 
     def compile_one(rel: str) -> Path:
         text = overrides[rel] if rel in overrides else (CSRC / rel).read_text()
-        key = hashlib.sha256("\0".join([cxx, *flags, shared, rel, text]).encode()).hexdigest()[:24]
+        # Keyed by the headers this unit includes (with their replacements): a replaced header
+        # recompiles only the units that include it.
+        used = sorted(includes(rel, {**headers, rel: text}))
+        used_text = [headers[h] if h in headers else (CSRC / h).read_text() for h in used]
+        key = hashlib.sha256(
+            "\0".join([cxx, *flags, rel, text, *used, *used_text]).encode()
+        ).hexdigest()[:24]
         obj = objdir / f"{Path(rel).stem}-{key}.o"
         if obj.exists():
             return obj
