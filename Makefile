@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources mutate emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -26,6 +26,7 @@ help:
 	@echo "  make test          build, build the CUDA emulator library, run the test suite (what CI runs)"
 	@echo "  make emu           build the CUDA emulator library only"
 	@echo "  make emu-faults    planted CUDA faults the emulated tests must catch"
+	@echo "  make mutate        generated mutants of the CUDA kernels vs the emulated tests (score, survivors)"
 	@echo "  make test-clients  the Lightning / accelerate / transformers tier, in .venv-clients"
 	@echo "  make wheel         the CPU and CUDA abi3 wheels and the sdist in dist/, audited"
 	@echo "  make test-matrix   the CPU wheel installed beside other torch releases, tested (MATRIX=...)"
@@ -171,6 +172,13 @@ gpu-check: dist/cuda/.built
 CUDA_BUILD ?= build/$(notdir $(VENV))-cuda
 gpu-resources:
 	PATH="/usr/local/cuda/bin:$$PATH" $(PY) .ci/gpu_resources.py --build $(CUDA_BUILD) --markdown docs/gpu_resources.md --check
+
+# Mutation testing of the CUDA kernels (tests/cuda_emu/mutate.py): MUTATE_PER_FILE generated
+# mutants from each CUDA source and shared math header, each built into its own emulator library
+# and run against its file's emulated tests; the results go to benchmarks/results/mutation_cuda.md.
+MUTATE_PER_FILE ?= 17
+mutate: emu
+	$(PY) tests/cuda_emu/mutate.py --per-file $(MUTATE_PER_FILE) --out benchmarks/results/mutation_cuda.md
 
 # The CUDA flavour: torch 2.14.1 (CUDA 13.0) + nvcc; builds the CUDA kernels (no GPU needed),
 # checks every op has a CUDA kernel registered, that no multiply-add is fused (CPU objects, PTX),

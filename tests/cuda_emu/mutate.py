@@ -91,6 +91,15 @@ TESTS = {
 }
 
 
+# Survivors that cannot be killed because they do not change what the code computes, each with
+# the argument (keyed by Mutant.key; the results file lists them apart and leaves them out of the
+# score).
+EQUIVALENT: dict[str, str] = {
+    "a27c8ae684": "the type of `a <= b` is the type of `a < b` (bool, or the vector mask type): "
+    "only the type is used (decltype)",
+}
+
+
 @dataclass(frozen=True)
 class Mutant:
     file: str  # relative to csrc/
@@ -236,11 +245,18 @@ def run(m: Mutant, timeout: int) -> tuple[str, str]:
         lib.unlink(missing_ok=True)
 
 
+def _status(m: Mutant, status: str) -> str:
+    return "equivalent" if status == "survived" and m.key in EQUIVALENT else status
+
+
 def report(
     results: list[tuple[Mutant, str, str]], seconds: float, per_file: int | None, seed: int
 ) -> str:
-    counted = [r for r in results if r[1] != "stillborn"]
+    results = [(m, _status(m, st), d) for m, st, d in results]
+    counted = [r for r in results if r[1] in ("killed", "survived")]
     killed = sum(1 for r in counted if r[1] == "killed")
+    equivalent = [r for r in results if r[1] == "equivalent"]
+    stillborn = sum(r[1] == "stillborn" for r in results)
     lines = [
         "# Mutation testing of the CUDA kernels (`make mutate`)",
         "",
@@ -248,18 +264,23 @@ def report(
         "Each mutant is built into its own emulator library and run against the emulated",
         "differential tests of its file (tests/cuda_emu/mutate.py).",
         "",
-        f"- mutants run: {len(results)} ({len(results) - len(counted)} stillborn: did not compile)",
-        f"- killed: {killed} of {len(counted)} ({100 * killed / max(len(counted), 1):.1f}%)",
+        f"- mutants run: {len(results)}: {stillborn} stillborn (did not compile), "
+        f"{len(equivalent)} equivalent (argued below)",
+        f"- killed: {killed} of the {len(counted)} non-equivalent mutants that compiled "
+        f"({100 * killed / max(len(counted), 1):.1f}%)",
         f"- time: {seconds / 60:.0f} minutes on this machine's 2 cores",
         "",
-        "| file | mutants | killed | survived | stillborn |",
-        "|---|---|---|---|---|",
+        "| file | mutants | killed | survived | equivalent | stillborn |",
+        "|---|---|---|---|---|---|",
     ]
     for rel in sorted({m.file for m, _, _ in results}):
         rs = [r for r in results if r[0].file == rel]
+        n = {
+            k: sum(r[1] == k for r in rs) for k in ("killed", "survived", "equivalent", "stillborn")
+        }
         lines.append(
-            f"| {rel} | {len(rs)} | {sum(r[1] == 'killed' for r in rs)} | "
-            f"{sum(r[1] == 'survived' for r in rs)} | {sum(r[1] == 'stillborn' for r in rs)} |"
+            f"| {rel} | {len(rs)} | {n['killed']} | {n['survived']} | {n['equivalent']} | "
+            f"{n['stillborn']} |"
         )
     lines += ["", "## Survivors", ""]
     surv = [r for r in results if r[1] == "survived"]
@@ -270,6 +291,14 @@ def report(
             f"- `{m.file}:{m.line}` ({m.op}, mutant {m.key})",
             f"  - was: `{m.old_line.strip()}`",
             f"  - now: `{m.new_line.strip()}`",
+        ]
+    lines += ["", "## Equivalent mutants", ""]
+    if not equivalent:
+        lines.append("None.")
+    for m, _, _ in equivalent:
+        lines += [
+            f"- `{m.file}:{m.line}` ({m.op}, mutant {m.key}): `{m.new_line.strip()}`",
+            f"  - {EQUIVALENT[m.key]}",
         ]
     return "\n".join(lines) + "\n"
 
@@ -311,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         a.out.write_text(text)
     print(text)
-    counted = [r for r in results if r[1] != "stillborn"]
+    counted = [r for r in results if _status(r[0], r[1]) in ("killed", "survived")]
     score = 100 * sum(r[1] == "killed" for r in counted) / max(len(counted), 1)
     return 1 if a.min_score is not None and score < a.min_score else 0
 
