@@ -1,0 +1,201 @@
+"""Mutation testing of the Python step logic (the scaler's and the optimizers' modules): generated
+mutants, each written over its module in place (and always put back), run against the tests of
+its capability.
+
+Operators, on the module's syntax tree, one node at a time: a comparison flipped (`<` <-> `<=`,
+`>` <-> `>=`, `==` <-> `!=`, `is` <-> `is not`, `in` <-> `not in`), `and` <-> `or`, `+` <-> `-`,
+`*` <-> `/`, an integer constant `n` -> `n + 1`, `True` <-> `False`, `not x` -> `x`. Docstrings,
+messages (f-strings and string constants) and type annotations are not mutated.
+
+    python tests/mutate_python.py --per-file 6 --out benchmarks/results/mutation_python.md
+
+A mutant is killed when its capability's tests fail (or hang past the limit); survivors are listed
+in the results file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "python" / "fastamp"
+FILES = {
+    "scaler/grad_scaler.py": ["tests/scaler"],
+    "scaler/_grads.py": ["tests/scaler"],
+    "scaler/_clip.py": ["tests/scaler"],
+    "optim/optimizers.py": ["tests/optim"],
+    "optim/_step_checks.py": ["tests/optim"],
+    "optim/lowbit.py": ["tests/optim"],
+}
+
+_FLIP = {
+    ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq, ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
+    ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult,
+    ast.And: ast.Or, ast.Or: ast.And,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Mutant:
+    file: str
+    index: int  # the n-th mutable site of the file, in tree order
+    what: str
+    line: int
+
+
+def _skipped_nodes(tree: ast.AST) -> set[int]:
+    """Nodes not to mutate: docstrings, f-strings, annotations and everything under them."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        roots = []
+        if isinstance(node, ast.JoinedStr):
+            roots.append(node)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            roots += [a.annotation for a in node.args.args + node.args.kwonlyargs if a.annotation]
+            roots += [node.returns] if node.returns else []
+        if isinstance(node, ast.AnnAssign):
+            roots.append(node.annotation)
+        if isinstance(node, (ast.Raise, ast.Assert)):
+            roots.append(node)  # messages and the exception's text
+        for r in roots:
+            skip |= {id(n) for n in ast.walk(r)}
+    return skip
+
+
+def _sites(tree: ast.AST) -> list[tuple[ast.AST, str]]:
+    skip = _skipped_nodes(tree)
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Compare):
+            out += [(node, f"compare {i}") for i, op in enumerate(node.ops) if type(op) in _FLIP]
+        elif isinstance(node, (ast.BinOp, ast.BoolOp)) and type(node.op) in _FLIP:
+            out.append((node, "operator"))
+        elif isinstance(node, ast.Constant) and type(node.value) in (int, bool):
+            out.append((node, "constant"))
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            out.append((node, "drop not"))
+    return out
+
+
+def mutants_of(rel: str) -> list[Mutant]:
+    tree = ast.parse((PKG / rel).read_text())
+    return [
+        Mutant(rel, i, f"{what} ({type(n).__name__})", getattr(n, "lineno", 0))
+        for i, (n, what) in enumerate(_sites(tree))
+    ]
+
+
+def mutated_source(m: Mutant) -> tuple[str, str]:
+    """(the module's mutated text, the mutated line as unparsed)."""
+    tree = ast.parse((PKG / m.file).read_text())
+    node, what = _sites(tree)[m.index]
+    if what.startswith("compare"):
+        i = int(what.split()[1])
+        node.ops[i] = _FLIP[type(node.ops[i])]()
+    elif what == "operator":
+        node.op = _FLIP[type(node.op)]()
+    elif what == "constant":
+        node.value = (not node.value) if isinstance(node.value, bool) else node.value + 1
+    elif what == "drop not":
+        parent = next(p for p in ast.walk(tree) for c in ast.iter_child_nodes(p) if c is node)
+        for field, value in ast.iter_fields(parent):
+            if value is node:
+                setattr(parent, field, node.operand)
+            elif isinstance(value, list):
+                setattr(parent, field, [node.operand if v is node else v for v in value])
+    snippet = ast.unparse(copy.deepcopy(node if what != "drop not" else node.operand))
+    return ast.unparse(tree), snippet[:120]
+
+
+def run(m: Mutant, timeout: int) -> tuple[str, str]:
+    path = PKG / m.file
+    original = path.read_text()
+    text, _ = mutated_source(m)
+    try:
+        path.write_text(text)
+        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *FILES[m.file]]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "killed", f"timed out after {timeout}s"
+        if r.returncode != 0:
+            first = next(
+                (ln for ln in r.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))), ""
+            )
+            return "killed", first[:200] or f"pytest exited {r.returncode}"
+        return "survived", ""
+    finally:
+        path.write_text(original)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--per-file", type=int, default=6)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args(argv)
+    chosen: list[Mutant] = []
+    for rel in FILES:
+        ms = mutants_of(rel)
+        chosen += sorted(
+            random.Random(f"{a.seed}:{rel}").sample(ms, min(a.per_file, len(ms))),
+            key=lambda m: m.index,
+        )
+    if a.list:
+        for m in chosen:
+            print(m.file, m.line, m.what, mutated_source(m)[1])
+        return 0
+    t0 = time.time()
+    results = []
+    for m in chosen:
+        status, detail = run(m, a.timeout)
+        print(
+            f"[{status:8}] {m.file}:{m.line} {m.what}: {mutated_source(m)[1][:70]} {detail[:90]}",
+            flush=True,
+        )
+        results.append((m, status, detail))
+    killed = sum(s == "killed" for _, s, _ in results)
+    lines = [
+        "# Mutation testing of the Python step logic (`tests/mutate_python.py`)",
+        "",
+        f"`python tests/mutate_python.py --per-file {a.per_file} --seed {a.seed}`: {len(results)} mutants "
+        f"over {len(FILES)} modules, {killed} killed ({100 * killed / max(len(results), 1):.0f}%), "
+        f"{(time.time() - t0) / 60:.0f} minutes.",
+        "",
+        "| module | mutants | killed |",
+        "|---|---|---|",
+    ]
+    for rel in FILES:
+        rs = [r for r in results if r[0].file == rel]
+        lines.append(
+            f"| python/fastamp/{rel} | {len(rs)} | {sum(s == 'killed' for _, s, _ in rs)} |"
+        )
+    lines += ["", "## Survivors", ""]
+    surv = [m for m, s, _ in results if s == "survived"]
+    lines += [f"- `{m.file}:{m.line}` {m.what}: `{mutated_source(m)[1]}`" for m in surv] or [
+        "None."
+    ]
+    text = "\n".join(lines) + "\n"
+    if a.out:
+        a.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
