@@ -101,6 +101,7 @@ template <typename V>
 __host__ __device__ __forceinline__ V vec_load(const V* p) {
 #if defined(FASTAMP_CUDA_EMULATOR)
   ::fastamp::emu::check_aligned(p, alignof(V), "vector load");
+  ::fastamp::emu::count_vector_access(sizeof(V), /*store=*/false);
 #endif
   return *p;
 }
@@ -109,6 +110,7 @@ template <typename V>
 __host__ __device__ __forceinline__ void vec_store(V* p, const V& v) {
 #if defined(FASTAMP_CUDA_EMULATOR)
   ::fastamp::emu::check_aligned(p, alignof(V), "vector store");
+  ::fastamp::emu::count_vector_access(sizeof(V), /*store=*/true);
 #endif
   *p = v;
 }

@@ -32,6 +32,11 @@ std::tuple<int64_t, int64_t, int64_t, int64_t> stats_op() {
   return {s.launches, s.blocks, s.threads, s.switches};
 }
 
+std::tuple<int64_t, int64_t, int64_t, int64_t> vector_traffic_op() {
+  const VectorTraffic v = vector_traffic();
+  return {v.loads, v.stores, v.load_bytes, v.store_bytes};
+}
+
 std::vector<std::string> launched_kernels_op() {
   return launched_kernels();
 }
@@ -46,6 +51,8 @@ TORCH_LIBRARY_FRAGMENT(fastamp_emu, m) {
   // (launches, blocks, threads, fiber switches) since the last reset_stats().
   m.def("stats() -> (int, int, int, int)", &fastamp::emu::stats_op);
   m.def("reset_stats() -> ()", &fastamp::emu::reset_stats);
+  // (vector loads, vector stores, bytes loaded, bytes stored) since the last reset_stats().
+  m.def("vector_traffic() -> (int, int, int, int)", &fastamp::emu::vector_traffic_op);
   // Names of every kernel launched since the library was loaded (for the coverage test).
   m.def("launched_kernels() -> str[]", &fastamp::emu::launched_kernels_op);
 }

@@ -65,6 +65,10 @@ std::atomic<uint64_t> g_seed{0};
 std::atomic<uint64_t> g_launch_counter{0};
 std::mutex g_stats_mu;
 Stats g_stats;
+std::atomic<int64_t> g_vec_loads{0};
+std::atomic<int64_t> g_vec_stores{0};
+std::atomic<int64_t> g_vec_load_bytes{0};
+std::atomic<int64_t> g_vec_store_bytes{0};
 std::set<std::string> g_launched;
 
 // --- fiber contexts ----------------------------------------------------------------------------
@@ -410,6 +414,21 @@ Stats stats() {
 void reset_stats() {
   std::lock_guard<std::mutex> lock(g_stats_mu);
   g_stats = Stats{};
+  g_vec_loads = 0;
+  g_vec_stores = 0;
+  g_vec_load_bytes = 0;
+  g_vec_store_bytes = 0;
+}
+
+void count_vector_access(size_t bytes, bool store) {
+  (store ? g_vec_stores : g_vec_loads).fetch_add(1, std::memory_order_relaxed);
+  (store ? g_vec_store_bytes : g_vec_load_bytes)
+      .fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
+}
+
+VectorTraffic vector_traffic() {
+  return {g_vec_loads.load(), g_vec_stores.load(), g_vec_load_bytes.load(),
+          g_vec_store_bytes.load()};
 }
 
 std::vector<std::string> launched_kernels() {

@@ -89,6 +89,17 @@ struct Stats {
 };
 Stats stats();
 void reset_stats();
+
+/// The kernels' 16-byte vector accesses (gpu::vec_load / gpu::vec_store) since the last
+/// reset_stats(): on aligned inputs, the bulk of the bytes a kernel moves.
+struct VectorTraffic {
+  int64_t loads = 0;
+  int64_t stores = 0;
+  int64_t load_bytes = 0;
+  int64_t store_bytes = 0;
+};
+VectorTraffic vector_traffic();
+void count_vector_access(size_t bytes, bool store);
 /// Names of the kernels launched since the library was loaded, sorted.
 std::vector<std::string> launched_kernels();
 

@@ -152,6 +152,13 @@ def stats() -> dict[str, int]:
     return {"launches": launches, "blocks": blocks, "threads": threads, "switches": switches}
 
 
+def vector_traffic() -> dict[str, int]:
+    """The kernels' 16-byte vector loads and stores since the last reset_stats()."""
+    load()
+    loads, stores, load_bytes, store_bytes = torch.ops.fastamp_emu.vector_traffic()
+    return {"loads": loads, "stores": stores, "load_bytes": load_bytes, "store_bytes": store_bytes}
+
+
 def reset_stats() -> None:
     load()
     torch.ops.fastamp_emu.reset_stats()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import random
 import re
@@ -97,6 +98,32 @@ TESTS = {
 EQUIVALENT: dict[str, str] = {
     "a27c8ae684": "the type of `a <= b` is the type of `a < b` (bool, or the vector mask type): "
     "only the type is used (decltype)",
+    "c263e4b0ab": "a word with exactly 8 bytes left takes the byte-by-byte path instead, which "
+    "assembles the same 8 bytes into the same word",
+    "7efdda8779": "launch geometry only: one more block than needed at most, and the digest "
+    "loop is grid-strided (an extra block finds no word below nwords)",
+    "e4825084ad": "launch geometry only: a cap of 1025 blocks instead of 1024 in a grid-strided "
+    "loop",
+    "93a614e496": "launch geometry only: one more block when n is a multiple of 256, whose "
+    "threads all fail the i < n guard",
+    "68ccb44855": "thread 1 instead of thread 0 computes the block's shared coefficients before "
+    "the barrier (every block has 512 threads)",
+    "c399087391": "after the xor butterfly every lane holds the warp's maximum: lanes 1-31 "
+    "instead of lane 0 store the same value to the same slot",
+    "ee252facc0": "threads 1-511 instead of thread 0 store the same step count to the same slot",
+    "efe93894dc": "thread 1 instead of thread 0 stores the step count",
+    "5059ddb2df": "thread 1 instead of thread 0 adds the one step (each step tensor is one block)",
+    "684fa77612": "a weakened internal assertion on the launcher's own list counts, which hold "
+    "for every call the ops make",
+    "a889b1d164": "the non-finite probe adds 0 (finite) or NaN (inf/NaN): subtracting them "
+    "gives 0 and NaN alike",
+    "ae85c94c5a": "as a889b1d164, in the stats kernel",
+    "be41fb2f20": "one more vector iteration at most, whose `valid` is 0: nothing is loaded, "
+    "applied or stored",
+    "e570ab5136": "as be41fb2f20 (one more vector iteration when n is a multiple of V)",
+    "e251561208": "a max over absolute values: for a == b both choices are the same number "
+    "(no -0.0 among |x|)",
+    "cc6f100449": "at successful == INT32_MAX both branches give INT32_MAX",
 }
 
 
@@ -202,8 +229,81 @@ def tests_for(rel: str) -> list[tuple[str, str]]:
     return TESTS["common"]
 
 
+def _preprocessed(build, rel: str, headers: dict[str, str], text: str | None) -> str:
+    """Translation unit `rel` after the preprocessor, as the emulator build compiles it (with
+    `headers` replaced through a shadow folder, `text` standing in for the unit itself)."""
+    import tempfile
+
+    cflags, _ = build.torch_flags()
+    flags = build.base_flags(False) + cflags
+    with tempfile.TemporaryDirectory() as tmp:
+        for h, t in headers.items():
+            (Path(tmp) / "shadow" / h).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / "shadow" / h).write_text(t)
+        src = CSRC / rel
+        extra = [f"-I{Path(tmp) / 'shadow'}"] if headers else []
+        if text is not None:
+            src = Path(tmp) / Path(rel).name
+            src.write_text(text)
+            extra.append(f"-I{(CSRC / rel).parent}")
+        cmd = [os.environ.get("CXX", "g++"), *extra, *flags, "-E", "-P", "-x", "c++", str(src)]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
+def _machine_code(build, rel: str, headers: dict[str, str], text: str | None) -> str:
+    """The disassembly of translation unit `rel` as the emulator build compiles it."""
+    import tempfile
+
+    cflags, _ = build.torch_flags()
+    flags = build.base_flags(False) + cflags
+    with tempfile.TemporaryDirectory() as tmp:
+        for h, t in headers.items():
+            (Path(tmp) / "shadow" / h).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / "shadow" / h).write_text(t)
+        src = CSRC / rel
+        extra = [f"-I{Path(tmp) / 'shadow'}"] if headers else []
+        if text is not None:
+            src = Path(tmp) / "src" / Path(rel).name
+            src.parent.mkdir()
+            src.write_text(text)
+            extra.append(f"-I{(CSRC / rel).parent}")
+        obj = Path(tmp) / "unit.o"
+        cxx = os.environ.get("CXX", "g++")
+        cc = [cxx, *extra, *flags, "-x", "c++", "-c", str(src), "-o", str(obj)]
+        subprocess.run(cc, capture_output=True, text=True, check=True)
+        dis = subprocess.run(
+            ["objdump", "-d", "--no-show-raw-insn", str(obj)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return "\n".join(dis.splitlines()[2:])  # without the file name line
+
+
+def unreachable(m: Mutant) -> bool:
+    """Whether the emulator build never runs the mutation: every translation unit it reaches
+    preprocesses to the same text (a line of the real-GPU `<<<...>>>` branch of gpu.cuh) or
+    compiles to the same machine code (code only the CPU kernels instantiate)."""
+    sys.path.insert(0, str(HERE))
+    import build
+
+    if m.file.endswith(".cu"):
+        cases = [(m.file, {}, m.source())]
+    else:
+        units = [
+            u for u in build.HOST_SOURCES + build.cuda_sources() if m.file in build.includes(u)
+        ]
+        cases = [(u, {m.file: m.source()}, None) for u in units]
+    for unit, headers, text in cases:
+        if _preprocessed(build, unit, headers, text) == _preprocessed(build, unit, {}, None):
+            continue
+        if _machine_code(build, unit, headers, text) != _machine_code(build, unit, {}, None):
+            return False
+    return True
+
+
 def run(m: Mutant, timeout: int) -> tuple[str, str]:
-    """('killed' | 'survived' | 'stillborn', detail)."""
+    """('killed' | 'survived' | 'stillborn' | 'unreachable', detail)."""
     sys.path.insert(0, str(HERE))
     import build
 
@@ -240,6 +340,8 @@ def run(m: Mutant, timeout: int) -> tuple[str, str]:
                 first = next((ln for ln in out_text.splitlines() if ln.startswith("FAILED")), "")
                 if "failed" in out_text or "error" in out_text.lower():
                     return "killed", (first or f"{test_file}: pytest exited {r.returncode}")[:200]
+        if unreachable(m):
+            return "unreachable", "the emulator build compiles it to the same code"
         return "survived", ""
     finally:
         lib.unlink(missing_ok=True)
@@ -257,6 +359,7 @@ def report(
     killed = sum(1 for r in counted if r[1] == "killed")
     equivalent = [r for r in results if r[1] == "equivalent"]
     stillborn = sum(r[1] == "stillborn" for r in results)
+    unreach = sum(r[1] == "unreachable" for r in results)
     lines = [
         "# Mutation testing of the CUDA kernels (`make mutate`)",
         "",
@@ -264,14 +367,16 @@ def report(
         "Each mutant is built into its own emulator library and run against the emulated",
         "differential tests of its file (tests/cuda_emu/mutate.py).",
         "",
-        f"- mutants run: {len(results)}: {stillborn} stillborn (did not compile), "
+        f"- mutants run: {len(results)}: {stillborn} stillborn (did not compile), {unreach} "
+        "unreachable (the emulator build's code is unchanged: the real-GPU branch, CPU-only "
+        "helpers), "
         f"{len(equivalent)} equivalent (argued below)",
         f"- killed: {killed} of the {len(counted)} non-equivalent mutants that compiled "
         f"({100 * killed / max(len(counted), 1):.1f}%)",
         f"- time: {seconds / 60:.0f} minutes on this machine's 2 cores",
         "",
-        "| file | mutants | killed | survived | equivalent | stillborn |",
-        "|---|---|---|---|---|---|",
+        "| file | mutants | killed | survived | equivalent | stillborn | unreachable |",
+        "|---|---|---|---|---|---|---|",
     ]
     for rel in sorted({m.file for m, _, _ in results}):
         rs = [r for r in results if r[0].file == rel]
@@ -314,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="results file (markdown)")
     ap.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="JSON of each mutant's outcome: read, a mutant already killed, stillborn or "
+        "unreachable is not run again (tests only grow); written back at the end",
+    )
+    ap.add_argument(
         "--min-score", type=float, default=None, help="exit 1 below this kill percentage"
     )
     a = ap.parse_args(argv)
@@ -334,8 +446,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return m, status, detail
 
+    done: dict[str, list[str]] = {}
+    if a.state is not None and a.state.exists():
+        done = json.loads(a.state.read_text())
+    final = ("killed", "stillborn", "unreachable")
+    todo = [m for m in ms if done.get(m.key, [""])[0] not in final]
     with ThreadPoolExecutor(a.jobs) as pool:
-        results = list(pool.map(one, ms))
+        fresh = {m.key: (m, st, d) for m, st, d in pool.map(one, todo)}
+    results = [fresh.get(m.key) or (m, done[m.key][0], done[m.key][1]) for m in ms]
+    if a.state is not None:
+        a.state.write_text(json.dumps({m.key: [st, d] for m, st, d in results}, indent=0))
     text = report(results, time.time() - t0, a.per_file, a.seed)
     if a.out:
         a.out.write_text(text)

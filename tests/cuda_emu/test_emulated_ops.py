@@ -45,6 +45,8 @@ def spec_of(sizes, dtypes, offsets=(0,), strides=(1,)):
 LIST_CASES = {
     # name: (spec, inject)
     "fp32-edges": (spec_of(EDGE_SIZES, [F32]), None),
+    # One tensor in one chunk: the launchers' single-chunk case (one block, one partial).
+    "one-chunk": (spec_of([1000], [F32]), None),
     "fp16-edges-misaligned": (spec_of(EDGE_SIZES, [F16], offsets=[1, 2, 3, 4, 5]), None),
     "bf16-edges-misaligned": (spec_of(EDGE_SIZES, [BF16], offsets=[5, 0, 3]), None),
     "fp64-edges": (spec_of(EDGE_SIZES, [F64], offsets=[0, 1]), None),
@@ -235,20 +237,37 @@ OPT_SPECS = {
 }
 
 
-def _adam_build(spec, *, amsgrad, master, decoupled, maximize, lr_tensor, found, clip, inject=None):
+def _adam_build(
+    spec, *, amsgrad, master, decoupled, maximize, lr_tensor, found, clip, inject=None, shift=None,
+    beta1=0.9,
+):  # fmt: skip
+    """`shift` ({list name: elements}) moves one list off the others' alignment."""
+    sh = shift or {}
+
     def build(mem):
-        params = grads(mem, spec, 1.0)
+        params = [
+            mem.place(mem.randn(n, dt), off + sh.get("params", 0), st) for (n, dt, off, st) in spec
+        ]
         gs = grads(mem, spec, 256.0, inject)
         sdt = [F32 if master else dt for (_, dt, _, _) in spec]
-        ms = [mem.place(mem.randn(n, s, 0.1), off) for (n, _, off, _), s in zip(spec, sdt)]
+        ms = [
+            mem.place(mem.randn(n, s, 0.1), off + sh.get("exp_avgs", 0))
+            for (n, _, off, _), s in zip(spec, sdt)
+        ]
         vs = [mem.place(mem.randn(n, s, 0.1).abs(), off) for (n, _, off, _), s in zip(spec, sdt)]
         vmax = (
-            [mem.place(mem.randn(n, s, 0.2).abs(), off) for (n, _, off, _), s in zip(spec, sdt)]
+            [
+                mem.place(mem.randn(n, s, 0.2).abs(), off + sh.get("max_exp_avg_sqs", 0))
+                for (n, _, off, _), s in zip(spec, sdt)
+            ]
             if amsgrad
             else []
         )
         masters = (
-            [mem.place(p.float() + 1e-3, off) for p, (_, _, off, _) in zip(params, spec)]
+            [
+                mem.place(p.float() + 1e-3, off + sh.get("master_params", 0))
+                for p, (_, _, off, _) in zip(params, spec)
+            ]
             if master
             else []
         )
@@ -264,7 +283,7 @@ def _adam_build(spec, *, amsgrad, master, decoupled, maximize, lr_tensor, found,
             masters,
             1e-2,
             lr_t,
-            0.9,
+            beta1,
             0.999,
             0.05,
             1e-8,
@@ -300,6 +319,27 @@ ADAM_VARIANTS = [
 def test_adam_step(dtype, variant):
     v = ADAM_VARIANTS[variant]
     run_case("adam_step_", _adam_build(OPT_SPECS[dtype], found=0.0, clip=0.7, **v))
+
+
+@pytest.mark.parametrize("moved", ["params", "exp_avgs", "max_exp_avg_sqs", "master_params"])
+def test_adam_step_lists_aligned_differently(moved):
+    """One list one element off the others' 16-byte alignment: the kernel must take the scalar
+    path for every list (a vector access through the moved list faults on a GPU and here)."""
+    spec = spec_of([4096, 1000], [F16])
+    build = _adam_build(
+        spec, amsgrad=True, master=True, decoupled=True, maximize=False, lr_tensor=False,
+        found=0.0, clip=0.5, shift={moved: 1},
+    )  # fmt: skip
+    run_case("adam_step_", build, orders=("ascending",))
+
+
+def test_adam_step_beta1_below_half():
+    """beta1 < 0.5: the moment's lerp weight 1 - beta1 is above 0.5, torch.lerp's other branch."""
+    build = _adam_build(
+        OPT_SPECS["fp32"], amsgrad=False, master=False, decoupled=True, maximize=False,
+        lr_tensor=False, found=0.0, clip=0.5, beta1=0.3,
+    )  # fmt: skip
+    run_case("adam_step_", build, orders=("ascending",))
 
 
 @pytest.mark.parametrize("variant", range(len(ADAM_VARIANTS)))
@@ -522,6 +562,16 @@ def test_tensor_digest(dtype):
     run_case("tensor_digest", build)
 
 
+def test_tensor_digest_more_tensors_than_a_block():
+    """300 tensors: the per-tensor finish runs in two blocks of 256 threads."""
+    sizes = [(i * 37) % 90 + 1 for i in range(300)]
+
+    def build(mem):
+        return ([mem.place(mem.randn(n, F32), offset=i % 4) for i, n in enumerate(sizes)],)
+
+    run_case("tensor_digest", build, orders=("ascending",))
+
+
 @pytest.mark.parametrize("backend", ["cpu", "emulated-cuda"])
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 def test_bucket_unpack_norm_is_grad_stats_bit_for_bit(backend, dtype):
@@ -538,3 +588,38 @@ def test_bucket_unpack_norm_is_grad_stats_bit_for_bit(backend, dtype):
     s_found, s_pow, _ = stats(gs, inv, 2.0)
     assert float(found) == float(s_found) == 0.0
     assert bits(pow_sum).item() == bits(s_pow).item(), (float(pow_sum), float(s_pow))
+
+
+# --- memory traffic of the vector paths --------------------------------------------------------
+
+
+def _traffic(op_name, build):
+    args = build(Mem(0))
+    emu.reset_stats()
+    emu.op(op_name)(*args)
+    return emu.vector_traffic()
+
+
+# Mem.place puts 7 canary elements before each tensor: element offset 1 starts an fp32 tensor
+# on a 16-byte boundary of its (allocator-aligned) buffer, offset 2 does not.
+@pytest.mark.parametrize("offset", [1, 2], ids=["aligned", "misaligned"])
+def test_bulk_bytes_move_as_16_byte_vectors_exactly_when_aligned(offset):
+    """On aligned contiguous fp32 lists every element moves in a 16-byte vector access, and the
+    bytes are the model's: the stats pass reads 4 B per element, the Adam update reads g, p, m, v
+    and writes p, m, v (28 B). One element off alignment, none may (the scalar path)."""
+    n = 4 * 5000
+    spec = spec_of([n, 4 * 300], [F32], offsets=[offset])
+    total = n + 4 * 300
+
+    stats = _traffic("grad_stats", lambda mem: (grads(mem, spec), torch.tensor(0.5), 2.0))
+    adam = _traffic(
+        "adam_step_",
+        _adam_build(spec, amsgrad=False, master=False, decoupled=True, maximize=False,
+                    lr_tensor=False, found=0.0, clip=0.5),
+    )  # fmt: skip
+    if offset == 2:
+        assert stats == adam == {"loads": 0, "stores": 0, "load_bytes": 0, "store_bytes": 0}
+        return
+    assert stats == {"loads": total // 4, "stores": 0, "load_bytes": 4 * total, "store_bytes": 0}
+    assert adam["load_bytes"] == 16 * total and adam["store_bytes"] == 12 * total, adam
+    assert adam["loads"] == total and adam["stores"] == 3 * total // 4, adam
