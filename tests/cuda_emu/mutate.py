@@ -81,10 +81,13 @@ TESTS = {
     "scaler": [
         (
             "test_emulated_ops.py",
-            "grad_stats or unscale or clip or update_scale or partials or two_launches or norm_is",
+            "grad_stats or unscale or clip or update_scale or partials or two_launches or norm_is or vectors",
         )
     ],
-    "optim/optim": [("test_emulated_ops.py", "adam or sgd"), ("test_emulated_ties.py", "")],
+    "optim/optim": [
+        ("test_emulated_ops.py", "adam or sgd or vectors"),
+        ("test_emulated_ties.py", ""),
+    ],
     "optim/lowbit": [("test_emulated_lowbit.py", ""), ("test_emulated_ties.py", "")],
     "parallel": [("test_emulated_ops.py", "bucket")],
     "checkpoint": [("test_emulated_ops.py", "digest")],

@@ -325,7 +325,7 @@ def test_adam_step(dtype, variant):
 def test_adam_step_lists_aligned_differently(moved):
     """One list one element off the others' 16-byte alignment: the kernel must take the scalar
     path for every list (a vector access through the moved list faults on a GPU and here)."""
-    spec = spec_of([4096, 1000], [F16])
+    spec = spec_of([4096, 1000], [F16], offsets=[1])  # every list 16-byte aligned but the moved one
     build = _adam_build(
         spec, amsgrad=True, master=True, decoupled=True, maximize=False, lr_tensor=False,
         found=0.0, clip=0.5, shift={moved: 1},
