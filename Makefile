@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources mutate emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources mutate mutate-sample emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -178,7 +178,13 @@ gpu-resources:
 # and run against its file's emulated tests; the results go to benchmarks/results/mutation_cuda.md.
 MUTATE_PER_FILE ?= 17
 mutate: emu
-	$(PY) tests/cuda_emu/mutate.py --per-file $(MUTATE_PER_FILE) --out benchmarks/results/mutation_cuda.md
+	$(PY) tests/cuda_emu/mutate.py --per-file $(MUTATE_PER_FILE) --state build/mutate_state.json \
+	  --out benchmarks/results/mutation_cuda.md
+
+# CI's fixed sample: one killed mutant of each .cu file (seconds each; all must stay killed).
+MUTATE_CI_KEYS := b67e35898d 0894e5a82d b076a08aa4 d46b6b829d e35257f87f
+mutate-sample: emu
+	$(PY) tests/cuda_emu/mutate.py --keys $(MUTATE_CI_KEYS) --min-score 100
 
 # The CUDA flavour: torch 2.14.1 (CUDA 13.0) + nvcc; builds the CUDA kernels (no GPU needed),
 # checks every op has a CUDA kernel registered, that no multiply-add is fused (CPU objects, PTX),

@@ -310,7 +310,7 @@ def run(m: Mutant, timeout: int) -> tuple[str, str]:
     sys.path.insert(0, str(HERE))
     import build
 
-    out = build.DEFAULT_OUT / "mutate"
+    out = build.DEFAULT_OUT / "default"  # the ordinary build's objects are reused
     try:
         lib = build.build(
             out, overrides={m.file: m.source()}, name=f"_cuda_emu_m{m.key}.so", jobs=1
@@ -376,7 +376,8 @@ def report(
         f"{len(equivalent)} equivalent (argued below)",
         f"- killed: {killed} of the {len(counted)} non-equivalent mutants that compiled "
         f"({100 * killed / max(len(counted), 1):.1f}%)",
-        f"- time: {seconds / 60:.0f} minutes on this machine's 2 cores",
+        f"- time: {seconds / 60:.0f} minutes on this machine's 2 cores (this run; with --state, "
+        "only the mutants not yet killed, stillborn or unreachable ran)",
         "",
         "| file | mutants | killed | survived | equivalent | stillborn | unreachable |",
         "|---|---|---|---|---|---|---|",
@@ -384,11 +385,12 @@ def report(
     for rel in sorted({m.file for m, _, _ in results}):
         rs = [r for r in results if r[0].file == rel]
         n = {
-            k: sum(r[1] == k for r in rs) for k in ("killed", "survived", "equivalent", "stillborn")
+            k: sum(r[1] == k for r in rs)
+            for k in ("killed", "survived", "equivalent", "stillborn", "unreachable")
         }
         lines.append(
             f"| {rel} | {len(rs)} | {n['killed']} | {n['survived']} | {n['equivalent']} | "
-            f"{n['stillborn']} |"
+            f"{n['stillborn']} | {n['unreachable']} |"
         )
     lines += ["", "## Survivors", ""]
     surv = [r for r in results if r[1] == "survived"]
@@ -431,8 +433,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--min-score", type=float, default=None, help="exit 1 below this kill percentage"
     )
+    ap.add_argument("--keys", nargs="+", default=None, help="run these mutants only (CI's sample)")
     a = ap.parse_args(argv)
     ms = sample(a.per_file, a.seed)
+    if a.keys:
+        by_key = {m.key: m for m in sample(None, a.seed)}
+        missing = [k for k in a.keys if k not in by_key]
+        if missing:
+            print(f"mutants {missing} no longer exist (their line changed): update the sample")
+            return 1
+        ms = [by_key[k] for k in a.keys]
     if a.list:
         for m in ms:
             print(f"{m.key} {m.file}:{m.line} {m.op}: {m.new_line.strip()}")
