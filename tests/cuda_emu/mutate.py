@@ -232,33 +232,14 @@ def tests_for(rel: str) -> list[tuple[str, str]]:
     return TESTS["common"]
 
 
-def _preprocessed(build, rel: str, headers: dict[str, str], text: str | None) -> str:
-    """Translation unit `rel` after the preprocessor, as the emulator build compiles it (with
-    `headers` replaced through a shadow folder, `text` standing in for the unit itself)."""
+def _compile(build, rel: str, headers: dict[str, str], text: str | None, mode: str) -> str:
+    """Translation unit `rel` as the emulator build compiles it, with `headers` replaced through
+    a shadow folder and `text` standing in for the unit itself: after the preprocessor
+    (mode "E") or as the disassembly of its object (mode "S")."""
     import tempfile
 
     cflags, _ = build.torch_flags()
-    flags = build.base_flags(False) + cflags
-    with tempfile.TemporaryDirectory() as tmp:
-        for h, t in headers.items():
-            (Path(tmp) / "shadow" / h).parent.mkdir(parents=True, exist_ok=True)
-            (Path(tmp) / "shadow" / h).write_text(t)
-        src = CSRC / rel
-        extra = [f"-I{Path(tmp) / 'shadow'}"] if headers else []
-        if text is not None:
-            src = Path(tmp) / Path(rel).name
-            src.write_text(text)
-            extra.append(f"-I{(CSRC / rel).parent}")
-        cmd = [os.environ.get("CXX", "g++"), *extra, *flags, "-E", "-P", "-x", "c++", str(src)]
-        return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-
-
-def _machine_code(build, rel: str, headers: dict[str, str], text: str | None) -> str:
-    """The disassembly of translation unit `rel` as the emulator build compiles it."""
-    import tempfile
-
-    cflags, _ = build.torch_flags()
-    flags = build.base_flags(False) + cflags
+    cmd = [os.environ.get("CXX", "g++"), *build.base_flags(False), *cflags]
     with tempfile.TemporaryDirectory() as tmp:
         for h, t in headers.items():
             (Path(tmp) / "shadow" / h).parent.mkdir(parents=True, exist_ok=True)
@@ -270,10 +251,13 @@ def _machine_code(build, rel: str, headers: dict[str, str], text: str | None) ->
             src.parent.mkdir()
             src.write_text(text)
             extra.append(f"-I{(CSRC / rel).parent}")
+        cmd = [cmd[0], *extra, *cmd[1:], "-x", "c++", str(src)]
+        if mode == "E":
+            return subprocess.run(
+                [*cmd, "-E", "-P"], capture_output=True, text=True, check=True
+            ).stdout
         obj = Path(tmp) / "unit.o"
-        cxx = os.environ.get("CXX", "g++")
-        cc = [cxx, *extra, *flags, "-x", "c++", "-c", str(src), "-o", str(obj)]
-        subprocess.run(cc, capture_output=True, text=True, check=True)
+        subprocess.run([*cmd, "-c", "-o", str(obj)], capture_output=True, text=True, check=True)
         dis = subprocess.run(
             ["objdump", "-d", "--no-show-raw-insn", str(obj)],
             capture_output=True,
@@ -298,9 +282,9 @@ def unreachable(m: Mutant) -> bool:
         ]
         cases = [(u, {m.file: m.source()}, None) for u in units]
     for unit, headers, text in cases:
-        if _preprocessed(build, unit, headers, text) == _preprocessed(build, unit, {}, None):
+        if _compile(build, unit, headers, text, "E") == _compile(build, unit, {}, None, "E"):
             continue
-        if _machine_code(build, unit, headers, text) != _machine_code(build, unit, {}, None):
+        if _compile(build, unit, headers, text, "S") != _compile(build, unit, {}, None, "S"):
             return False
     return True
 
