@@ -167,6 +167,21 @@ def apply(name: str) -> dict[str, str]:
     return {m.file: text.replace(m.old, m.new)}
 
 
+def pytest_cmd(test_file: str, k: str = "") -> list[str]:
+    """pytest over tests/cuda_emu/<test_file> (filtered by -k `k`), stopping at the first failure."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        str(HERE / test_file),
+    ]
+    return cmd + ["-k", k] if k else cmd
+
+
 def run(name: str, sanitize: bool = False) -> tuple[bool, str]:
     """Builds and runs one mutant; returns (caught, summary)."""
     m = MUTANTS[name]
@@ -176,18 +191,7 @@ def run(name: str, sanitize: bool = False) -> tuple[bool, str]:
     out = build.DEFAULT_OUT / ("asan" if sanitize else "default")
     lib = build.build(out, sanitize=sanitize, overrides=apply(name), name=f"_cuda_emu_{name}.so")
     env = dict(os.environ, FASTAMP_EMU_LIB=str(lib))
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "-x",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        str(HERE / m.test_file),
-        "-k",
-        m.tests,
-    ]
+    cmd = pytest_cmd(m.test_file, m.tests)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     output = r.stdout + r.stderr
     ran = re.search(r"(\d+) (passed|failed)", output)

@@ -293,6 +293,7 @@ def run(m: Mutant, timeout: int) -> tuple[str, str]:
     """('killed' | 'survived' | 'stillborn' | 'unreachable', detail)."""
     sys.path.insert(0, str(HERE))
     import build
+    from mutants import pytest_cmd
 
     out = build.DEFAULT_OUT / "default"  # the ordinary build's objects are reused
     try:
@@ -304,18 +305,7 @@ def run(m: Mutant, timeout: int) -> tuple[str, str]:
     env = dict(os.environ, FASTAMP_EMU_LIB=str(lib), OMP_NUM_THREADS="1")
     try:
         for test_file, k in tests_for(m.file):
-            cmd = [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-x",
-                "-q",
-                "-p",
-                "no:cacheprovider",
-                str(HERE / test_file),
-            ]
-            if k:
-                cmd += ["-k", k]
+            cmd = pytest_cmd(test_file, k)
             try:
                 r = subprocess.run(
                     cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout
