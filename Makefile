@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources mutate mutate-sample emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -35,6 +35,7 @@ help:
 	@echo "  make cuda-build    build the CUDA flavour against torch 2.14.1 in .venv-cuda (nvcc needed)"
 	@echo "  make gpu-check     the GPU tier: kernels vs CPU bit for bit, CUDA tests, ncu traffic, GPU benchmarks"
 	@echo "  make gpu-resources registers/spills/occupancy per CUDA kernel (sm_80/86/90): docs/gpu_resources.md"
+	@echo "  make gpu-traffic   memory requests/sectors/bytes per CUDA kernel under the emulator: docs/gpu_traffic.md"
 	@echo "  make sanitize      CPU kernels and the emulator under ASan + UBSan, in .venv-asan"
 	@echo "  make lint          ruff format --check, ruff check, clang-format (make format fixes)"
 	@echo "  make clean         remove build/ and the venvs"
@@ -172,6 +173,12 @@ gpu-check: dist/cuda/.built
 CUDA_BUILD ?= build/$(notdir $(VENV))-cuda
 gpu-resources:
 	PATH="/usr/local/cuda/bin:$$PATH" $(PY) .ci/gpu_resources.py --build $(CUDA_BUILD) --markdown docs/gpu_resources.md --check
+
+# Global-memory traffic of every CUDA kernel under the emulator (requests, 32-byte sectors,
+# coalescing, DRAM bytes per element vs the model) and the GPU step it predicts vs torch's recipe:
+# docs/gpu_traffic.md; fails when a kernel departs from its model. No GPU needed.
+gpu-traffic: emu
+	$(PY) benchmarks/gpu/emulated_traffic.py --markdown docs/gpu_traffic.md --check
 
 # Mutation testing of the CUDA kernels (tests/cuda_emu/mutate.py): MUTATE_PER_FILE generated
 # mutants from each CUDA source and shared math header, each built into its own emulator library

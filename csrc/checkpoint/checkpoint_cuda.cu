@@ -1,5 +1,6 @@
-// CUDA kernel of the tensor digest: per-word terms summed with 64-bit atomics. Addition mod 2^64
-// commutes, so the bits do not depend on block scheduling, and equal the CPU kernel's.
+// CUDA kernel of the tensor digest: per-word terms summed per block, the blocks' sums with 64-bit
+// atomics. Addition mod 2^64 commutes, so the bits do not depend on block scheduling, and equal
+// the CPU kernel's.
 //
 // Not on the multi-tensor engine, on purpose: the engine walks typed, element-aligned lists and
 // combines float partials in a fixed order so that rounding is reproducible; the digest reads the
@@ -18,6 +19,10 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// kWords: the storage starts on an 8-byte boundary, so each full word is one 8-byte load (a
+// warp reads 256 contiguous bytes: 8 sectors in one request). Otherwise byte loads, which a warp
+// issues 8 times over the same sectors (any storage offset is allowed).
+template <bool kWords>
 __global__ void digest_kernel(const uint8_t* p, int64_t nbytes, unsigned long long* sum) {
   const int64_t nwords = (nbytes + 7) / 8;
   uint64_t s = 0;
@@ -25,8 +30,9 @@ __global__ void digest_kernel(const uint8_t* p, int64_t nbytes, unsigned long lo
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     uint64_t w = 0;
     const int64_t left = nbytes - i * 8;
-    if (left >= 8) {
-      // Byte loads: the storage offset need not be 8-byte aligned.
+    if (kWords && left >= 8) {
+      w = reinterpret_cast<const uint64_t*>(p)[i];  // little-endian, as the bytes below
+    } else if (left >= 8) {
 #pragma unroll
       for (int b = 0; b < 8; ++b) w |= static_cast<uint64_t>(p[i * 8 + b]) << (8 * b);
     } else {
@@ -34,7 +40,19 @@ __global__ void digest_kernel(const uint8_t* p, int64_t nbytes, unsigned long lo
     }
     s += digest_term(w, static_cast<uint64_t>(i));
   }
-  atomicAdd(sum, static_cast<unsigned long long>(s));
+  // One atomic per block, not per thread (every thread gets here): the sum is exact, so the
+  // reduction order changes nothing.
+  __shared__ uint64_t warp_sums[kThreads / 32];
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint64_t b = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) b += warp_sums[w];
+    atomicAdd(sum, static_cast<unsigned long long>(b));
+  }
 }
 
 __global__ void finish_kernel(unsigned long long* sums, const int64_t* nbytes, int64_t n,
@@ -63,9 +81,15 @@ Tensor tensor_digest_cuda(TensorList tensors) {
     const int64_t nwords = (nbytes + 7) / 8;
     const int blocks =
         static_cast<int>(std::min<int64_t>((nwords + kThreads - 1) / kThreads, 1024));
-    gpu::launch("digest_kernel", &digest_kernel, dim3(static_cast<unsigned>(blocks)),
-                dim3(kThreads), stream, static_cast<const uint8_t*>(t.data_ptr()), nbytes,
-                reinterpret_cast<unsigned long long*>(sums.mutable_data_ptr<int64_t>()) + i);
+    const auto* bytes = static_cast<const uint8_t*>(t.data_ptr());
+    auto* sum = reinterpret_cast<unsigned long long*>(sums.mutable_data_ptr<int64_t>()) + i;
+    if (reinterpret_cast<uintptr_t>(bytes) % 8 == 0) {
+      gpu::launch("digest_kernel", &digest_kernel<true>, dim3(static_cast<unsigned>(blocks)),
+                  dim3(kThreads), stream, bytes, nbytes, sum);
+    } else {
+      gpu::launch("digest_kernel", &digest_kernel<false>, dim3(static_cast<unsigned>(blocks)),
+                  dim3(kThreads), stream, bytes, nbytes, sum);
+    }
   }
   // The sizes travel as a small host-to-device copy from a CPU tensor (stream-ordered).
   Tensor host_sizes = empty({n}, kLong, Device(DeviceType::CPU));

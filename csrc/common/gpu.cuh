@@ -95,24 +95,42 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
+/// The address of the instruction this expands at: under the emulator, the identity of an
+/// inlined vector access, so the lanes of a warp that run it form one request (emu/traffic.h).
+#if defined(FASTAMP_CUDA_EMULATOR) && defined(__x86_64__)
+#define FASTAMP_EMU_PC()                          \
+  [] {                                            \
+    const void* pc;                               \
+    asm volatile("leaq 0(%%rip), %0" : "=r"(pc)); \
+    return pc;                                    \
+  }()
+#elif defined(FASTAMP_CUDA_EMULATOR)
+#define FASTAMP_EMU_PC() __builtin_return_address(0)
+#endif
+
 /// Vector load of a V (e.g. 16 bytes) from p, which must be aligned to alignof(V): a GPU faults
-/// on a misaligned vector access, and the emulator reports one.
+/// on a misaligned vector access, and the emulator reports one. Under the emulator the copy is
+/// one counted access (the host compiler might split `*p` into scalar loads).
 template <typename V>
 __host__ __device__ __forceinline__ V vec_load(const V* p) {
 #if defined(FASTAMP_CUDA_EMULATOR)
   ::fastamp::emu::check_aligned(p, alignof(V), "vector load");
-  ::fastamp::emu::count_vector_access(sizeof(V), /*store=*/false);
-#endif
+  V out;
+  ::fastamp::emu::vector_access(&out, p, sizeof(V), /*store=*/false, FASTAMP_EMU_PC());
+  return out;
+#else
   return *p;
+#endif
 }
 
 template <typename V>
 __host__ __device__ __forceinline__ void vec_store(V* p, const V& v) {
 #if defined(FASTAMP_CUDA_EMULATOR)
   ::fastamp::emu::check_aligned(p, alignof(V), "vector store");
-  ::fastamp::emu::count_vector_access(sizeof(V), /*store=*/true);
-#endif
+  ::fastamp::emu::vector_access(p, &v, sizeof(V), /*store=*/true, FASTAMP_EMU_PC());
+#else
   *p = v;
+#endif
 }
 
 }  // namespace gpu

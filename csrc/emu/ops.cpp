@@ -37,6 +37,25 @@ std::tuple<int64_t, int64_t, int64_t, int64_t> vector_traffic_op() {
   return {v.loads, v.stores, v.load_bytes, v.store_bytes};
 }
 
+void set_traffic_trace_op(bool on) {
+  set_traffic_trace(on);
+}
+
+/// The traced launches: their kernel names, and per launch ten counts, loads then stores, each
+/// (requests, bytes, sectors, ideal sectors, unique sectors).
+std::tuple<std::vector<std::string>, std::vector<int64_t>> traffic_op() {
+  std::vector<std::string> names;
+  std::vector<int64_t> counts;
+  for (const LaunchTraffic& l : traffic()) {
+    names.push_back(l.kernel);
+    for (const AccessCounts* c : {&l.load, &l.store}) {
+      counts.insert(counts.end(),
+                    {c->requests, c->bytes, c->sectors, c->ideal_sectors, c->unique_sectors});
+    }
+  }
+  return {names, counts};
+}
+
 std::vector<std::string> launched_kernels_op() {
   return launched_kernels();
 }
@@ -53,6 +72,13 @@ TORCH_LIBRARY_FRAGMENT(fastamp_emu, m) {
   m.def("reset_stats() -> ()", &fastamp::emu::reset_stats);
   // (vector loads, vector stores, bytes loaded, bytes stored) since the last reset_stats().
   m.def("vector_traffic() -> (int, int, int, int)", &fastamp::emu::vector_traffic_op);
+  // Global-memory traffic tracing for later launches (emu/traffic.h), and its per-launch counts
+  // since the last reset_stats().
+  m.def("set_traffic_trace(bool on) -> ()", &fastamp::emu::set_traffic_trace_op);
+  m.def("traffic_instrumented() -> bool", &fastamp::emu::traffic_instrumented);
+  m.def("traffic() -> (str[], int[])", &fastamp::emu::traffic_op);
+  // The sectors (address / 32) the traced launches loaded, or stored, since reset_stats().
+  m.def("traffic_footprint(bool store) -> int[]", &fastamp::emu::footprint);
   // Names of every kernel launched since the library was loaded (for the coverage test).
   m.def("launched_kernels() -> str[]", &fastamp::emu::launched_kernels_op);
 }

@@ -65,10 +65,6 @@ std::atomic<uint64_t> g_seed{0};
 std::atomic<uint64_t> g_launch_counter{0};
 std::mutex g_stats_mu;
 Stats g_stats;
-std::atomic<int64_t> g_vec_loads{0};
-std::atomic<int64_t> g_vec_stores{0};
-std::atomic<int64_t> g_vec_load_bytes{0};
-std::atomic<int64_t> g_vec_store_bytes{0};
 std::set<std::string> g_launched;
 
 // --- fiber contexts ----------------------------------------------------------------------------
@@ -414,26 +410,24 @@ Stats stats() {
 void reset_stats() {
   std::lock_guard<std::mutex> lock(g_stats_mu);
   g_stats = Stats{};
-  g_vec_loads = 0;
-  g_vec_stores = 0;
-  g_vec_load_bytes = 0;
-  g_vec_store_bytes = 0;
-}
-
-void count_vector_access(size_t bytes, bool store) {
-  (store ? g_vec_stores : g_vec_loads).fetch_add(1, std::memory_order_relaxed);
-  (store ? g_vec_store_bytes : g_vec_load_bytes)
-      .fetch_add(static_cast<int64_t>(bytes), std::memory_order_relaxed);
-}
-
-VectorTraffic vector_traffic() {
-  return {g_vec_loads.load(), g_vec_stores.load(), g_vec_load_bytes.load(),
-          g_vec_store_bytes.load()};
+  reset_traffic();
 }
 
 std::vector<std::string> launched_kernels() {
   std::lock_guard<std::mutex> lock(g_stats_mu);
   return {g_launched.begin(), g_launched.end()};
+}
+
+bool current_fiber(FiberView* out) {
+  const BlockRun* run = tl_run;
+  if (run == nullptr || run->cur == nullptr) return false;
+  const Fiber& f = *run->cur;
+  out->tid = f.tid;
+  out->stack_lo = reinterpret_cast<uintptr_t>(f.uc.stack);
+  out->stack_hi = out->stack_lo + f.uc.size;
+  out->book_lo = reinterpret_cast<uintptr_t>(run->fibers.data());
+  out->book_hi = reinterpret_cast<uintptr_t>(run->fibers.data() + run->fibers.size());
+  return true;
 }
 
 void fail_outside_kernel() {
@@ -619,13 +613,16 @@ void run_grid(const char* kernel, dim3 grid, dim3 block, size_t param_size,
   run.kernel = kernel;
   run.body = &body;
   tl_run = &run;
+  traffic_launch_begin(kernel);
   for (uint64_t lin : blocks) {
     const uint3 bidx{static_cast<unsigned>(lin % grid.x),
                      static_cast<unsigned>((lin / grid.x) % grid.y),
                      static_cast<unsigned>(lin / (uint64_t{grid.x} * grid.y))};
     run_block(run, block, bidx, grid, ord, rng);
+    traffic_block_end();
     if (!run.error.empty()) break;
   }
+  traffic_launch_end();
   tl_run = nullptr;
   tl_ctx = nullptr;
   {

@@ -20,6 +20,7 @@
 /// - __shared__ variables are thread_local statics: one copy per OS thread, i.e. per running block.
 /// - Atomics are host atomics. 16-byte vector loads and stores through fastamp::gpu::vec_load /
 ///   vec_store check their alignment.
+/// - Global-memory requests and sectors are counted per launch when tracing is on (traffic.h).
 /// - Launches are refused where CUDA refuses them: an empty grid, more than 1024 threads per block
 ///   or a block dimension over its limit, kernel parameters over 4096 bytes.
 /// Not modelled (docs/reliability.md): memory ordering between sync points (each block runs alone,
@@ -31,6 +32,8 @@
 #pragma once
 
 #include <c10/util/Exception.h>
+
+#include "emu/traffic.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -90,16 +93,6 @@ struct Stats {
 Stats stats();
 void reset_stats();
 
-/// The kernels' 16-byte vector accesses (gpu::vec_load / gpu::vec_store) since the last
-/// reset_stats(): on aligned inputs, the bulk of the bytes a kernel moves.
-struct VectorTraffic {
-  int64_t loads = 0;
-  int64_t stores = 0;
-  int64_t load_bytes = 0;
-  int64_t store_bytes = 0;
-};
-VectorTraffic vector_traffic();
-void count_vector_access(size_t bytes, bool store);
 /// Names of the kernels launched since the library was loaded, sorted.
 std::vector<std::string> launched_kernels();
 

@@ -60,6 +60,71 @@ __global__ void arrival_kernel(int* counter, int* out) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = atomicAdd(counter, 1);
 }
 
+// --- memory traffic (tests/cuda_emu/test_traffic.py) --------------------------------------------
+// Grid-stride kernels over n floats whose requests and sectors are known in closed form.
+
+__global__ void copy_kernel(const float* in, float* out, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    out[i] = in[i];
+  }
+}
+
+// Lane i of a warp reads element 8 * i: one sector per lane instead of one per 8 lanes.
+__global__ void strided_kernel(const float* in, float* out, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    out[i] = in[(static_cast<int64_t>(i) * 8) % n + (static_cast<int64_t>(i) * 8) / n];
+  }
+}
+
+// Reads its input twice: once for a sum, once for the output.
+__global__ void twice_kernel(const float* in, float* out, int n) {
+  float s = 0.0f;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    s += in[i];
+  }
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    out[i] = in[i] + s * 0.0f;
+  }
+}
+
+// Every thread reads one scalar: one sector per warp request.
+__global__ void broadcast_kernel(const float* in, float* out, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    out[i] = in[0];
+  }
+}
+
+// Stages each block's slice through shared memory: the shared accesses are not global traffic.
+__global__ void staged_kernel(const float* in, float* out, int n) {
+  __shared__ float buf[kThreads];
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  buf[threadIdx.x] = in[i];
+  __syncthreads();
+  out[i] = buf[(threadIdx.x + 1) % blockDim.x] + static_cast<float>(n) * 0.0f;
+}
+
+// Stores through inline assembly, which no compiler instrumentation sees: the store a trace
+// misses, and the footprint check must catch.
+__global__ void bypass_kernel(const float* in, float* out, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const float v = in[i];
+#if defined(__x86_64__)
+    asm volatile("movl %1, %0" : "=m"(out[i]) : "r"(__builtin_bit_cast(uint32_t, v)) : "memory");
+#else
+    out[i] = v;
+#endif
+  }
+}
+
+// 16-byte vectors: one request of 512 bytes per warp.
+__global__ void vector_kernel(const float* in, float* out, int n) {
+  using V = gpu::Vec<float, 4>;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; 4 * i < n; i += gridDim.x * blockDim.x) {
+    gpu::vec_store(reinterpret_cast<V*>(out) + i,
+                   gpu::vec_load(reinterpret_cast<const V*>(in) + i));
+  }
+}
+
 // --- faults ------------------------------------------------------------------------------------
 
 __global__ void divergent_barrier_kernel(int* out) {
@@ -143,6 +208,25 @@ at::Tensor selftest(const std::string& kind) {
     gpu::launch("atomics_kernel", &atomics_kernel, dim3(4), dim3(kThreads), s, f.data_ptr<float>(),
                 reinterpret_cast<unsigned long long*>(u.data_ptr<int64_t>()));
     return at::cat({f.to(at::kDouble), u.to(at::kDouble)});
+  }
+  if (kind == "copy" || kind == "strided" || kind == "twice" || kind == "broadcast" ||
+      kind == "staged" || kind == "vector" || kind == "bypass") {
+    constexpr int n = 8 * kThreads;
+    at::Tensor in = at::arange(n, at::kFloat);
+    at::Tensor out = at::zeros({n}, at::kFloat);
+    using K = void (*)(const float*, float*, int);
+    const K k = kind == "copy"        ? &copy_kernel
+                : kind == "strided"   ? &strided_kernel
+                : kind == "twice"     ? &twice_kernel
+                : kind == "broadcast" ? &broadcast_kernel
+                : kind == "staged"    ? &staged_kernel
+                : kind == "bypass"    ? &bypass_kernel
+                                      : &vector_kernel;
+    // Two blocks of kThreads: a grid stride of 2 * kThreads elements (staged: one per element).
+    const unsigned blocks = kind == "staged" ? n / kThreads : 2;
+    gpu::launch(kind.c_str(), k, dim3(blocks), dim3(kThreads), s,
+                static_cast<const float*>(in.data_ptr<float>()), out.data_ptr<float>(), n);
+    return out;
   }
   at::Tensor out = at::zeros({kThreads}, i32);
   int* o = out.data_ptr<int>();

@@ -32,12 +32,23 @@ DEFAULT_OUT = ROOT / "build" / "cuda_emu"
 # launchers share with the CPU kernels.
 HOST_SOURCES = [
     "emu/runtime.cpp",
+    "emu/traffic.cpp",
     "emu/ops.cpp",
     "emu/selftest.cpp",
     "scaler/scaler_checks.cpp",
     "optim/optim_checks.cpp",
     "common/tensor_list.cpp",
     "common/torch_api.cpp",
+]
+
+# The kernel sources' loads and stores become calls to emu/traffic.cpp's hooks: GCC's ThreadSanitizer
+# instrumentation, without its runtime (the hooks only count; atomics are performed by them). Not
+# with --sanitize, whose ASan cannot be combined with it.
+TRACED = ("emu/selftest.cpp",)
+TRACE = [
+    "-fsanitize=thread",
+    "--param=tsan-instrument-func-entry-exit=0",
+    "--param=tsan-distinguish-volatile=0",
 ]
 
 SANITIZE = [
@@ -86,6 +97,12 @@ def base_flags(sanitize: bool) -> list[str]:
     if sanitize:
         flags += SANITIZE
     return flags
+
+
+def unit_flags(rel: str, sanitize: bool) -> list[str]:
+    """Flags of one translation unit beyond base_flags: the kernels' traffic instrumentation."""
+    traced = rel.endswith(".cu") or rel in TRACED
+    return TRACE if traced and not sanitize else []
 
 
 HEADER_SUFFIXES = (".h", ".cuh", ".inc")
@@ -156,7 +173,9 @@ def build(
         used = sorted(includes(rel, {**headers, rel: text}))
         used_text = [headers[h] if h in headers else (CSRC / h).read_text() for h in used]
         key = hashlib.sha256(
-            "\0".join([cxx, *flags, rel, text, *used, *used_text]).encode()
+            "\0".join(
+                [cxx, *flags, *unit_flags(rel, sanitize), rel, text, *used, *used_text]
+            ).encode()
         ).hexdigest()[:24]
         obj = objdir / f"{Path(rel).stem}-{key}.o"
         if obj.exists():
@@ -170,7 +189,8 @@ def build(
                 src, extra = CSRC / rel, []
             lang = ["-x", "c++"] if rel.endswith(".cu") else []
             tmp_obj = Path(tmp) / "out.o"
-            cmd = [cxx, *flags, *extra, *lang, "-c", str(src), "-o", str(tmp_obj)]
+            cmd = [cxx, *flags, *unit_flags(rel, sanitize), *extra, *lang, "-c", str(src)]
+            cmd += ["-o", str(tmp_obj)]
             if verbose:
                 print(" ".join(cmd), flush=True)
             r = subprocess.run(cmd, capture_output=True, text=True)

@@ -16,6 +16,7 @@ Emulator-only checks (launch orders, the emulator's own self-tests and counters)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator
@@ -157,6 +158,71 @@ def vector_traffic() -> dict[str, int]:
     load()
     loads, stores, load_bytes, store_bytes = torch.ops.fastamp_emu.vector_traffic()
     return {"loads": loads, "stores": stores, "load_bytes": load_bytes, "store_bytes": store_bytes}
+
+
+FIELDS = ("requests", "bytes", "sectors", "ideal_sectors", "unique_sectors")
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """One direction (loads or stores) of one traced launch (csrc/emu/traffic.h)."""
+
+    requests: int  # warp-level instructions
+    bytes: int  # distinct bytes the requests asked for
+    sectors: int  # 32-byte sectors the requests touched, summed
+    ideal_sectors: int  # ceil(bytes of each request / 32), summed
+    unique_sectors: int  # distinct sectors of the launch: its DRAM bytes / 32, caches cold
+
+    @property
+    def coalescing(self) -> float:
+        """Sectors per ideal sector: 1.0 is perfect coalescing."""
+        return self.sectors / max(self.ideal_sectors, 1)
+
+    @property
+    def reuse(self) -> float:
+        """Sectors moved per distinct sector: 1.0 when no request re-reads a sector."""
+        return self.sectors / max(self.unique_sectors, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    kernel: str
+    load: Access
+    store: Access
+
+    @property
+    def dram_bytes(self) -> int:
+        return 32 * (self.load.unique_sectors + self.store.unique_sectors)
+
+
+def traffic_instrumented() -> bool:
+    """Whether the loaded library's kernels report their accesses (not the --sanitize build)."""
+    load()
+    return bool(torch.ops.fastamp_emu.traffic_instrumented())
+
+
+@contextlib.contextmanager
+def traced(into: list[Launch]) -> Iterator[None]:
+    """Traces the global-memory traffic of the launches inside the block (per-warp requests and
+    32-byte sectors, csrc/emu/traffic.h) and appends one Launch per launch to `into`."""
+    load()
+    torch.ops.fastamp_emu.reset_stats()
+    torch.ops.fastamp_emu.set_traffic_trace(True)
+    try:
+        yield
+    finally:
+        torch.ops.fastamp_emu.set_traffic_trace(False)
+        names, counts = torch.ops.fastamp_emu.traffic()
+        for i, name in enumerate(names):
+            c = counts[10 * i : 10 * i + 10]
+            into.append(Launch(name, Access(*c[:5]), Access(*c[5:])))
+
+
+def footprint(store: bool) -> set[int]:
+    """The sectors (address // 32) the traced launches loaded (or stored) since the last trace
+    began."""
+    load()
+    return set(torch.ops.fastamp_emu.traffic_footprint(store))
 
 
 def reset_stats() -> None:
