@@ -18,7 +18,10 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import hashlib
+import json
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -27,11 +30,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "python" / "fastamp"
+# module: its tests, most telling first (-x stops at the first failure). The scaler's modules
+# also run the fastamp optimizers' tests (the fused clip hands its coefficient to their update)
+# and DDP's statistics-reuse test (clip_grad_norm_ reuses what DDP's unpack measured).
+_SCALER = ["tests/scaler", "tests/optim/test_optimizers.py", "tests/parallel/test_ddp_parity.py"]
 FILES = {
-    "scaler/grad_scaler.py": ["tests/scaler"],
-    "scaler/_grads.py": ["tests/scaler"],
-    "scaler/_clip.py": ["tests/scaler"],
-    "optim/optimizers.py": ["tests/optim"],
+    "scaler/grad_scaler.py": _SCALER,
+    "scaler/_grads.py": _SCALER,
+    "scaler/_clip.py": _SCALER,
+    "optim/optimizers.py": ["tests/optim", "tests/scaler/test_grad_scaler.py"],
     "optim/_step_checks.py": ["tests/optim"],
     "optim/lowbit.py": ["tests/optim"],
 }
@@ -118,6 +125,14 @@ def mutated_source(m: Mutant) -> tuple[str, str]:
     return ast.unparse(tree), snippet[:120]
 
 
+def key(m: Mutant) -> str:
+    """The mutant and what decides its fate: its module's text and the tests it runs."""
+    text = (PKG / m.file).read_text()
+    return hashlib.sha256(
+        "\0".join([m.file, str(m.index), text, *FILES[m.file]]).encode()
+    ).hexdigest()[:16]
+
+
 def run(m: Mutant, timeout: int) -> tuple[str, str]:
     path = PKG / m.file
     original = path.read_text()
@@ -148,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--state", type=Path, default=None, help="cache of results (JSON) to reuse")
     a = ap.parse_args(argv)
+    state = json.loads(a.state.read_text()) if a.state and a.state.exists() else {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # restore the module on a kill
     chosen: list[Mutant] = []
     for rel in FILES:
         ms = mutants_of(rel)
@@ -163,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     results = []
     for m in chosen:
-        status, detail = run(m, a.timeout)
+        k = key(m)
+        status, detail = state[k] if k in state else run(m, a.timeout)
+        if a.state:
+            state[k] = [status, detail]
+            a.state.write_text(json.dumps(state, indent=1))
         print(
             f"[{status:8}] {m.file}:{m.line} {m.what}: {mutated_source(m)[1][:70]} {detail[:90]}",
             flush=True,

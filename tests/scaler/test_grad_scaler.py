@@ -119,18 +119,19 @@ def test_differential_training_matches_torch(opt_kind, growth_interval):
 
 
 @pytest.mark.parametrize("opt_kind", ["sgd", "adamw", "adamw_fused"])
-@pytest.mark.parametrize("max_norm", [0.05, 1e3])
+@pytest.mark.parametrize("max_norm", [0.0, 0.05, 1e3])  # 0: torch zeroes the grads; so must we
 def test_clip_grad_norm_matches_torch_recipe(opt_kind, max_norm):
     steps = 40
     pattern = _pattern(7, steps)
     t_traj, t_model, _, _ = _run(torch.amp.GradScaler, opt_kind, steps, pattern, 3, clip=max_norm)
     f_traj, f_model, _, _ = _run(fastamp.GradScaler, opt_kind, steps, pattern, 3, clip=max_norm)
     assert [(s, k) for s, k, _ in f_traj] == [(s, k) for s, k, _ in t_traj]
-    for (_, k, fn), (_, _, tn) in zip(f_traj, t_traj):
-        if k:
-            assert not math.isfinite(fn) and not math.isfinite(tn)
-        else:
-            assert math.isclose(fn, tn, rel_tol=1e-5)
+    # (With max_norm=0 plain SGD never moves the params, so "skipped" is every step; the norms
+    # still must agree: non-finite on the overflowed steps, equal on the others.)
+    for (_, _, fn), (_, _, tn) in zip(f_traj, t_traj):
+        assert math.isfinite(fn) == math.isfinite(tn)
+        assert not math.isfinite(fn) or math.isclose(fn, tn, rel_tol=1e-5)
+    assert any(not math.isfinite(n) for _, _, n in t_traj)
     for a, b in zip(f_model.parameters(), t_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -409,6 +410,59 @@ def test_clip_after_unscale_and_norm_types(norm_type):
     torch.testing.assert_close(n1, n2, rtol=1e-5, atol=0)
     for a, b in zip(m1.parameters(), m2.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-8)
+
+
+def test_clip_after_unscale_keeps_the_inf_check_of_unscale():
+    """unscale_ saw an inf; the user then repairs the grads and clips. torch skips the step (its
+    found_inf came from unscale_); so must fastamp, whose clip merges its own check into it."""
+    runs = []
+    for cls in (fastamp.GradScaler, torch.amp.GradScaler):
+        m = _model(2)
+        o = _optimizer("sgd", m)
+        s = cls("cpu")
+        s.scale(m(torch.randn(4, 16, generator=torch.Generator().manual_seed(5))).sum()).backward()
+        next(m.parameters()).grad.view(-1)[3] = math.inf
+        s.unscale_(o)
+        for p in m.parameters():
+            p.grad.nan_to_num_(posinf=0.0)
+        if isinstance(s, fastamp.GradScaler):
+            s.clip_grad_norm_(o, 1.0)
+        else:
+            nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        before = [p.detach().clone() for p in m.parameters()]
+        s.step(o)
+        s.update()
+        runs.append((all(torch.equal(b, p) for b, p in zip(before, m.parameters())), s.get_scale()))
+    assert runs[0] == runs[1] == (True, 2.0**15)
+
+
+def test_fused_clip_reads_fp16_grads_without_unscaling_them():
+    """With a fastamp optimizer, clip_grad_norm_ only reads the grads (its update pass unscales
+    and clips), so fp16 grads are fine, where unscale_ (and torch) refuse them. The norm is the
+    float64 reference's."""
+    m = _model(3, torch.float16)
+    o = fastamp.optim.AdamW(m.parameters(), lr=1e-3, master_weights=True)
+    s = fastamp.GradScaler("cpu", init_scale=2.0**10)
+    s.scale(m(torch.randn(4, 16).half()).float().sum()).backward()
+    grads = [p.grad.double() / 2.0**10 for p in m.parameters()]
+    norm = s.clip_grad_norm_(o, 0.5)
+    ref = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    assert math.isclose(float(norm), float(ref), rel_tol=1e-5)
+    s.step(o)
+    assert not s.last_step_skipped()  # the step ran
+    with pytest.raises(ValueError, match="FP16"):
+        s2 = fastamp.GradScaler("cpu")
+        m2 = _model(3, torch.float16)
+        o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+        s2.scale(m2(torch.randn(4, 16).half()).float().sum()).backward()
+        s2.clip_grad_norm_(o2, 0.5)  # a torch optimizer: the grads are unscaled in place
+
+
+def test_min_scale_takes_float32_max_and_no_more():
+    f32_max = torch.finfo(torch.float32).max
+    fastamp.GradScaler("cpu", init_scale=f32_max, min_scale=f32_max)  # a valid floor
+    with pytest.raises(ValueError, match="min_scale"):
+        fastamp.GradScaler("cpu", init_scale=f32_max, min_scale=f32_max * 2.0)
 
 
 # --- diagnostics and host syncs -----------------------------------------------------------------

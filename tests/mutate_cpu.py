@@ -1,0 +1,176 @@
+"""Mutation testing of the CPU kernels: generated mutants of their C++ sources, each compiled into
+the CPU library (an incremental rebuild of the units it reaches) and run against the CPU op
+tests and the emulated differential tests (whose reference is the CPU kernel).
+
+The operators and the sampling are the CUDA tier's (tests/cuda_emu/mutate.py); the files are the
+CPU kernels' own. Each mutant is written over its file in place and always put back, so run this
+from a separate checkout (a git worktree) whose library is on the path:
+
+    git worktree add /tmp/mutcpu HEAD
+    cd /tmp/mutcpu && python tests/mutate_cpu.py --per-file 3 --out /tmp/mutation_cpu.md
+
+The first run configures and builds the library in build/mutate-cpu (a few minutes); every
+mutant then recompiles only what it touches, and the library is copied into python/fastamp.
+Python imports fastamp from this checkout (sitecustomize drops the editable finder of the main
+checkout, and python/ is put first on the path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "cuda_emu"))
+
+import mutate  # noqa: E402  (the generator of the CUDA tier)
+
+BUILD = ROOT / "build" / "mutate-cpu"
+SITE = ROOT / "build" / "mutate-cpu-site"
+
+# file: the tests its mutants run, most telling first (-x stops at the first failure).
+FILES = {
+    "scaler/scaler_cpu_kernels.inc": ["tests/scaler/test_ops.py", "tests/cuda_emu/test_emulated_ops.py"],
+    "optim/optim_cpu_kernels.inc": ["tests/optim/test_optim_ops.py", "tests/optim/test_exact_ties.py",
+                                    "tests/cuda_emu/test_emulated_ops.py"],
+    "optim/lowbit_cpu_kernels.inc": ["tests/optim/test_lowbit.py", "tests/optim/test_lowbit_sgd.py",
+                                     "tests/optim/test_exact_ties.py", "tests/cuda_emu/test_emulated_lowbit.py"],
+    "parallel/bucket_cpu.cpp": ["tests/parallel/test_bucket_ops.py", "tests/cuda_emu/test_emulated_ops.py"],
+    "checkpoint/checkpoint_cpu.cpp": ["tests/checkpoint", "tests/cuda_emu/test_emulated_ops.py"],
+}  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    SITE.mkdir(parents=True, exist_ok=True)
+    (SITE / "sitecustomize.py").write_text(
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path"
+        " if 'editable' not in type(f).__module__.lower()]\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT / "python")])
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env
+
+
+def build() -> str:
+    """Builds the CPU library (incrementally) and copies it into python/fastamp; returns the
+    compiler's error output, or "" on success."""
+    if not (BUILD / "build.ninja").exists():
+        cmd = [
+            "cmake", "-S", str(ROOT), "-B", str(BUILD), "-G", "Ninja",
+            "-DCMAKE_BUILD_TYPE=Release", "-DFASTAMP_CUDA=OFF", "-DFASTAMP_WERROR=ON",
+            f"-DPython_EXECUTABLE={sys.executable}",
+        ]  # fmt: skip
+        r = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+        if r.returncode != 0:
+            raise SystemExit(f"cmake configure failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    r = subprocess.run(["cmake", "--build", str(BUILD)], capture_output=True, text=True, env=_env())
+    if r.returncode != 0:
+        return (r.stdout + r.stderr)[-2000:]
+    libs = sorted(BUILD.glob("_C*.so"))
+    if not libs or not (BUILD / "_build_info.py").exists():
+        raise SystemExit(f"no _C*.so and _build_info.py in {BUILD}")
+    for f in (libs[0], BUILD / "_build_info.py"):
+        shutil.copy2(f, ROOT / "python" / "fastamp" / f.name)
+    return ""
+
+
+def tests(files: list[str], timeout: int) -> tuple[str, str]:
+    """("killed", the first failure) or ("survived", "") for the tests of `files`."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files]
+    try:
+        r = subprocess.run(
+            cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=_env()
+        )
+    except subprocess.TimeoutExpired:
+        return "killed", f"timed out after {timeout}s"
+    if r.returncode != 0:
+        first = next((ln for ln in r.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))), "")
+        return "killed", first[:200] or f"pytest exited {r.returncode}"
+    return "survived", ""
+
+
+def run(m: mutate.Mutant, timeout: int) -> tuple[str, str]:
+    path = mutate.CSRC / m.file
+    original = path.read_text()
+    try:
+        path.write_text(m.source())
+        err = build()
+        if err:
+            return "stillborn", err.strip().splitlines()[-1][:160]
+        return tests(FILES[m.file], timeout)
+    finally:
+        path.write_text(original)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--per-file", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--list", action="store_true")
+    a = ap.parse_args(argv)
+    chosen = []
+    for rel in FILES:
+        ms = mutate.mutants_of(rel)
+        ms = random.Random(f"{a.seed}:{rel}").sample(ms, min(a.per_file, len(ms)))
+        chosen += sorted(ms, key=lambda m: (m.line, m.col, m.op))
+    if a.list:
+        for m in chosen:
+            print(f"{m.file}:{m.line} {m.op}: {m.new_line.strip()}")
+        return 0
+    t0 = time.time()
+    # A mutant is restored by its `finally`; SIGTERM must reach it as an exception.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if build():
+        raise SystemExit("the unmutated sources do not build")
+    every = sorted({f for fs in FILES.values() for f in fs})
+    status, detail = tests(every, a.timeout)
+    if status != "survived":  # the baseline must pass, or every mutant would look killed
+        raise SystemExit(f"the unmutated tests fail: {detail}")
+    results = []
+    for m in chosen:
+        status, detail = run(m, a.timeout)
+        print(f"[{status:9}] {m.file}:{m.line} {m.op}: {m.new_line.strip()[:70]} {detail[:90]}",
+              flush=True)  # fmt: skip
+        results.append((m, status, detail))
+    build()  # the unmutated library again
+    counted = [r for r in results if r[1] != "stillborn"]
+    killed = sum(s == "killed" for _, s, _ in counted)
+    lines = [
+        "# Mutation testing of the CPU kernels (`tests/mutate_cpu.py`)",
+        "",
+        f"`python tests/mutate_cpu.py --per-file {a.per_file} --seed {a.seed}`: {len(results)} "
+        f"mutants over {len(FILES)} files, {len(results) - len(counted)} stillborn, {killed} of "
+        f"{len(counted)} killed ({100 * killed / max(len(counted), 1):.0f}%), "
+        f"{(time.time() - t0) / 60:.0f} minutes.",
+        "",
+        "| file | mutants | killed |",
+        "|---|---|---|",
+    ]
+    for rel in FILES:
+        rs = [r for r in counted if r[0].file == rel]
+        lines.append(f"| csrc/{rel} | {len(rs)} | {sum(s == 'killed' for _, s, _ in rs)} |")
+    lines += ["", "## Mutants", ""]
+    lines += [f"- {s}: `csrc/{m.file}:{m.line}` {m.op}: `{m.new_line.strip()}` {d[:120]}"
+              for m, s, d in results]  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    if a.out:
+        a.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
