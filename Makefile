@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample mutate-cpu mutate-python mutate-worktree emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -27,6 +27,8 @@ help:
 	@echo "  make emu           build the CUDA emulator library only"
 	@echo "  make emu-faults    planted CUDA faults the emulated tests must catch"
 	@echo "  make mutate        generated mutants of the CUDA kernels vs the emulated tests (score, survivors)"
+	@echo "  make mutate-cpu    generated mutants of the CPU kernels, rebuilt one by one (in a worktree of HEAD)"
+	@echo "  make mutate-python AST mutants of the scaler/optimizer step logic (in a worktree of HEAD)"
 	@echo "  make test-clients  the Lightning / accelerate / transformers tier, in .venv-clients"
 	@echo "  make wheel         the CPU and CUDA abi3 wheels and the sdist in dist/, audited"
 	@echo "  make test-matrix   the CPU wheel installed beside other torch releases, tested (MATRIX=...)"
@@ -187,6 +189,24 @@ MUTATE_PER_FILE ?= 17
 mutate: emu
 	$(PY) tests/cuda_emu/mutate.py --per-file $(MUTATE_PER_FILE) --state build/mutate_state.json \
 	  --out benchmarks/results/mutation_cuda.md
+
+# The CPU kernels' and the Python step logic's mutation tiers write each mutant over its file,
+# so they run in a worktree of HEAD (build/mutate-worktree) with this venv's compiled library
+# copied in: commit first. Results: benchmarks/results/mutation_{cpu,python}.md (and a cache).
+MUTATE_WT := build/mutate-worktree
+MUTATE_CPU_PER_FILE ?= 6
+MUTATE_PY_PER_FILE ?= 15
+mutate-worktree: $(VENV)/.built
+	git worktree remove --force $(MUTATE_WT) 2>/dev/null || rm -rf $(MUTATE_WT)
+	git worktree prune
+	git worktree add --force --detach $(MUTATE_WT) HEAD
+	$(PY) -c 'import fastamp, os, shutil; d = os.path.dirname(fastamp._C.__file__); [shutil.copy2(os.path.join(d, f), "$(MUTATE_WT)/python/fastamp/") for f in ("_C.abi3.so", "_build_info.py")]'
+mutate-cpu: mutate-worktree
+	cd $(MUTATE_WT) && $(abspath $(PY)) tests/mutate_cpu.py --per-file $(MUTATE_CPU_PER_FILE) \
+	  --out $(CURDIR)/benchmarks/results/mutation_cpu.md
+mutate-python: mutate-worktree
+	cd $(MUTATE_WT) && $(abspath $(PY)) tests/mutate_python.py --per-file $(MUTATE_PY_PER_FILE) \
+	  --state $(CURDIR)/build/mutate_python_state.json --out $(CURDIR)/benchmarks/results/mutation_python.md
 
 # CI's fixed sample: one killed mutant of each .cu file (seconds each; all must stay killed).
 MUTATE_CI_KEYS := 7adc659ec5 0894e5a82d b076a08aa4 d46b6b829d e35257f87f

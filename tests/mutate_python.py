@@ -7,7 +7,7 @@ Operators, on the module's syntax tree, one node at a time: a comparison flipped
 `*` <-> `/`, an integer constant `n` -> `n + 1`, `True` <-> `False`, `not x` -> `x`. Docstrings,
 messages (f-strings and string constants) and type annotations are not mutated.
 
-    python tests/mutate_python.py --per-file 6 --out benchmarks/results/mutation_python.md
+    make mutate-python    # in a worktree of HEAD: see the Makefile
 
 A mutant is killed when its capability's tests fail (or hang past the limit); survivors are listed
 in the results file.
@@ -20,6 +20,7 @@ import ast
 import copy
 import hashlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -31,9 +32,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "python" / "fastamp"
 # module: its tests, most telling first (-x stops at the first failure). The scaler's modules
-# also run the fastamp optimizers' tests (the fused clip hands its coefficient to their update)
-# and DDP's statistics-reuse test (clip_grad_norm_ reuses what DDP's unpack measured).
-_SCALER = ["tests/scaler", "tests/optim/test_optimizers.py", "tests/parallel/test_ddp_parity.py"]
+# also run the fastamp optimizers' tests (the fused clip hands its coefficient to their update),
+# DDP's statistics-reuse test (clip_grad_norm_ reuses what DDP's unpack measured) and FSDP2's
+# recipe test.
+_SCALER = [
+    "tests/scaler",
+    "tests/optim/test_optimizers.py",
+    "tests/parallel/test_ddp_parity.py::test_statistics_reused_only_while_grads_unchanged",
+    # its workers also check the refusals of grads sharded differently (scaler/_grads.py)
+    "tests/parallel/test_fsdp.py::test_recipe_matches_torch_with_one_collective",
+]
 FILES = {
     "scaler/grad_scaler.py": _SCALER,
     "scaler/_grads.py": _SCALER,
@@ -125,6 +133,22 @@ def mutated_source(m: Mutant) -> tuple[str, str]:
     return ast.unparse(tree), snippet[:120]
 
 
+def _env() -> dict[str, str]:
+    """The tests import fastamp from this checkout: its python/ first on the path, and the
+    editable finder of the main checkout dropped (sitecustomize). Its compiled parts must be
+    copied into python/fastamp (`make mutate-python` does)."""
+    site = ROOT / "build" / "mutate-python-site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path"
+        " if 'editable' not in type(f).__module__.lower()]\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(PKG.parent)])
+    return env
+
+
 def key(m: Mutant) -> str:
     """The mutant and what decides its fate: its module's text and the tests it runs."""
     text = (PKG / m.file).read_text()
@@ -141,7 +165,9 @@ def run(m: Mutant, timeout: int) -> tuple[str, str]:
         path.write_text(text)
         cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *FILES[m.file]]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+            r = subprocess.run(
+                cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=_env()
+            )
         except subprocess.TimeoutExpired:
             return "killed", f"timed out after {timeout}s"
         if r.returncode != 0:
