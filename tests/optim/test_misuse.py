@@ -3,6 +3,8 @@ naming the argument and changes nothing."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from tests._misuse import *  # noqa: F403 (the catalogue's harness and world builders)
@@ -135,6 +137,35 @@ def _(lib):
     a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
     opt = lib.Adam([a, b], lr=1e-3)
     return _world(None, opt, a=a, b=b), lambda: opt.step()
+
+
+@case(
+    "adamw_grad_of_another_shape",
+    RuntimeError,
+    r"param_groups\[0\]\['params'\]\[0\] has shape \(8, 6\) on cpu but its grad has shape \(48,\)",
+    r"expected a grad of the parameter's shape",
+    like_torch="type",
+)
+def _(lib):
+    # Same device, other shape (PyTorch's update fails on the size mismatch).
+    model, opt, sc = _trained(lib)
+    model[0].weight.grad.resize_(48)  # (assigning .grad checks the shape; resizing it does not)
+    return _world(model, opt, sc), lambda: opt.step()
+
+
+@case(
+    "adamw_amsgrad_state_replaced_by_one_of_another_shape",
+    ValueError,
+    r"state\['max_exp_avg_sq'\] of param_groups\[0\]\['params'\]\[0\] has shape \(48,\)",
+    r"the state belongs to another model",
+)
+def _(lib):
+    # Between steps, amsgrad's maximum replaced by hand with one of the same size but another
+    # shape (the moments have their own check, in lowbit.check_any).
+    model, opt, sc = _trained(lib, opt_kw={"amsgrad": True})
+    st = opt.state[model[0].weight]
+    st["max_exp_avg_sq"] = st["max_exp_avg_sq"].reshape(-1).clone()
+    return _world(model, opt, sc), lambda: opt.step()
 
 
 @case(
@@ -349,6 +380,31 @@ def test_state_dicts_of_torch_and_after_user_pre_hooks_still_load():
     g_opt.register_load_state_dict_pre_hook(add_steps)
     g_opt.load_state_dict(sd)
     assert float(g_opt.state[model[0].weight]["step"]) == 5.0
+
+
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_a_one_element_step_count_loads_and_steps_like_torch(kind):
+    """A state_dict whose step counts are 1-element 1-D tensors (as some tools save them): both
+    libraries step from it alike, and fastamp keeps its own 0-dim float32 count."""
+    models = [_net(), _net()]
+    opts = [_opt(TORCH, kind, models[0], foreach=False), _opt(FASTAMP, kind, models[1])]
+    for m, o in zip(models, opts):
+        _loss(m).backward()
+        o.step()
+    sd = opts[0].state_dict()
+    for st in sd["state"].values():
+        if "step" in st:
+            st["step"] = st["step"].reshape(1).clone()
+    for m, o in zip(models, opts):
+        o.load_state_dict(copy.deepcopy(sd))
+        o.zero_grad()
+        _loss(m, seed=3).backward()
+        o.step()
+    for p, q in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    if kind == "AdamW":
+        steps = [opts[1].state[p]["step"] for p in models[1].parameters()]
+        assert all(s.dim() == 0 and s.dtype == torch.float32 and float(s) == 2.0 for s in steps)
 
 
 @pytest.mark.parametrize("kind", ["SGD", "AdamW"])
