@@ -203,7 +203,7 @@ mutate-worktree: $(VENV)/.built
 	$(PY) -c 'import fastamp, os, shutil; d = os.path.dirname(fastamp._C.__file__); [shutil.copy2(os.path.join(d, f), "$(MUTATE_WT)/python/fastamp/") for f in ("_C.abi3.so", "_build_info.py")]'
 mutate-cpu: mutate-worktree
 	cd $(MUTATE_WT) && $(abspath $(PY)) tests/mutate_cpu.py --per-file $(MUTATE_CPU_PER_FILE) \
-	  --out $(CURDIR)/benchmarks/results/mutation_cpu.md
+	  --state $(CURDIR)/build/mutate_cpu_state.json --out $(CURDIR)/benchmarks/results/mutation_cpu.md
 mutate-python: mutate-worktree
 	cd $(MUTATE_WT) && $(abspath $(PY)) tests/mutate_python.py --per-file $(MUTATE_PY_PER_FILE) \
 	  --state $(CURDIR)/build/mutate_python_state.json --out $(CURDIR)/benchmarks/results/mutation_python.md

@@ -18,6 +18,8 @@ checkout, and python/ is put first on the path).
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import random
 import shutil
@@ -98,6 +100,15 @@ def tests(files: list[str], timeout: int) -> tuple[str, str]:
     return "survived", ""
 
 
+def key(m: mutate.Mutant) -> str:
+    """The mutant and what decides its fate: its file's text and the text of its tests."""
+    h = hashlib.sha256(f"{m.key}\0{(mutate.CSRC / m.file).read_text()}".encode())
+    for f in FILES[m.file]:
+        for path in sorted((ROOT / f).rglob("*.py")) if (ROOT / f).is_dir() else [ROOT / f]:
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def run(m: mutate.Mutant, timeout: int) -> tuple[str, str]:
     path = mutate.CSRC / m.file
     original = path.read_text()
@@ -120,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--list", action="store_true")
+    ap.add_argument("--state", type=Path, default=None, help="cache of results (JSON) to reuse")
     a = ap.parse_args(argv)
+    state = json.loads(a.state.read_text()) if a.state and a.state.exists() else {}
     chosen = []
     for rel in FILES:
         ms = mutate.mutants_of(rel)
@@ -141,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"the unmutated tests fail: {detail}")
     results = []
     for m in chosen:
-        status, detail = run(m, a.timeout)
+        k = key(m)
+        status, detail = state[k] if k in state else run(m, a.timeout)
+        if a.state:
+            state[k] = [status, detail]
+            a.state.write_text(json.dumps(state, indent=1))
         print(f"[{status:9}] {m.file}:{m.line} {m.op}: {m.new_line.strip()[:70]} {detail[:90]}",
               flush=True)  # fmt: skip
         results.append((m, status, detail))

@@ -68,3 +68,46 @@ def test_opcheck_digest(device):
         torch.ops.fastamp.tensor_digest.default,
         ([torch.randn(7, 3, device=device), torch.arange(5, device=device)],),
     )
+
+
+_GUARD_PROBE = r"""
+import ctypes, mmap, sys
+import torch
+import fastamp
+sys.path.insert(0, sys.argv[1])
+page = mmap.PAGESIZE
+buf = mmap.mmap(-1, 2 * page)
+addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.mprotect(ctypes.c_void_p(addr + page), page, 0) == 0  # PROT_NONE
+whole = torch.frombuffer(buf, dtype=torch.uint8, count=page)
+whole.copy_(torch.arange(page, dtype=torch.int64).remainder(251).to(torch.uint8))
+ops = [torch.ops.fastamp.tensor_digest]
+if sys.argv[2] == "1":
+    import emu
+    ops.append(emu.op("tensor_digest"))
+for n in (8, 64, page - 8, page - 3, page):  # full words, and a tail, up to the guard page
+    t = whole[page - n:]
+    got = [int(op([t])[0]) for op in ops]
+    assert len(set(got)) == 1, (n, got)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("emulated", [False, True], ids=["cpu", "emulated-cuda"])
+def test_digest_reads_no_byte_past_the_tensor(emulated, tmp_path):
+    """A tensor that ends where an inaccessible page begins: a kernel reading one byte past its
+    storage (an 8-byte copy where 3 bytes were left, a 9-byte copy) crashes the probe."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    emu_dir = Path(__file__).resolve().parents[1] / "cuda_emu"
+    if emulated and os.environ.get("FASTAMP_EMU_DEVICE"):
+        pytest.skip("the emulator's own check")
+    r = subprocess.run(
+        [sys.executable, "-c", _GUARD_PROBE, str(emu_dir), "1" if emulated else "0"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
