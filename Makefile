@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample mutate-cpu mutate-python mutate-worktree emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample mutate-cpu mutate-python emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -191,21 +191,24 @@ mutate: emu
 	  --out benchmarks/results/mutation_cuda.md
 
 # The CPU kernels' and the Python step logic's mutation tiers write each mutant over its file,
-# so they run in a worktree of HEAD (build/mutate-worktree) with this venv's compiled library
-# copied in: commit first. Results: benchmarks/results/mutation_{cpu,python}.md (and a cache).
-MUTATE_WT := build/mutate-worktree
+# so each runs in its own worktree of HEAD (build/mutate-{cpu,python}-wt) with this venv's
+# compiled library copied in: commit first. Results: benchmarks/results/mutation_{cpu,python}.md,
+# and a cache of outcomes in build/ (a mutant is re-run when its file or its tests change).
 MUTATE_CPU_PER_FILE ?= 6
 MUTATE_PY_PER_FILE ?= 15
-mutate-worktree: $(VENV)/.built
-	git worktree remove --force $(MUTATE_WT) 2>/dev/null || rm -rf $(MUTATE_WT)
+define mutate_worktree
+	git worktree remove --force $(1) 2>/dev/null || rm -rf $(1)
 	git worktree prune
-	git worktree add --force --detach $(MUTATE_WT) HEAD
-	$(PY) -c 'import fastamp, os, shutil; d = os.path.dirname(fastamp._C.__file__); [shutil.copy2(os.path.join(d, f), "$(MUTATE_WT)/python/fastamp/") for f in ("_C.abi3.so", "_build_info.py")]'
-mutate-cpu: mutate-worktree
-	cd $(MUTATE_WT) && $(abspath $(PY)) tests/mutate_cpu.py --per-file $(MUTATE_CPU_PER_FILE) \
+	git worktree add --force --detach $(1) HEAD
+	$(PY) -c 'import fastamp, os, shutil; d = os.path.dirname(fastamp._C.__file__); [shutil.copy2(os.path.join(d, f), "$(1)/python/fastamp/") for f in ("_C.abi3.so", "_build_info.py")]'
+endef
+mutate-cpu: $(VENV)/.built
+	$(call mutate_worktree,build/mutate-cpu-wt)
+	cd build/mutate-cpu-wt && $(abspath $(PY)) tests/mutate_cpu.py --per-file $(MUTATE_CPU_PER_FILE) \
 	  --state $(CURDIR)/build/mutate_cpu_state.json --out $(CURDIR)/benchmarks/results/mutation_cpu.md
-mutate-python: mutate-worktree
-	cd $(MUTATE_WT) && $(abspath $(PY)) tests/mutate_python.py --per-file $(MUTATE_PY_PER_FILE) \
+mutate-python: $(VENV)/.built
+	$(call mutate_worktree,build/mutate-python-wt)
+	cd build/mutate-python-wt && $(abspath $(PY)) tests/mutate_python.py --per-file $(MUTATE_PY_PER_FILE) \
 	  --state $(CURDIR)/build/mutate_python_state.json --out $(CURDIR)/benchmarks/results/mutation_python.md
 
 # CI's fixed sample: one killed mutant of each .cu file (seconds each; all must stay killed).
