@@ -164,6 +164,12 @@ __global__ void misaligned_kernel(const float* p, float* out) {
   out[threadIdx.x] = x.v[0];
 }
 
+// A 4-byte load two bytes off its alignment: x86 takes it, a GPU faults.
+__global__ void misaligned_scalar_kernel(const float* p, float* out) {
+  const auto* q = reinterpret_cast<const float*>(reinterpret_cast<const char*>(p) + 2);
+  out[threadIdx.x] = q[threadIdx.x];
+}
+
 struct Big {
   char bytes[4100];
 };
@@ -245,6 +251,10 @@ at::Tensor selftest(const std::string& kind) {
     at::Tensor src = at::zeros({64}, at::kFloat);
     gpu::launch("misaligned_kernel", &misaligned_kernel, dim3(1), dim3(32), s,
                 static_cast<const float*>(src.data_ptr<float>()), src.data_ptr<float>());
+  } else if (kind == "misaligned_scalar") {
+    at::Tensor src = at::zeros({64}, at::kFloat);
+    gpu::launch("misaligned_scalar_kernel", &misaligned_scalar_kernel, dim3(1), dim3(32), s,
+                static_cast<const float*>(src.data_ptr<float>()), src.data_ptr<float>() + 33);
   } else if (kind == "big_params") {
     gpu::launch("big_params_kernel", &big_params_kernel, dim3(1), dim3(1), s, Big{}, o);
   } else if (kind == "empty_grid") {
