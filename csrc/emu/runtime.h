@@ -19,7 +19,8 @@
 ///   a shuffle that reads a lane outside the mask, are errors.
 /// - __shared__ variables are thread_local statics: one copy per OS thread, i.e. per running block.
 /// - Atomics are host atomics. 16-byte vector loads and stores through fastamp::gpu::vec_load /
-///   vec_store check their alignment.
+///   vec_store check their alignment; so does every scalar global access of the instrumented
+///   kernel sources (traffic.h).
 /// - Global-memory requests and sectors are counted per launch when tracing is on (traffic.h).
 /// - Launches are refused where CUDA refuses them: an empty grid, more than 1024 threads per block
 ///   or a block dimension over its limit, kernel parameters over 4096 bytes.
