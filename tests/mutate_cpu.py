@@ -49,6 +49,10 @@ FILES = {
 }  # fmt: skip
 
 
+# Survivors argued equivalent (mutant key -> why no test can tell), listed as such in the report.
+EQUIVALENT: dict[str, str] = {}
+
+
 def _env() -> dict[str, str]:
     SITE.mkdir(parents=True, exist_ok=True)
     (SITE / "sitecustomize.py").write_text(
@@ -163,14 +167,20 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)  # fmt: skip
         results.append((m, status, detail))
     build()  # the unmutated library again
-    counted = [r for r in results if r[1] != "stillborn"]
+    results = [
+        (m, "equivalent" if s == "survived" and m.key in EQUIVALENT else s, d)
+        for m, s, d in results
+    ]
+    counted = [r for r in results if r[1] not in ("stillborn", "equivalent")]
     killed = sum(s == "killed" for _, s, _ in counted)
+    equivalent = [r for r in results if r[1] == "equivalent"]
     lines = [
         "# Mutation testing of the CPU kernels (`tests/mutate_cpu.py`)",
         "",
         f"`python tests/mutate_cpu.py --per-file {a.per_file} --seed {a.seed}`: {len(results)} "
-        f"mutants over {len(FILES)} files, {len(results) - len(counted)} stillborn, {killed} of "
-        f"{len(counted)} killed ({100 * killed / max(len(counted), 1):.0f}%), "
+        f"mutants over {len(FILES)} files, {len(results) - len(counted) - len(equivalent)} "
+        f"stillborn, {len(equivalent)} argued equivalent, {killed} of the {len(counted)} others "
+        f"killed ({100 * killed / max(len(counted), 1):.1f}%), "
         f"{(time.time() - t0) / 60:.0f} minutes.",
         "",
         "| file | mutants | killed |",
@@ -179,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     for rel in FILES:
         rs = [r for r in counted if r[0].file == rel]
         lines.append(f"| csrc/{rel} | {len(rs)} | {sum(s == 'killed' for _, s, _ in rs)} |")
-    lines += ["", "## Mutants", ""]
+    lines += ["", "## Survivors", ""]
+    lines += [f"- `csrc/{m.file}:{m.line}` {m.op}: `{m.new_line.strip()}`"
+              for m, s, _ in results if s == "survived"] or ["None."]  # fmt: skip
+    lines += ["", "## Equivalent mutants", ""]
+    lines += [f"- `csrc/{m.file}:{m.line}` ({m.key}) {m.op}: `{m.new_line.strip()}`: "
+              f"{EQUIVALENT[m.key]}" for m, _, _ in equivalent] or ["None."]  # fmt: skip
+    lines += ["", "## Every mutant", ""]
     lines += [f"- {s}: `csrc/{m.file}:{m.line}` {m.op}: `{m.new_line.strip()}` {d[:120]}"
               for m, s, d in results]  # fmt: skip
     text = "\n".join(lines) + "\n"
