@@ -176,6 +176,16 @@ def _refusals(mesh, rank, world) -> None:
                 raise AssertionError(f"a {text} grad was taken")
         assert not scaler.in_iteration()
         assert all(torch.equal(p.to_local(), q) for p, q in zip(m.parameters(), before))
+    # Without a scaler, the optimizer's own check: a DTensor param with a plain grad (torch lets
+    # .grad be assigned so; the fused kernel needs the grad's shard).
+    w.grad = good.full_tensor()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert "is a DTensor but its grad is a Tensor" in str(e), e
+    else:
+        raise AssertionError("a plain grad of a DTensor param was taken")
+    assert all(torch.equal(p.to_local(), q) for p, q in zip(m.parameters(), before))
     w.grad = good
     scaler.clip_grad_norm_(opt, 1.0)
     scaler.step(opt)
