@@ -44,7 +44,9 @@ HOST_SOURCES = [
 # The kernel sources' loads and stores become calls to emu/traffic.cpp's hooks: GCC's ThreadSanitizer
 # instrumentation, without its runtime (the hooks only count; atomics are performed by them). Not
 # with --sanitize, whose ASan cannot be combined with it.
-TRACED = ("emu/selftest.cpp",)
+# Every unit but the hooks' own and the scheduler's: an inline function (adam_coefs, say) is
+# compiled in several units and the linker keeps one copy, which must be an instrumented one.
+UNTRACED = ("emu/runtime.cpp", "emu/traffic.cpp")
 TRACE = [
     "-fsanitize=thread",
     "--param=tsan-instrument-func-entry-exit=0",
@@ -101,8 +103,7 @@ def base_flags(sanitize: bool) -> list[str]:
 
 def unit_flags(rel: str, sanitize: bool) -> list[str]:
     """Flags of one translation unit beyond base_flags: the kernels' traffic instrumentation."""
-    traced = rel.endswith(".cu") or rel in TRACED
-    return TRACE if traced and not sanitize else []
+    return TRACE if rel not in UNTRACED and not sanitize else []
 
 
 HEADER_SUFFIXES = (".h", ".cuh", ".inc")
