@@ -78,6 +78,10 @@ def test_torch_never_takes_8bit_codes_for_moments():
     )
     assert "state_dtype" not in t2.param_groups[0]
     t2.step()  # and torch steps on them
+    # A copy: keys beside state and param_groups (a user's state_dict hook may add some) stay.
+    extra = lowbit.float32_state_dict({**sd, "saved_by": "hook"})
+    assert extra["saved_by"] == "hook" and set(extra) == {"state", "param_groups", "saved_by"}
+    assert extra["state"] is not sd["state"] and extra["param_groups"] is not sd["param_groups"]
 
 
 @pytest.mark.parametrize("cls", ["AdamW", "SGD"])
