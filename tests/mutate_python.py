@@ -233,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for m in chosen:
         k = key(m)
-        status, detail = state[k] if k in state else run(m, a.timeout)
+        # Tests only grow: a killed mutant stays killed; a survivor runs again every time.
+        cached = state.get(k, [""])[0] == "killed"
+        status, detail = state[k] if cached else run(m, a.timeout)
         if a.state:
             state[k] = [status, detail]
             a.state.write_text(json.dumps(state, indent=1))
