@@ -491,3 +491,28 @@ def test_maximize_reaches_the_lowbit_kernels(cls, fmt):
             opt.step()
         runs.append(list(a.parameters()))
     assert_bitwise_equal(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_state_is_updated_in_place_and_checked_for_its_device(fmt):
+    """As torch's AdamW, the step updates the state tensors in place: a reference taken before a
+    step sees the new moments (no re-encoding into new tensors when the state is already in its
+    format). A moment moved to another device is refused by name before anything is written."""
+    m = nn.Linear(8, 4)
+    t_m = copy.deepcopy(m)
+    o = fastamp.optim.AdamW(m.parameters(), lr=1e-3, state_dtype=fmt)
+    t = torch.optim.AdamW(t_m.parameters(), lr=1e-3)
+    for model, opt in ((m, o), (t_m, t)):
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        held = dict(opt.state[model.weight])
+        opt.zero_grad()
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        assert all(opt.state[model.weight][k] is v for k, v in held.items()), type(opt)
+    st = o.state[m.weight]
+    st["exp_avg"] = st["exp_avg"].to("meta")
+    before = m.weight.detach().clone()
+    with pytest.raises(TypeError, match=r"\['exp_avg'\] is on meta; expected the parameter's device"):
+        o.step()
+    assert_bitwise_equal(m.weight, before)
