@@ -513,6 +513,8 @@ def test_state_is_updated_in_place_and_checked_for_its_device(fmt):
     st = o.state[m.weight]
     st["exp_avg"] = st["exp_avg"].to("meta")
     before = m.weight.detach().clone()
-    with pytest.raises(TypeError, match=r"\['exp_avg'\] is on meta; expected the parameter's device"):
+    with pytest.raises(
+        TypeError, match=r"\['exp_avg'\] is on meta; expected the parameter's device"
+    ):
         o.step()
     assert_bitwise_equal(m.weight, before)
