@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import random
 import shutil
 import signal
@@ -31,11 +30,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "cuda_emu"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import mutate  # noqa: E402  (the generator of the CUDA tier)
 
+from _mutation import checkout_env, run_tests  # noqa: E402
+
 BUILD = ROOT / "build" / "mutate-cpu"
-SITE = ROOT / "build" / "mutate-cpu-site"
 
 # file: the tests its mutants run, most telling first (-x stops at the first failure).
 FILES = {
@@ -66,19 +67,6 @@ EQUIVALENT: dict[str, str] = {
 }
 
 
-def _env() -> dict[str, str]:
-    SITE.mkdir(parents=True, exist_ok=True)
-    (SITE / "sitecustomize.py").write_text(
-        "import sys\n"
-        "sys.meta_path[:] = [f for f in sys.meta_path"
-        " if 'editable' not in type(f).__module__.lower()]\n"
-    )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SITE), str(ROOT / "python")])
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env
-
-
 def build() -> str:
     """Builds the CPU library (incrementally) and copies it into python/fastamp; returns the
     compiler's error output, or "" on success."""
@@ -88,10 +76,12 @@ def build() -> str:
             "-DCMAKE_BUILD_TYPE=Release", "-DFASTAMP_CUDA=OFF", "-DFASTAMP_WERROR=ON",
             f"-DPython_EXECUTABLE={sys.executable}",
         ]  # fmt: skip
-        r = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+        r = subprocess.run(cmd, capture_output=True, text=True, env=checkout_env(ROOT))
         if r.returncode != 0:
             raise SystemExit(f"cmake configure failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    r = subprocess.run(["cmake", "--build", str(BUILD)], capture_output=True, text=True, env=_env())
+    r = subprocess.run(
+        ["cmake", "--build", str(BUILD)], capture_output=True, text=True, env=checkout_env(ROOT)
+    )
     if r.returncode != 0:
         return (r.stdout + r.stderr)[-2000:]
     libs = sorted(BUILD.glob("_C*.so"))
@@ -100,21 +90,6 @@ def build() -> str:
     for f in (libs[0], BUILD / "_build_info.py"):
         shutil.copy2(f, ROOT / "python" / "fastamp" / f.name)
     return ""
-
-
-def tests(files: list[str], timeout: int) -> tuple[str, str]:
-    """("killed", the first failure) or ("survived", "") for the tests of `files`."""
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *files]
-    try:
-        r = subprocess.run(
-            cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=_env()
-        )
-    except subprocess.TimeoutExpired:
-        return "killed", f"timed out after {timeout}s"
-    if r.returncode != 0:
-        first = next((ln for ln in r.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))), "")
-        return "killed", first[:200] or f"pytest exited {r.returncode}"
-    return "survived", ""
 
 
 def key(m: mutate.Mutant) -> str:
@@ -133,7 +108,7 @@ def run(m: mutate.Mutant, timeout: int) -> tuple[str, str]:
         err = build()
         if err:
             return "stillborn", err.strip().splitlines()[-1][:160]
-        return tests(FILES[m.file], timeout)
+        return run_tests(ROOT, FILES[m.file], timeout)
     finally:
         path.write_text(original)
 
@@ -165,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if build():
         raise SystemExit("the unmutated sources do not build")
     every = sorted({f for fs in FILES.values() for f in fs})
-    status, detail = tests(every, a.timeout)
+    status, detail = run_tests(ROOT, every, a.timeout)
     if status != "survived":  # the baseline must pass, or every mutant would look killed
         raise SystemExit(f"the unmutated tests fail: {detail}")
     results = []

@@ -20,14 +20,15 @@ import ast
 import copy
 import hashlib
 import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _mutation import run_tests  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "python" / "fastamp"
@@ -160,22 +161,6 @@ def mutated_source(m: Mutant) -> tuple[str, str]:
     return ast.unparse(tree), snippet[:120]
 
 
-def _env() -> dict[str, str]:
-    """The tests import fastamp from this checkout: its python/ first on the path, and the
-    editable finder of the main checkout dropped (sitecustomize). Its compiled parts must be
-    copied into python/fastamp (`make mutate-python` does)."""
-    site = ROOT / "build" / "mutate-python-site"
-    site.mkdir(parents=True, exist_ok=True)
-    (site / "sitecustomize.py").write_text(
-        "import sys\n"
-        "sys.meta_path[:] = [f for f in sys.meta_path"
-        " if 'editable' not in type(f).__module__.lower()]\n"
-    )
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(site), str(PKG.parent)])
-    return env
-
-
 def key(m: Mutant) -> str:
     """The mutant and what decides its fate: its module's text and the tests it runs."""
     text = (PKG / m.file).read_text()
@@ -190,19 +175,7 @@ def run(m: Mutant, timeout: int) -> tuple[str, str]:
     text, _ = mutated_source(m)
     try:
         path.write_text(text)
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *FILES[m.file]]
-        try:
-            r = subprocess.run(
-                cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout, env=_env()
-            )
-        except subprocess.TimeoutExpired:
-            return "killed", f"timed out after {timeout}s"
-        if r.returncode != 0:
-            first = next(
-                (ln for ln in r.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))), ""
-            )
-            return "killed", first[:200] or f"pytest exited {r.returncode}"
-        return "survived", ""
+        return run_tests(ROOT, FILES[m.file], timeout)
     finally:
         path.write_text(original)
 
