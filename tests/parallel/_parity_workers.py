@@ -15,7 +15,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as TDDP
 
 import fastamp
@@ -774,33 +774,100 @@ def grads_bitwise(rank, world, init_file):
     layout) and after the rebuild (its ready-order layout), with one bucket, many buckets, a
     per-bucket cap list and an unused-parameter search (no rebuild, the 1 MiB first bucket). With
     3 ranks the collective's summation order depends on an element's position in its bucket, so
-    this fails unless the bucket layouts are torch's."""
+    this fails unless the bucket layouts are torch's. With bucket views and grads zeroed in place
+    (``set_to_none=False``) the grads are their slices and torch divides them in place; with 3
+    ranks that rounds differently from a multiplication by 1/3."""
     _init(rank, world, init_file)
     data = _data(rank, 4, n=8)
     base = _WideNet()
     cases = (
-        dict(),
-        dict(bucket_cap_mb=0.002),
-        dict(bucket_cap_mb_list=[0.001, 0.004]),
-        dict(find_unused_parameters=True),
-        dict(find_unused_parameters=True, bucket_cap_mb=0.002),
-        dict(gradient_as_bucket_view=True, bucket_cap_mb=0.003),
+        (dict(), True),
+        (dict(bucket_cap_mb=0.002), True),
+        (dict(bucket_cap_mb_list=[0.001, 0.004]), True),
+        (dict(find_unused_parameters=True), True),
+        (dict(find_unused_parameters=True, bucket_cap_mb=0.002), True),
+        (dict(gradient_as_bucket_view=True, bucket_cap_mb=0.003), True),
+        (dict(gradient_as_bucket_view=True, bucket_cap_mb=0.003), False),
+        (dict(bucket_cap_mb=0.003), False),
     )
-    for kw in cases:
+    for kw, set_to_none in cases:
         t = TDDP(copy.deepcopy(base), **kw)
         f = FDDP(copy.deepcopy(base), **kw)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (t, f)]
         for step, (x, y) in enumerate(data):
             for m, opt in zip((t, f), opts):
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=set_to_none)
                 nn.functional.mse_loss(m(x), y).backward()
             for (n, p), q in zip(f.module.named_parameters(), t.module.parameters()):
                 assert torch.equal(p.grad, q.grad), (
-                    f"{kw} step {step}: {n}.grad differs from torch's: max "
-                    f"{(p.grad - q.grad).abs().max().item():.3g}; buckets {f.bucket_layout()}"
+                    f"{kw} set_to_none={set_to_none} step {step}: {n}.grad differs from torch's: "
+                    f"max {(p.grad - q.grad).abs().max().item():.3g}; buckets {f.bucket_layout()}"
                 )
             for opt in opts:
                 opt.step()
         if kw.get("bucket_cap_mb") == 0.002 and not kw.get("find_unused_parameters"):
             assert len(f.bucket_sizes) > 1, f.bucket_sizes  # the rebuild made several buckets
+    _finish()
+
+
+def user_grad_hooks(rank, world, init_file):
+    """A user's post-accumulate-grad hook registered after wrapping (a rank-dependent in-place
+    change and a clamp) runs where it runs under torch's DDP: before the reducer, seeing the
+    local undivided grad, and what it leaves in ``p.grad`` is what gets all-reduced. Same grads
+    seen by the hook, same grads after backward, with and without bucket views."""
+    _init(rank, world, init_file)
+    data = _data(rank, 3)
+    base = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    for view in (False, True):
+        seen: dict[str, list[Tensor]] = {"torch": [], "fastamp": []}
+        models = {}
+        for kind, cls in (("torch", TDDP), ("fastamp", FDDP)):
+            m = models[kind] = cls(copy.deepcopy(base), gradient_as_bucket_view=view)
+            for p in m.parameters():
+
+                def hook(p, log=seen[kind]):
+                    log.append(p.grad.clone())
+                    p.grad.mul_(rank + 1).clamp_(-0.05, 0.05)
+
+                p.register_post_accumulate_grad_hook(hook)
+        for step, (x, y) in enumerate(data):
+            for m in models.values():
+                m.zero_grad(set_to_none=step % 2 == 0)
+                nn.functional.mse_loss(m(x), y).backward()
+            what = f"view={view} step {step}"
+            for a, b in zip(seen["fastamp"], seen["torch"]):
+                assert torch.equal(a, b), f"{what}: the user hook saw another grad than torch's"
+            _same_grads(models["fastamp"].module, models["torch"].module, what, rtol=0, atol=0)
+    _finish()
+
+
+def wrapper_deleted(rank, world, init_file):
+    """Deleting the wrapper removes its grad hooks, as torch's reducer does: its synchronisation
+    object is freed and a later backward of the bare module does not reach it (no collective
+    is started), so the module can be wrapped again."""
+    import gc
+    import weakref
+
+    _init(rank, world, init_file)
+    ((x, y),) = _data(rank, 1)
+    module = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    f = FDDP(module)
+    nn.functional.mse_loss(f(x), y).backward()
+    sync = weakref.ref(f._sync)
+    del f
+    gc.collect()
+    assert sync() is None, "the deleted wrapper's GradSync is still referenced (its hooks remain)"
+    module.zero_grad()
+    nn.functional.mse_loss(module(x), y).backward()  # local only: nothing hooked
+    local = [p.grad.clone() for p in module.parameters()]
+    assert all(torch.isfinite(t).all() for t in local)
+    f2 = FDDP(module)
+    module.zero_grad()
+    nn.functional.mse_loss(f2(x), y).backward()
+    mean = [t.clone() for t in local]
+    for t in mean:
+        dist.all_reduce(t)
+        t /= world
+    for p, m_ in zip(module.parameters(), mean):
+        torch.testing.assert_close(p.grad, m_, rtol=1e-6, atol=1e-7)
     _finish()

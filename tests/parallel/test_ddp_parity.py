@@ -77,3 +77,12 @@ def test_join_with_unused_parameters_matches_torch(world, tmp_path):
 @WORLDS
 def test_grads_bit_for_bit_with_torch_bucket_layouts(world, tmp_path):
     _spawn(W.grads_bitwise, world, tmp_path)
+
+
+@WORLDS
+def test_user_grad_hooks_run_before_the_reducer_like_torch(world, tmp_path):
+    _spawn(W.user_grad_hooks, world, tmp_path)
+
+
+def test_deleting_the_wrapper_removes_its_hooks(tmp_path):
+    _spawn(W.wrapper_deleted, 2, tmp_path)

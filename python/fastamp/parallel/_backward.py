@@ -66,9 +66,39 @@ class GradSync:
         # joined rank contributes to the others' (torch's reducer all-reduces its used map in
         # place, and a joined rank sends that last result again).
         self._last_global_used: set[int] = set()
-        self._factor: float | None = 1.0  # what grads are multiplied by before the all-reduce
+        # What grads are divided by before the all-reduce (torch's div_factor: the world size, 1
+        # with a comm hook, join's count of active ranks; None until that count arrives).
+        self._divisor: int | None = 1
+        # Each parameter's grad accumulator (held: autograd keeps it only while a graph uses it)
+        # and the handle of the post hook this object put on it.
+        self._accumulators: list[Any] = []
+        self._hook_handles: list[Any] = []
         self._next_launch = 0
         self._stats: list[tuple[Tensor, Tensor]] = []
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self, params: list[nn.Parameter]) -> None:
+        """Hooks every parameter's grad accumulator where torch's reducer hooks it: a post hook of
+        the AccumulateGrad node, which runs after the grad is accumulated *and* after the
+        tensor's own post-accumulate-grad hooks (so a user's hook sees the local, undivided grad
+        and what it leaves in ``p.grad`` is what gets all-reduced, as with torch's DDP)."""
+        from torch.autograd.graph import get_gradient_edge
+
+        on_ready = self.on_grad_ready
+        for p in params:
+            acc = get_gradient_edge(p).node
+
+            def hook(grad_inputs: Any, grad_outputs: Any, p: nn.Parameter = p) -> None:
+                on_ready(p)
+
+            self._accumulators.append(acc)
+            self._hook_handles.append(acc.register_hook(hook))
+
+    def detach(self) -> None:
+        """Removes the hooks (the wrapper is gone: its parameters train on without it)."""
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles, self._accumulators = [], []
 
     # ------------------------------------------------------------------ forward side
     def arm(self) -> None:
@@ -126,8 +156,8 @@ class GradSync:
             self._start_backward()
 
     def on_grad_ready(self, p: nn.Parameter) -> None:
-        """The post-accumulate-grad hook of every parameter (the per-grad hot path: a few set and
-        list operations; with bucket views one pass over the grad)."""
+        """The hook of every parameter's grad accumulator (the per-grad hot path: a few set and
+        list operations and one pass over the grad)."""
         key = id(p)
         if not self.started:
             if not self.armed:  # under no_sync (or no DDP forward): local accumulation
@@ -167,23 +197,32 @@ class GradSync:
             self._launch_ready()
 
     def _into_bucket(self, p: nn.Parameter, grad: Tensor, view: Tensor) -> None:
-        factor = self._factor if self._factor is not None else self._join_factor()
-        if self.views and (grad is view or grad.data_ptr() == view.data_ptr()):
-            if factor != 1.0:
-                view.mul_(factor)
-            return
-        if factor != 1.0:
-            torch.mul(grad, factor, out=view)
-        else:
-            view.copy_(grad)
-        if self.views:
+        """One ready grad into its bucket slice, divided as torch's reducer does (with bucket
+        views the grad then is the slice)."""
+        if not self._divide_into(grad, view) and self.views:
             p.grad = view
 
-    def _join_factor(self) -> float:
-        """1 / the number of ranks still active (join with divide_by_initial_world_size=False)."""
+    def _divide_into(self, grad: Tensor, view: Tensor) -> bool:
+        """``view = grad / divisor`` as torch's reducer computes it: a grad that is the slice
+        (bucket views) is divided in place with ``div_``; any other is copied in times
+        ``1 / divisor`` (``mul_out``). On CPU the two round differently. True if ``grad`` is
+        the slice."""
+        divisor = self._divisor if self._divisor is not None else self._join_divisor()
+        if grad is view or (self.views and grad.data_ptr() == view.data_ptr()):
+            if divisor != 1:
+                view.div_(divisor)
+            return True
+        if divisor != 1:
+            torch.mul(grad, 1.0 / divisor, out=view)
+        else:
+            view.copy_(grad)
+        return False
+
+    def _join_divisor(self) -> int:
+        """The number of ranks still active (join with divide_by_initial_world_size=False)."""
         self.join_work.wait()
-        self._factor = 1.0 / float(self.join_work.result()[0].item())
-        return self._factor
+        self._divisor = int(self.join_work.result()[0].item())
+        return self._divisor
 
     def _launch_ready(self) -> None:
         """Launches complete buckets strictly in bucket order. Collectives must be issued in the same
@@ -200,11 +239,11 @@ class GradSync:
         self._grad_ready = set()
         self._stats = []
         if self.comm_hook is not None:
-            self._factor = 1.0
+            self._divisor = 1
         elif self.join_work is not None and not self.divide_by_initial_world_size:
-            self._factor = None  # the count of active ranks arrives with join's all-reduce
+            self._divisor = None  # the count of active ranks arrives with join's all-reduce
         else:
-            self._factor = 1.0 / self.world_size
+            self._divisor = self.world_size
         for b in self.layout.buckets:
             b.pending, b.work, b.launched = len(b.params), None, False
         self._next_launch = 0
@@ -213,7 +252,7 @@ class GradSync:
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _launch(self, bucket: Bucket) -> None:
-        factor = self._factor if self._factor is not None else self._join_factor()
+        divisor = self._divisor if self._divisor is not None else self._join_divisor()
         with torch.no_grad():
             if self.views:
                 for p, view in zip(bucket.params, bucket.views):
@@ -222,10 +261,7 @@ class GradSync:
                     if p.grad is None:  # unused here: contributes zeros
                         view.zero_()
                     else:  # unused in this backward but holding a grad: torch reduces it
-                        if p.grad.data_ptr() != view.data_ptr():
-                            view.copy_(p.grad)
-                        if factor != 1.0:
-                            view.mul_(factor)
+                        self._divide_into(p.grad, view)
             else:  # ready grads are in the bucket (their hook); unused ones: zeros or their grad
                 late = []
                 for p, view, off in zip(bucket.params, bucket.views, bucket.offsets):
@@ -237,7 +273,7 @@ class GradSync:
                         late.append((p.grad.contiguous(), off))
                 if late:
                     _ops.bucket_pack_(
-                        bucket.buffer, [g for g, _ in late], [o for _, o in late], factor
+                        bucket.buffer, [g for g, _ in late], [o for _, o in late], 1.0 / divisor
                     )
             if self.comm_hook is not None:
                 hook, state = self.comm_hook

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -188,9 +189,9 @@ class DistributedDataParallel(TorchCompat, _TorchDDP):
             static_graph=self.static_graph,
             views=self.gradient_as_bucket_view,
         )
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(self._sync.on_grad_ready) for p in params
-        ]
+        self._sync.attach(params)
+        # torch's reducer removes its hooks when it is destroyed; so does this wrapper.
+        weakref.finalize(self, self._sync.detach)
 
     # ------------------------------------------------------------------ what torch's reducer was
     @property
