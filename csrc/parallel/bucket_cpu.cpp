@@ -59,9 +59,10 @@ void bucket_pack_cpu(Tensor& bucket, TensorList grads, IntList offsets, double s
   });
 }
 
-// The copy, then the scaler's own stats kernel over the copied chunk (still in cache): the norm and
-// inf flag DDP hands the scaler are grad_stats' on the unpacked grads, bit for bit (same chunks,
-// same per-chunk kernel, partials combined in chunk order).
+// The copy and the scaler's own stats kernel in one pass over each chunk (copy_stats: the stats
+// loop stores what it loads): the norm and inf flag DDP hands the scaler are grad_stats' on the
+// unpacked grads, bit for bit (same chunks, same per-chunk kernel, partials combined in chunk
+// order).
 std::tuple<Tensor, Tensor> bucket_unpack_cpu(const Tensor& bucket, TensorList grads,
                                              IntList offsets, const Tensor& inv_scale) {
   const auto slots = check_bucket_unpack(bucket, grads, offsets, inv_scale);
@@ -78,9 +79,9 @@ std::tuple<Tensor, Tensor> bucket_unpack_cpu(const Tensor& bucket, TensorList gr
     cpu_for_each_chunk(chunks, [&](int64_t c, const Chunk& ch) {
       const Slot& sl = slots[static_cast<size_t>(ch.item)];
       scalar_t* g = static_cast<scalar_t*>(sl.grad) + ch.start;
-      std::copy_n(b + sl.offset + ch.start, ch.len, g);
       bool nonfinite = false;
-      k.stats(dtype, kL2, g, ch.len, inv, 2.0f, &partial[static_cast<size_t>(c)], &nonfinite);
+      k.copy_stats(dtype, kL2, b + sl.offset + ch.start, g, ch.len, inv, 2.0f,
+                   &partial[static_cast<size_t>(c)], &nonfinite);
       bad[static_cast<size_t>(c)] = nonfinite ? 1 : 0;
     });
   });

@@ -21,6 +21,9 @@ struct CpuKernels {
   // kind is a NormKind: passed as an int because NormKind lives in a per-ISA inline namespace.
   void (*stats)(c10::ScalarType dtype, int32_t kind, const void* x, int64_t n, float inv_scale,
                 float p, float* acc_out, bool* nonfinite_out);
+  // stats of src while copying it unchanged to dst: equal to stats over dst after the copy.
+  void (*copy_stats)(c10::ScalarType dtype, int32_t kind, const void* src, void* dst, int64_t n,
+                     float inv_scale, float p, float* acc_out, bool* nonfinite_out);
   bool (*unscale)(c10::ScalarType dtype, void* x, int64_t n, float inv_scale);
   void (*clip_unscale)(c10::ScalarType dtype, void* x, int64_t n, float inv_scale, float coef);
 };

@@ -49,6 +49,31 @@ def test_pack_then_unpack_matches_float64(device, dtype):
     assert float(found) == 0.0 and math.isclose(float(sq), ref_sq, rel_tol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("poison", [None, math.inf, math.nan])
+def test_unpack_statistics_are_grad_stats_bit_for_bit(device, dtype, poison):
+    """The unpack measures the grads while copying them (one pass); what it returns is what
+    fastamp::grad_stats computes over the unpacked grads, bit for bit: the DDP hands these to the
+    scaler in its place. Sizes around the 16-lane vector body and the 65536-element chunks."""
+    shapes = [(1,), (15,), (17,), (33, 3), (65536 + 5,), (2 * 65536 - 1,), (7, 1000)]
+    src = make_grads(shapes, dtype, device, seed=11, scale=300.0)
+    offs, n = _offsets(src, gap=5)
+    bucket = torch.full((n,), 3.0, dtype=dtype, device=device)
+    for g, o in zip(src, offs):
+        bucket[o : o + g.numel()] = g.flatten()
+    if poison is not None:
+        bucket[offs[4] + 65536 + 2] = poison  # in the second chunk's scalar tail
+    out = [torch.full_like(g, -1.0) for g in src]
+    inv = torch.tensor(1.0 / 1024.0, device=device)
+    found, sq = torch.ops.fastamp.bucket_unpack_(bucket, out, offs, inv)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for o, g, off in zip(out, src, offs):  # copied bit for bit (NaN payloads too)
+        assert torch.equal(o.flatten().view(bits), bucket[off : off + g.numel()].view(bits))
+    ref_found, ref_sq, _ = torch.ops.fastamp.grad_stats(out, inv)
+    assert float(found) == float(ref_found) == (0.0 if poison is None else 1.0)
+    assert torch.equal(sq, ref_sq) or (math.isnan(float(sq)) and math.isnan(float(ref_sq)))
+
+
 @pytest.mark.parametrize("value", [math.inf, math.nan])
 def test_unpack_flags_nonfinite(device, value):
     grads = make_grads(SHAPES, torch.float32, device, seed=2)
