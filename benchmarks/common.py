@@ -6,9 +6,12 @@ from __future__ import annotations
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def sync(device: str) -> None:
@@ -39,6 +42,30 @@ def copy_bandwidth(device: str, nbytes: int = 512 * 2**20, reps: int = 10) -> fl
     sync(device)
     times = [timed(lambda: dst.copy_(src), device) for _ in range(reps)]
     return 2 * nbytes / statistics.median(times)
+
+
+def balanced_order(names: Sequence[T], rep: int) -> list[T]:
+    """The order to run ``names`` in at repetition ``rep``: rows of a Williams Latin square, so that
+    over ``len(names)`` consecutive repetitions (``2 * len(names)`` when it is odd) every variant
+    runs in every position once and directly after every other variant once.
+
+    A plain rotation keeps the cyclic order, so each variant always runs right after the same
+    other one and inherits its leftovers (the allocator's freed and trimmed heap, cold caches):
+    in bench_ddp, fastamp's DDP always followed torch's foreach AdamW, whose temporaries glibc
+    returns to the kernel, and paid the page faults of re-mapping them."""
+    n = len(names)
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    row = rep % (2 * n if n % 2 else n)
+    order = [(k + row) % n for k in first]
+    if row >= n:  # odd n needs the mirrored square as well
+        order.reverse()
+    return [names[k] for k in order]
 
 
 def device_name(device: str) -> str:

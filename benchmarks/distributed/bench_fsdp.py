@@ -1,7 +1,8 @@
 """Benchmark: the post-backward glue + optimizer step of an FSDP2-sharded model, fastamp vs torch.
 
 The same sharded model (``fully_shard`` on every layer and the root), the same data, in one run on
-every rank, repetitions interleaved (the order rotates each repetition) after warm-up:
+every rank, repetitions interleaved (in a carry-over balanced order, benchmarks/common.py
+balanced_order) after warm-up:
 
   torch:    torch.amp.GradScaler + torch.optim.AdamW(foreach=True), and AdamW(fused=True)
             scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(params, 1.0);
@@ -41,7 +42,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import fastamp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import device_name  # noqa: E402
+from common import balanced_order, device_name  # noqa: E402
 
 VARIANTS = ["torch", "torch fused", "fastamp float32", "fastamp bfloat16", "fastamp int8"]
 
@@ -106,8 +107,7 @@ def worker(rank: int, world: int, init_file: str, args) -> None:
     for rep in range(args.warmup + args.reps):
         x = torch.randn(args.batch, args.width, generator=g)
         y = torch.randn(args.batch, 8, generator=g)
-        order = VARIANTS[rep % len(VARIANTS) :] + VARIANTS[: rep % len(VARIANTS)]
-        for v in order:
+        for v in balanced_order(VARIANTS, rep):
             m, opt, scaler = runs[v]
             opt.zero_grad(set_to_none=True)
             scaler.scale(nn.functional.mse_loss(m(x), y)).backward()
