@@ -6,6 +6,7 @@ at the end every bucket is waited on and unpacked into the grads, measuring them
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,17 @@ from fastamp.handoff import GradStats, GradStatsConsumer
 from fastamp.parallel import _ops
 from fastamp.parallel._args import _NAME, collective_error
 from fastamp.parallel.buckets import Bucket, BucketLayout
+
+
+def _no_grad() -> Any:
+    """A no_grad guard where grad mode is on (create_graph); nothing otherwise (the usual case:
+    the guard costs more than the small ops it would wrap)."""
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+
+
+def _version(t: Tensor) -> int:
+    # private-ok: Tensor._version is PyTorch's in-place write counter; no public spelling.
+    return t._version
 
 
 class GradSync:
@@ -75,6 +87,8 @@ class GradSync:
         self._hook_handles: list[Any] = []
         self._next_launch = 0
         self._stats: list[tuple[Tensor, Tensor]] = []
+        # (scale's id and write counter, a weak reference to it, 1/scale): _inv_scale's cache
+        self._inv: tuple[tuple[int, int], Any, Tensor] | None = None
 
     # ------------------------------------------------------------------ hooks
     def attach(self, params: list[nn.Parameter]) -> None:
@@ -253,7 +267,7 @@ class GradSync:
 
     def _launch(self, bucket: Bucket) -> None:
         divisor = self._divisor if self._divisor is not None else self._join_divisor()
-        with torch.no_grad():
+        with _no_grad():
             if self.views:
                 for p, view in zip(bucket.params, bucket.views):
                     if id(p) in self._grad_ready:
@@ -317,7 +331,12 @@ class GradSync:
 
     def _finish_backward(self) -> None:
         layout = self.layout
-        unready = [p for p in layout.params if id(p) not in self._grad_ready]
+        ready = self._grad_ready
+        unready = (
+            []
+            if len(ready) == len(layout.params)
+            else [p for p in layout.params if id(p) not in ready]
+        )
         if unready and not self.find_unused_parameters and not self.static_graph:
             names = ", ".join(self.names[id(p)] for p in unready[:10])
             more = f" and {len(unready) - 10} more" if len(unready) > 10 else ""
@@ -335,11 +354,11 @@ class GradSync:
         self._used |= self._grad_ready
         global_unused = self._reduce_used_map()
         scale = self.scaler.current_scale() if self.scaler is not None else None
-        inv = scale.double().reciprocal().float() if scale is not None else None
+        inv = self._inv_scale(scale) if scale is not None and not self.views else None
         noted: list[tuple[Tensor, Tensor]] = []
         for b in layout.buckets:
             reduced = self._wait(b)
-            with torch.no_grad():
+            with _no_grad():
                 if self.views:
                     if reduced.data_ptr() != b.buffer.data_ptr():
                         b.buffer.copy_(reduced)
@@ -431,11 +450,21 @@ class GradSync:
             self.layout.rebuild_from_rank0()
 
     # ------------------------------------------------------------------ what the unpack measured
+    def _inv_scale(self, scale: Tensor) -> Tensor:
+        """1 / scale, rounded once from float64 (as the scaler's unscale); kept while the scale
+        tensor is the same and unchanged (its in-place write counter)."""
+        key = (id(scale), _version(scale))
+        if self._inv is None or self._inv[0] != key or self._inv[1]() is not scale:
+            self._inv = (key, weakref.ref(scale), scale.double().reciprocal().float())
+        return self._inv[2]
+
     def grad_stats(self) -> tuple[Tensor, Tensor] | None:
         """``(found_inf, sum of squares)`` of the all-reduced grads, computed by the unpack of the
-        last backward (None with bucket views, which have no unpack)."""
+        last backward (None with bucket views, which have no unpack); the buckets' sums added
+        in bucket order."""
         if not self._stats:
             return None
-        found = sum(f for f, _ in self._stats)
-        sq = sum(s for _, s in self._stats)
+        found, sq = self._stats[0]
+        for f, q in self._stats[1:]:
+            found, sq = found + f, sq + q
         return found, sq
