@@ -27,11 +27,6 @@ def _no_grad() -> Any:
     return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
 
 
-def _version(t: Tensor) -> int:
-    # private-ok: Tensor._version is PyTorch's in-place write counter; no public spelling.
-    return t._version
-
-
 class GradSync:
     """Gradient synchronisation of one DistributedDataParallel over ``layout``'s buckets.
 
@@ -87,8 +82,6 @@ class GradSync:
         self._hook_handles: list[Any] = []
         self._next_launch = 0
         self._stats: list[tuple[Tensor, Tensor]] = []
-        # (scale's id and write counter, a weak reference to it, 1/scale): _inv_scale's cache
-        self._inv: tuple[tuple[int, int], Any, Tensor] | None = None
 
     # ------------------------------------------------------------------ hooks
     def attach(self, params: list[nn.Parameter]) -> None:
@@ -354,7 +347,9 @@ class GradSync:
         self._used |= self._grad_ready
         global_unused = self._reduce_used_map()
         scale = self.scaler.current_scale() if self.scaler is not None else None
-        inv = self._inv_scale(scale) if scale is not None and not self.views else None
+        # 1 / scale, rounded once from float64 as the scaler's unscale does; every backward: the
+        # scaler's ops update the scale in place without bumping its write counter.
+        inv = scale.double().reciprocal().float() if scale is not None and not self.views else None
         noted: list[tuple[Tensor, Tensor]] = []
         for b in layout.buckets:
             reduced = self._wait(b)
@@ -450,14 +445,6 @@ class GradSync:
             self.layout.rebuild_from_rank0()
 
     # ------------------------------------------------------------------ what the unpack measured
-    def _inv_scale(self, scale: Tensor) -> Tensor:
-        """1 / scale, rounded once from float64 (as the scaler's unscale); kept while the scale
-        tensor is the same and unchanged (its in-place write counter)."""
-        key = (id(scale), _version(scale))
-        if self._inv is None or self._inv[0] != key or self._inv[1]() is not scale:
-            self._inv = (key, weakref.ref(scale), scale.double().reciprocal().float())
-        return self._inv[2]
-
     def grad_stats(self) -> tuple[Tensor, Tensor] | None:
         """``(found_inf, sum of squares)`` of the all-reduced grads, computed by the unpack of the
         last backward (None with bucket views, which have no unpack); the buckets' sums added
