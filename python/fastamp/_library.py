@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 _REBUILD = (
     "Install a torch it supports, or rebuild fastamp for this one:\n"
@@ -87,16 +88,51 @@ def translate_error(exc: RuntimeError) -> Exception:
     return _ERROR_CLASSES[m.group(1)](str(exc)[m.end() :])
 
 
+def _written_arguments(op: Any) -> list[tuple[int, str]]:
+    """(position, name) of every argument the op's schema marks as written (``Tensor(a!)``)."""
+    overload = op.default if hasattr(op, "default") else op
+    # private-ok: OpOverload._schema is the parsed schema torch's own op wrappers read; there is
+    # no public spelling of an argument's alias info.
+    schema = overload._schema
+    return [
+        (i, a.name)
+        for i, a in enumerate(schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+def _bump_versions(written: list[tuple[int, str]], args: tuple, kwargs: dict) -> None:
+    """Bumps the in-place write counter of the tensors an op wrote, as every in-place ATen op
+    does: autograd then refuses a backward through a graph that saved one of them before (torch:
+    "modified by an inplace operation") instead of using the new values silently. The kernels
+    are registered through the stable ABI, which has no ADInplaceOrView kernel to do it."""
+    out: list[Tensor] = []
+    for i, name in written:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(v, Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(t for t in v if isinstance(t, Tensor))
+    out = [t for t in out if not t.is_inference()]  # inference tensors keep no counter
+    if out:
+        torch.autograd.graph.increment_version(out)
+
+
 def _translating(op: Callable[..., Any]) -> Callable[..., Any]:
+    written = _written_arguments(op)
+
     @functools.wraps(op)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
-            return op(*args, **kwargs)
+            result = op(*args, **kwargs)
         except RuntimeError as exc:
             err = translate_error(exc)
             if err is exc:
                 raise
             raise err from None
+        if written:
+            _bump_versions(written, args, kwargs)
+        return result
 
     return call
 
