@@ -347,8 +347,8 @@ class GradSync:
         self._used |= self._grad_ready
         global_unused = self._reduce_used_map()
         scale = self.scaler.current_scale() if self.scaler is not None else None
-        # 1 / scale, rounded once from float64 as the scaler's unscale does; every backward: the
-        # scaler's ops update the scale in place without bumping its write counter.
+        # 1 / scale, rounded once from float64 as the scaler's unscale does (a few tiny ops per
+        # backward, and only for the unpack: not worth a cache that must track scale updates).
         inv = scale.double().reciprocal().float() if scale is not None and not self.views else None
         noted: list[tuple[Tensor, Tensor]] = []
         for b in layout.buckets:
