@@ -126,6 +126,12 @@ def _tensor_leaf(t: torch.Tensor) -> tuple:
     return head + (repr(t),)
 
 
+# Step plans (fastamp.optim._plan.StepPlan, fastamp.scaler._grads.GradPlan): caches of what a
+# full step computed, replaced when what they were built from changes, never observable state
+# (tests/optim/test_step_plan.py shows each change is seen). A refused call may keep or drop one.
+_CACHE_ATTRS = frozenset({"_plan", "_grad_plans"})
+
+
 class _Flattener:
     """Turns an object graph into {path: leaf}, tensors by content, other objects by value."""
 
@@ -186,7 +192,8 @@ class _Flattener:
                     if hasattr(obj, slot):
                         attrs[slot] = getattr(obj, slot)
             for k, v in attrs.items():
-                self.add(v, f"{path}.{k}")
+                if k not in _CACHE_ATTRS:
+                    self.add(v, f"{path}.{k}")
         else:
             out[path] = ("opaque", type(obj).__name__, id(obj))
 
@@ -212,7 +219,8 @@ class _Flattener:
         # Every attribute: _scale, _growth_tracker, _hysteresis_tracker, _per_optimizer_states
         # (with their inf checks), _diag, _ddp_stats, ... and the public state_dict().
         for k, v in vars(s).items():
-            self.add(v, f"{path}.{k}")
+            if k not in _CACHE_ATTRS:
+                self.add(v, f"{path}.{k}")
         if s.is_enabled() and s._scale is not None and s._scale.device.type != "meta":
             warned = getattr(s, "_warned_small_scale", None)
             sd = s.state_dict()  # get_scale() may set the one-time warning flag: put it back

@@ -118,8 +118,15 @@ def _bump_versions(written: list[tuple[int, str]], args: tuple, kwargs: dict) ->
         torch.autograd.graph.increment_version(out)
 
 
-def _translating(op: Callable[..., Any]) -> Callable[..., Any]:
-    written = _written_arguments(op)
+def bump_versions(tensors: Sequence[Tensor]) -> None:
+    """Bumps the write counter of ``tensors`` (none may be an inference tensor): what an op
+    called through ``StableOps(..., bump=False)`` leaves to its caller, which has them listed."""
+    if tensors:
+        torch.autograd.graph.increment_version(tensors)
+
+
+def _translating(op: Callable[..., Any], bump: bool = True) -> Callable[..., Any]:
+    written = _written_arguments(op) if bump else []
 
     @functools.wraps(op)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -141,10 +148,15 @@ class StableOps:
     """``torch.ops.<namespace>`` whose calls raise the exception class each kernel meant (see the
     module docstring). ``StableOps("fastamp").grad_stats(...)`` calls
     ``torch.ops.fastamp.grad_stats``; ``.overload(name)`` gives the ``.default`` overload, wrapped
-    the same way."""
+    the same way.
 
-    def __init__(self, namespace: str) -> None:
+    ``bump=False``: the written arguments' write counters are left to the caller (a step plan
+    that keeps the list of what its launch writes, :func:`bump_versions`), instead of being
+    collected from the arguments at every call."""
+
+    def __init__(self, namespace: str, bump: bool = True) -> None:
         self._packets = getattr(torch.ops, namespace)
+        self._bump = bump
         self._calls: dict[str, Callable[..., Any]] = {}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
@@ -152,11 +164,11 @@ class StableOps:
             raise AttributeError(name)
         call = self._calls.get(name)
         if call is None:
-            call = self._calls[name] = _translating(getattr(self._packets, name))
+            call = self._calls[name] = _translating(getattr(self._packets, name), self._bump)
         return call
 
     def overload(self, name: str) -> Callable[..., Any]:
-        return _translating(getattr(self._packets, name).default)
+        return _translating(getattr(self._packets, name).default, self._bump)
 
 
 def build_info() -> dict[str, Any]:

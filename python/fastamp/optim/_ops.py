@@ -18,6 +18,7 @@ from torch import Tensor
 
 from fastamp._library import (  # (importing it loads the operator library)
     StableOps,
+    bump_versions,
     check_fake_devices,
 )
 from fastamp.handoff import AmpStep
@@ -33,9 +34,21 @@ __all__ = [
 ]
 
 _ops = StableOps("fastamp")
+# The same ops for a caller that lists what they write (``written=``): a step plan.
+_ops_listed = StableOps("fastamp", bump=False)
 
 # No scaler: grads taken as they are, the step unconditional, no clipping.
 _NO_AMP = AmpStep(None, None, None)
+
+
+def _call(name: str, written: Sequence[Tensor] | None, *args: Any) -> None:
+    """Calls op ``name``; ``written`` (when given: every tensor it writes, none an inference
+    tensor) get their write counters bumped, instead of the ones collected from the arguments."""
+    if written is None:
+        getattr(_ops, name)(*args)
+    else:
+        getattr(_ops_listed, name)(*args)
+        bump_versions(written)
 
 
 def _amp_args(a: AmpStep) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -95,13 +108,14 @@ def adam_step_(
     master_params: Sequence[Tensor],
     hyper: AdamHyper,
     amp: AmpStep | None = None,
+    written: Sequence[Tensor] | None = None,
 ) -> None:
     """One Adam (AdamW with ``decoupled_weight_decay``) step over a list of params, in one pass:
     each grad is read once and multiplied in registers by ``amp.inv_scale * amp.clip_coef``; when
     ``amp.found_inf`` is non-zero nothing is written and ``state_steps`` hold. ``master_params``
     (fp32) are updated in place of half params when given."""
     h, a = hyper, amp or _NO_AMP
-    _ops.adam_step_(
+    _call("adam_step_", written,
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
         *h.schema_args(with_amsgrad=True), *_amp_args(a),
     )  # fmt: skip
@@ -119,6 +133,7 @@ def adam_lowbit_step_(
     seed: int,
     hyper: AdamHyper,
     amp: AmpStep | None = None,
+    written: Sequence[Tensor] | None = None,
 ) -> None:
     """:func:`adam_step_` with low-precision moments (fastamp.optim.lowbit): bfloat16 ones,
     written with stochastic rounding keyed by ``seed``, or uint8 codes of 256-element blocks with
@@ -130,7 +145,7 @@ def adam_lowbit_step_(
             "fastamp::adam_lowbit_step_: amsgrad is not supported with low-precision "
             "state (hyper.amsgrad must be False)"
         )
-    _ops.adam_lowbit_step_(
+    _call("adam_lowbit_step_", written,
         params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
         master_params, int(seed), *h.schema_args(with_amsgrad=False), *_amp_args(a),
     )  # fmt: skip
@@ -144,11 +159,12 @@ def sgd_step_(
     master_params: Sequence[Tensor],
     hyper: SgdHyper,
     amp: AmpStep | None = None,
+    written: Sequence[Tensor] | None = None,
 ) -> None:
     """One SGD step (torch.optim.SGD's rule), fused as :func:`adam_step_`; ``state_steps`` count
     each param's updates (a buffer's first update takes the grad as is)."""
     h, a = hyper, amp or _NO_AMP
-    _ops.sgd_step_(
+    _call("sgd_step_", written,
         params, grads, momentum_buffers, state_steps, master_params, *h.schema_args(), *_amp_args(a),
     )  # fmt: skip
 
@@ -162,12 +178,13 @@ def sgd_lowbit_step_(
     seed: int,
     hyper: SgdHyper,
     amp: AmpStep | None = None,
+    written: Sequence[Tensor] | None = None,
 ) -> None:
     """:func:`sgd_step_` (momentum != 0) with bfloat16 momentum buffers, written with stochastic
     rounding keyed by ``seed`` (fastamp.optim.lowbit). One pass; with ``amp.found_inf`` non-zero
     nothing is written."""
     h, a = hyper, amp or _NO_AMP
-    _ops.sgd_lowbit_step_(
+    _call("sgd_lowbit_step_", written,
         params, grads, momentum_buffers, state_steps, master_params, int(seed), *h.schema_args(),
         *_amp_args(a),
     )  # fmt: skip

@@ -40,6 +40,7 @@ from fastamp.optim import _family as family
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import grad_like, kernel_view
+from fastamp.optim._plan import PlannedLaunch, StepPlan
 from fastamp.optim._state_dict import StateDictChecks
 from fastamp.optim._step_checks import StepChecks
 from fastamp.optim.lowbit import FLOAT32, INT8, StateFormat
@@ -49,17 +50,42 @@ __all__ = ["SGD", "Adam", "AdamW"]
 
 @dataclass
 class _Launch:
-    """One kernel launch of a step, made before any launch runs: ``run`` writes params and the
-    state tensors in ``news``; after it the state in ``news`` is committed."""
+    """One kernel launch of a step, made before any launch runs: ``call(grads, group, amp)``
+    writes ``kparams`` and the state tensors (all listed in ``written``; new ones in ``news``),
+    reading the group's hyper-parameters when it runs; after it the state in ``news`` is
+    committed."""
 
-    run: Callable[[], None]
+    call: Callable[[list[Tensor], dict[str, Any], AmpStep], None]
     g: int
+    group: dict[str, Any]
     params: list[Tensor]
     places: list[int]
+    kparams: list[Tensor]
+    grads: list[Tensor]
+    written: list[Tensor]
     news: list[dict[str, Any]]
     moments: tuple[str, ...]
     staged: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     counts: dict[Tensor, Tensor] = field(default_factory=dict)
+
+    def run(self, amp: AmpStep) -> None:
+        self.call(self.grads, self.group, amp)
+
+    def plannable(self) -> bool:
+        """Whether a later step can repeat this launch as it is: it made no state, staged no
+        param, took every grad as it is, and its params are plain tensors."""
+        return (
+            not self.staged
+            and all(g is p.grad for g, p in zip(self.grads, self.params))
+            and not self.counts
+            and not any(self.news)
+            and not any(is_dtensor(p) for p in self.params)
+        )
+
+
+def _written(*lists: list[Tensor]) -> list[Tensor]:
+    """What a launch writes, for the write counters (inference tensors keep none)."""
+    return [t for ts in lists for t in ts if not t.is_inference()]
 
 
 class _FusedOptimizer(AmpFusedOptimizer):
@@ -80,7 +106,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
 
     _FAMILY: OptimizerFamily  # set by each optimizer class
     # Each optimizer's: the launch of one group's params of one state format, made before any
-    # launch runs: (fmt, g, group, params, places, amp) -> _Launch, amp the group device's AmpStep.
+    # launch runs: (fmt, g, group, params, places) -> _Launch.
     _launch: Callable[..., _Launch]
     # fastamp's options (beside PyTorch's, which live in ``defaults`` and the param groups).
     _master_weights: bool
@@ -89,6 +115,8 @@ class _FusedOptimizer(AmpFusedOptimizer):
     _step_checks: StepChecks
     _load_checks: StateDictChecks
     stepped: Tensor | None
+    # The steady state's launches (fastamp.optim._plan), or None: the next step is a full one.
+    _plan: StepPlan | None
 
     def _fastamp_setup(self, master_weights: bool, state_dtype: Any, state_seed: Any) -> None:
         """Before PyTorch's constructor, which makes the param groups with add_param_group."""
@@ -101,6 +129,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         self._step_checks = StepChecks(name, self._FAMILY, self._master_weights)
         self._load_checks = StateDictChecks(name, self._FAMILY, self._master_weights)
         self.stepped = None
+        self._plan = None
 
     def _fastamp_defaults(self) -> None:
         """After PyTorch's constructor: a low-precision default is in ``defaults`` as well."""
@@ -111,6 +140,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
     def __getstate__(self) -> dict[str, Any]:
         # PyTorch keeps defaults, state and param_groups; fastamp's options go along.
         state = super().__getstate__()  # type: ignore[misc]
+        state.pop("_plan", None)  # rebuilt by the first step
         state.update(
             _master_weights=self._master_weights,
             _default_format=self._default_format,
@@ -125,6 +155,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         self.__dict__.setdefault("_default_format", FLOAT32)
         self.__dict__.setdefault("_default_seed", 0)
         self.__dict__.setdefault("stepped", None)
+        self._plan = None
         name = type(self).__name__
         self._step_checks = StepChecks(name, self._FAMILY, self._master_weights)
         self._load_checks = StateDictChecks(name, self._FAMILY, self._master_weights)
@@ -179,6 +210,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 )
             self._FAMILY.check_group_options(where, options, fmt)
         super().add_param_group(param_group)  # type: ignore[misc]
+        self._plan = None
         if isinstance(param_group, dict) and (fmt.lowbit or given):
             param_group["state_dtype"] = fmt.name
             param_group["state_seed"] = seed
@@ -217,6 +249,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
             super().load_state_dict(state_dict)  # type: ignore[misc]
         finally:
             handle.remove()
+        self._plan = None
         for group, opts in zip(self.param_groups, options):
             group.pop("state_dtype", None)
             group.pop("state_seed", None)
@@ -314,6 +347,53 @@ class _FusedOptimizer(AmpFusedOptimizer):
     def _fastamp_step(
         self, inv_scale: Tensor | None, found_inf: Tensor | None, clip_coef: Tensor | None
     ) -> None:
+        plan = self._plan
+        if plan is not None and not torch.compiler.is_compiling():
+            grads = plan.grads(self.param_groups, self.state)
+            if grads is not None and self._planned_step(
+                plan, grads, inv_scale, found_inf, clip_coef
+            ):
+                return
+        # The plan is replaced only once a full step ran: one that raised changed nothing.
+        self._full_step(inv_scale, found_inf, clip_coef)
+
+    def _planned_step(
+        self,
+        plan: StepPlan,
+        grads: list[list[Tensor]],
+        inv_scale: Tensor | None,
+        found_inf: Tensor | None,
+        clip_coef: Tensor | None,
+    ) -> bool:
+        """The step through ``plan``; False (nothing written) when its first kernel refuses an
+        input: the full step then checks everything and raises what it finds, or steps."""
+        amps: dict[torch.device, AmpStep] = {}
+        for k, (launch, gs) in enumerate(zip(plan.launches, grads)):
+            dev = launch.device
+            amp = amps.get(dev)
+            if amp is None:
+                amp = amps[dev] = AmpStep(
+                    to_device(inv_scale, dev), to_device(found_inf, dev), to_device(clip_coef, dev)
+                )
+            try:
+                launch.call(gs, launch.group, amp)
+            except (RuntimeError, TypeError, ValueError) as e:
+                if k == 0:
+                    return False
+                # The plan checked every grad before the first launch: not expected.
+                raise self._step_checks.kernel_error(e, launch.g, launch.places, first=False) from e
+        self.stepped = self._stepped(found_inf, plan.launches[0].device)
+        return True
+
+    @staticmethod
+    def _stepped(found_inf: Tensor | None, dev: torch.device) -> Tensor:
+        if found_inf is None:
+            return torch.ones((), dtype=torch.bool, device=dev)
+        return found_inf == 0
+
+    def _full_step(
+        self, inv_scale: Tensor | None, found_inf: Tensor | None, clip_coef: Tensor | None
+    ) -> None:
         # Every group is checked, and every launch's inputs made (new and converted state
         # included), before the first kernel runs; a launch's state is committed right after it.
         checks = self._step_checks
@@ -323,6 +403,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         ]
         checks.shared_memory(checked)
         launches: list[_Launch] = []
+        amps: list[AmpStep] = []
         stepped = None
         for g, group, params, places in checked:
             if not params:
@@ -339,20 +420,41 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 ps.append(p)
                 ix.append(i)
             for fmt, (ps, ix) in sorted(by_format.items(), key=lambda kv: kv[0].lowbit):
-                launches.append(self._launch(fmt, g, group, ps, ix, amp))
+                launches.append(self._launch(fmt, g, group, ps, ix))
+                amps.append(amp)
             if stepped is None:
-                stepped = (
-                    torch.ones((), dtype=torch.bool, device=dev)
-                    if found_inf is None
-                    else found_inf == 0
-                )
-        for k, launch in enumerate(launches):
+                stepped = self._stepped(found_inf, dev)
+        for k, (launch, amp) in enumerate(zip(launches, amps)):
             try:
-                launch.run()
+                launch.run(amp)
             except (RuntimeError, TypeError, ValueError) as e:
                 raise checks.kernel_error(e, launch.g, launch.places, first=k == 0) from e
             self._commit(launch)
         self.stepped = stepped
+        plannable = launches and all(launch.plannable() for launch in launches)
+        self._plan = self._make_plan(launches) if plannable else None
+
+    def _make_plan(self, launches: list[_Launch]) -> StepPlan:
+        """The plan of a step that made no state: the next steps repeat these launches."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        position = {id(p): k for k, p in enumerate(params)}
+        planned = [
+            PlannedLaunch(
+                call=launch.call,
+                g=launch.g,
+                group=launch.group,
+                places=launch.places,
+                index=[position[id(p)] for p in launch.params],
+                kparams=launch.kparams,
+                written=launch.written,
+                device=launch.kparams[0].device,
+            )
+            for launch in launches
+        ]
+        keys = sorted(
+            {k for launch in launches for p in launch.params for k in self.state.get(p) or ()}
+        )
+        return StepPlan(self.param_groups, self.state, planned, params, keys)
 
     @staticmethod
     def _lr(group: dict[str, Any], device: torch.device) -> tuple[float, Tensor | None]:
@@ -395,7 +497,7 @@ class _AdamBase(_FusedOptimizer):
     _FAMILY = family.ADAM
     _decoupled: bool
 
-    def _launch(self, fmt, g, group, params, places, amp: AmpStep) -> _Launch:
+    def _launch(self, fmt, g, group, params, places) -> _Launch:
         moments = self._FAMILY.moments
         amsgrad = bool(group["amsgrad"]) and not fmt.lowbit
         kparams, grads, steps, masters = [], [], [], []
@@ -427,33 +529,44 @@ class _AdamBase(_FusedOptimizer):
             if master is not None:
                 masters.append(master)
             news.append(new)
-        beta1, beta2 = group["betas"]
-        lr, lr_t = self._lr(group, params[0].device)
-        hyper = _ops.AdamHyper(
-            lr,
-            lr_t,
-            float(beta1),
-            float(beta2),
-            float(group["weight_decay"]),
-            float(group["eps"]),
-            bool(group.get("decoupled_weight_decay", self._decoupled)),
-            bool(group["maximize"]),
-            amsgrad,
-        )
+        dev = params[0].device
+        decoupled = self._decoupled
         ms, vs, ams, avs = fmt.adam_lists(currents)
+        written = _written(kparams, ms, vs, ams, avs, max_sqs, steps, masters)
+
+        def hyper_of(group: dict[str, Any]) -> _ops.AdamHyper:
+            beta1, beta2 = group["betas"]
+            lr, lr_t = self._lr(group, dev)
+            return _ops.AdamHyper(
+                lr,
+                lr_t,
+                float(beta1),
+                float(beta2),
+                float(group["weight_decay"]),
+                float(group["eps"]),
+                bool(group.get("decoupled_weight_decay", decoupled)),
+                bool(group["maximize"]),
+                amsgrad,
+            )
+
         if fmt.lowbit:
             seed = int(group.get("state_seed", 0))
 
-            def run() -> None:
+            def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
                 _ops.adam_lowbit_step_(
-                    kparams, grads, ms, vs, ams, avs, steps, masters, seed, hyper, amp
-                )
+                    kparams, gs, ms, vs, ams, avs, steps, masters, seed, hyper_of(group), amp,
+                    written,
+                )  # fmt: skip
         else:
 
-            def run() -> None:
-                _ops.adam_step_(kparams, grads, ms, vs, max_sqs, steps, masters, hyper, amp)
+            def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
+                _ops.adam_step_(
+                    kparams, gs, ms, vs, max_sqs, steps, masters, hyper_of(group), amp, written
+                )
 
-        return _Launch(run, g, params, places, news, moments, staged)
+        return _Launch(
+            call, g, group, params, places, kparams, grads, written, news, moments, staged
+        )
 
 
 class Adam(_AdamBase, torch.optim.Adam):
@@ -550,7 +663,7 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
             n = new_counts[p] = torch.full((), first, dtype=torch.float32, device=p.device)
         return n
 
-    def _launch(self, fmt, g, group, params, places, amp: AmpStep) -> _Launch:
+    def _launch(self, fmt, g, group, params, places) -> _Launch:
         moments = self._FAMILY.moments_of(group)
         kparams, grads, bufs, counts, masters = [], [], [], [], []
         news: list[dict[str, Any]] = []
@@ -577,27 +690,37 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
             if master is not None:
                 masters.append(master)
             news.append(new)
-        lr, lr_t = self._lr(group, params[0].device)
-        hyper = _ops.SgdHyper(
-            lr,
-            lr_t,
-            float(group["weight_decay"]),
-            float(group["momentum"]),
-            float(group["dampening"]),
-            bool(group["nesterov"]),
-            bool(group["maximize"]),
-        )
+        dev = params[0].device
+        written = _written(kparams, bufs, counts, masters)
+
+        def hyper_of(group: dict[str, Any]) -> _ops.SgdHyper:
+            lr, lr_t = self._lr(group, dev)
+            return _ops.SgdHyper(
+                lr,
+                lr_t,
+                float(group["weight_decay"]),
+                float(group["momentum"]),
+                float(group["dampening"]),
+                bool(group["nesterov"]),
+                bool(group["maximize"]),
+            )
+
         if fmt.lowbit:
             seed = int(group.get("state_seed", 0))
 
-            def run() -> None:
-                _ops.sgd_lowbit_step_(kparams, grads, bufs, counts, masters, seed, hyper, amp)
+            def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
+                _ops.sgd_lowbit_step_(
+                    kparams, gs, bufs, counts, masters, seed, hyper_of(group), amp, written
+                )
         else:
 
-            def run() -> None:
-                _ops.sgd_step_(kparams, grads, bufs, counts, masters, hyper, amp)
+            def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
+                _ops.sgd_step_(kparams, gs, bufs, counts, masters, hyper_of(group), amp, written)
 
-        return _Launch(run, g, params, places, news, moments, staged, new_counts)
+        return _Launch(
+            call, g, group, params, places, kparams, grads, written, news, moments, staged,
+            new_counts,
+        )  # fmt: skip
 
     def _commit(self, launch: _Launch) -> None:
         super()._commit(launch)

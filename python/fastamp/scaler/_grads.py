@@ -1,10 +1,13 @@
 """An optimizer's grads as the scaler's ops take them (:class:`DeviceGrads`): grouped by device
 (all dtypes in one list; a DTensor grad as this rank's shard, with the :class:`ShardGroup` its
-statistics are reduced over), validated before the first one is touched."""
+statistics are reduced over), validated before the first one is touched; and the
+:class:`GradPlan` that collects them again, unchecked, while nothing the checks read changed."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from itertools import chain
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -20,6 +23,84 @@ class DeviceGrads(NamedTuple):
     param_ids: list[int]
     places: list[tuple[int, int]]
     shard: ShardGroup | None = None
+
+
+_dtype = attrgetter("dtype")
+_device = attrgetter("device")
+_layout = attrgetter("layout")
+
+
+class GradPlan:
+    """What :func:`collect_grads` found for an optimizer whose grads were all plain dense
+    tensors, kept so the next steps collect them with a few C-speed comparisons per grad
+    instead of the checks: :meth:`collect` gives this step's grads, or None when anything it
+    was built from changed (the param groups, the params, which have grads, a grad's type,
+    dtype, device or layout), and :func:`collect_grads` then runs in full."""
+
+    def __init__(self, optimizer: Any, per_device: dict[torch.device, DeviceGrads]) -> None:
+        groups = optimizer.param_groups
+        self.groups: list[dict[str, Any]] = groups
+        self.group_dicts = list(groups)
+        params = list(chain.from_iterable(grp["params"] for grp in groups))
+        self.ids = list(map(id, params))
+        grads = [p.grad for p in params]
+        self.mask = [g is None for g in grads]
+        live = [g for g in grads if g is not None]
+        self.types = list(map(type, live))
+        self.dtypes = list(map(_dtype, live))
+        self.devices = list(map(_device, live))
+        self.layouts = list(map(_layout, live))
+        self.has_fp16 = torch.float16 in self.dtypes
+        # Where each device's grads are in the list of present grads.
+        self.entries = [
+            (
+                dev,
+                [k for k, d in enumerate(self.devices) if d == dev],
+                entry.param_ids,
+                entry.places,
+            )
+            for dev, entry in per_device.items()
+        ]
+
+    @staticmethod
+    def plannable(optimizer: Any) -> bool:
+        """Whether the optimizer's grads can be collected by a plan: every one a plain dense
+        tensor (collected as it is: no sparse values, no DTensor shard)."""
+        for grp in optimizer.param_groups:
+            for p in grp["params"]:
+                g = p.grad
+                if g is not None and (type(g) is not torch.Tensor or g.layout is not torch.strided):
+                    return False
+        return True
+
+    def collect(self, optimizer: Any, allow_fp16: bool) -> dict[torch.device, DeviceGrads] | None:
+        groups = optimizer.param_groups
+        if groups is not self.groups or len(groups) != len(self.group_dicts):
+            return None
+        if any(grp is not ref for grp, ref in zip(groups, self.group_dicts)):
+            return None
+        params = list(chain.from_iterable(grp["params"] for grp in groups))
+        if list(map(id, params)) != self.ids:
+            return None
+        grads = [p.grad for p in params]
+        if [g is None for g in grads] != self.mask:
+            return None
+        live = [g for g in grads if g is not None]
+        if (
+            list(map(type, live)) != self.types
+            or list(map(_dtype, live)) != self.dtypes
+            or list(map(_device, live)) != self.devices
+            or list(map(_layout, live)) != self.layouts
+            or (self.has_fp16 and not allow_fp16)  # the full collection raises for it
+        ):
+            return None
+        if len(self.entries) == 1:
+            dev, _, ids, places = self.entries[0]
+            return {dev: DeviceGrads(live, ids, places)}
+        return {
+            dev: DeviceGrads([live[k] for k in where], ids, places)
+            for dev, where, ids, places in self.entries
+        }
 
 
 def collect_grads(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,6 +94,7 @@ class ScalerState:
         state["_ddp_stats"] = None
         state["_iterations"] = {}
         state["_transaction"] = None
+        state.pop("_grad_plans", None)  # weak references; rebuilt by the next step
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -109,6 +111,7 @@ class ScalerState:
             "_ddp_stats": None,
             "_iterations": {},
             "_transaction": None,
+            "_grad_plans": weakref.WeakKeyDictionary(),
         }
         for k, v in defaults.items():
             state.setdefault(k, v)

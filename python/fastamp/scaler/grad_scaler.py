@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -38,7 +39,7 @@ from fastamp._devices import to_device
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, handing
 from fastamp.scaler import _ops, diagnostics
 from fastamp.scaler._clip import check_clip_arguments, clip_coefficient, grad_norm, unscale_and_clip
-from fastamp.scaler._grads import DeviceGrads, collect_grads
+from fastamp.scaler._grads import DeviceGrads, GradPlan, collect_grads
 from fastamp.scaler._state import ScalerState
 from fastamp.scaler._transaction import ClipStep, OptimizerIteration, Transaction
 from fastamp.scaler._validation import (
@@ -141,6 +142,9 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         # _per_optimizer_states, which keeps PyTorch's keys only), and the call in progress.
         self._iterations: dict[int, OptimizerIteration] = {}
         self._transaction: Transaction | None = None
+        # Each optimizer's grads as the last step found them (GradPlan), to collect them again
+        # with no per-grad checks while nothing they depend on changed.
+        self._grad_plans: weakref.WeakKeyDictionary[Any, GradPlan] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ lazy state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -215,6 +219,25 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         if self._transaction is not None:
             self._transaction.grads_written()
 
+    def _collect(
+        self, optimizer: torch.optim.Optimizer, allow_fp16: bool, caller: str = "unscale_"
+    ) -> dict[torch.device, DeviceGrads]:
+        """:func:`collect_grads`, through the optimizer's :class:`GradPlan` while it holds."""
+        try:
+            plan = self._grad_plans.get(optimizer)
+        except TypeError:  # an optimizer that takes no weak reference: no plan
+            return collect_grads(optimizer, allow_fp16, caller)
+        if plan is not None:
+            per_device = plan.collect(optimizer, allow_fp16)
+            if per_device is not None:
+                return per_device
+        per_device = collect_grads(optimizer, allow_fp16, caller)
+        if GradPlan.plannable(optimizer):
+            self._grad_plans[optimizer] = GradPlan(optimizer, per_device)
+        else:
+            self._grad_plans.pop(optimizer, None)
+        return per_device
+
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -222,7 +245,7 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         found_inf: Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, Tensor]:
-        per_device = collect_grads(optimizer, allow_fp16)
+        per_device = self._collect(optimizer, allow_fp16)
         found: dict[torch.device, Tensor] = {}
         flags: dict[torch.device, Tensor] = {}
         with torch.no_grad():
@@ -241,7 +264,7 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         # For optimizers that unscale inside their own kernel (fused=True): a read-only inf/NaN
         # check. PyTorch unscales by 1.0 here, rewriting every grad to itself.
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        per_device = collect_grads(optimizer, allow_fp16=True)
+        per_device = self._collect(optimizer, allow_fp16=True)
         one = torch.ones((), dtype=torch.float32, device=scale.device)
         found: dict[torch.device, Tensor] = {}
         flags: dict[torch.device, Tensor] = {}
@@ -319,7 +342,7 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         # A fastamp fused optimizer takes the clip coefficient into its own kernel: the grads are
         # only read here (so fp16 grads are fine), and unscaled + clipped in the update pass.
         fused = isinstance(optimizer, AmpFusedOptimizer) and not already_unscaled
-        per_device = collect_grads(optimizer, already_unscaled or fused, "clip_grad_norm_")
+        per_device = self._collect(optimizer, already_unscaled or fused, "clip_grad_norm_")
         if already_unscaled:
             inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
         else:
