@@ -240,3 +240,28 @@ def test_grad_plan_sees_a_sparse_grad():
             s.step(o)
             s.update()
     torch.testing.assert_close(emb[1].weight, emb[0].weight)
+
+
+@pytest.mark.parametrize("option", ["momentum", "amsgrad"])
+def test_plan_sees_a_structural_option_edited(option):
+    """An option that changes what a step keeps (SGD's momentum turned off; Adam's amsgrad
+    turned on, which torch starts from a zero running maximum) rebuilds the plan."""
+    name = "SGD" if option == "momentum" else "Adam"
+    models, opts = _pair(name)
+    _steps(models, opts, 3)
+    assert _planned(opts[1])
+    for o, m in zip(opts, models):
+        if option == "momentum":
+            o.param_groups[0]["momentum"] = 0.0
+        else:
+            o.param_groups[0]["amsgrad"] = True
+            for p in m.parameters():  # torch's Adam reads it once amsgrad is on
+                o.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
+    _steps(models, opts, 3, seed=50)
+    _same(models, opts)
+    for pa, pb in zip(models[0].parameters(), models[1].parameters()):
+        if option == "amsgrad":
+            torch.testing.assert_close(
+                opts[1].state[pb]["max_exp_avg_sq"], opts[0].state[pa]["max_exp_avg_sq"],
+                rtol=1e-4, atol=5e-5,
+            )  # fmt: skip

@@ -367,11 +367,19 @@ def resharded_resume(rank: int, world: int, init_file: str) -> None:
         # its stochastic rounding is keyed by the element's index in this rank's shard, so the
         # resharded run draws other bits: each stored moment is within one bfloat16 ulp
         # (2^-8 relative), 3 steps of lr=1e-2 then differ by up to a few 1e-4.
+        # 8-bit state: a moment that differs in its last float32 bit can round to the
+        # neighbouring code, one code step (at most 2^-7 of its block's absmax); seen for 1 of
+        # 8192 elements on an AVX-512 machine. Such elements are allowed, few and within 5e-4.
         tol = dict(rtol=0.0, atol=5e-4) if fmt is torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
         for n, p in m.named_parameters():
+            got, want = p.full_tensor(), ref["params"][n]
+            if fmt == "int8":
+                off = ~torch.isclose(got, want, **tol)
+                assert off.sum() <= max(1, got.numel() // 1000), f"{fmt} {n}: {int(off.sum())} off"
+                torch.testing.assert_close(got, want, rtol=0.0, atol=5e-4)
+                continue
             torch.testing.assert_close(
-                p.full_tensor(), ref["params"][n], **tol,
-                msg=lambda msg, n=n: f"{fmt} {n}: {msg}",
+                got, want, **tol, msg=lambda msg, n=n: f"{fmt} {n}: {msg}"
             )  # fmt: skip
     # fastamp.load_training_state of the 2-rank save (8-bit state): resharded, fresh random
     # streams (restore_rng=False: the saved ones are per rank).

@@ -368,7 +368,9 @@ def _other_keys(fmt: StateFormat, moments: tuple[str, ...]) -> tuple[str, ...]:
 def format_of(state: Mapping[str, Any], moments: Sequence[str]) -> StateFormat | None:
     """The format whose keys ``state`` holds its moments under (None: no moments yet).
     bfloat16 moments read as :data:`BFLOAT16` (a bfloat16 param's float32-format state is the
-    same tensors)."""
+    same tensors). No moments kept (SGD without momentum): None."""
+    if not moments:
+        return None
     first = state.get(moments[0])
     if isinstance(first, Tensor):  # under PyTorch's key (checked per step: the fast path first)
         if first.dtype == torch.bfloat16:
