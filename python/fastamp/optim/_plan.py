@@ -26,11 +26,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from fastamp._plans import same_params
 
 # Per-step hyper-parameters: read from the group at every step, so editing them (an LR
 # scheduler, a user changing weight decay) does not rebuild the plan.
@@ -108,13 +109,10 @@ class StepPlan:
         optimizer runs a full step, which checks everything and builds a new plan)."""
         if groups is not self.groups or state is not self.state:
             return None
-        if len(groups) != len(self.group_dicts):
+        params = same_params(groups, self.group_dicts, self.ids)
+        if params is None:
             return None
-        for grp, ref, key in zip(groups, self.group_dicts, self.structure):
-            if grp is not ref or structure_of(grp) != key:
-                return None
-        params = list(chain.from_iterable(grp["params"] for grp in groups))
-        if list(map(id, params)) != self.ids:
+        if any(structure_of(grp) != key for grp, key in zip(groups, self.structure)):
             return None
         grads = [p.grad for p in params]
         if [g is None for g in grads] != self.mask:

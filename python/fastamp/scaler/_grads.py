@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from fastamp._plans import same_params
 from fastamp._sharding import ShardGroup, local, shard_group
 
 
@@ -75,12 +76,10 @@ class GradPlan:
 
     def collect(self, optimizer: Any, allow_fp16: bool) -> dict[torch.device, DeviceGrads] | None:
         groups = optimizer.param_groups
-        if groups is not self.groups or len(groups) != len(self.group_dicts):
+        if groups is not self.groups:
             return None
-        if any(grp is not ref for grp, ref in zip(groups, self.group_dicts)):
-            return None
-        params = list(chain.from_iterable(grp["params"] for grp in groups))
-        if list(map(id, params)) != self.ids:
+        params = same_params(groups, self.group_dicts, self.ids)
+        if params is None:
             return None
         grads = [p.grad for p in params]
         if [g is None for g in grads] != self.mask:
