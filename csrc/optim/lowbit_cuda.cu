@@ -239,4 +239,7 @@ FASTAMP_CUDA_KERNELS(m) {
   namespace o = fastamp::optim;
   m.impl("adam_lowbit_step_", TORCH_BOX(&o::adam_lowbit_step_op<o::adam_lowbit_step_cuda>));
   m.impl("sgd_lowbit_step_", TORCH_BOX(&o::sgd_lowbit_step_op<o::sgd_lowbit_step_cuda>));
+  m.impl("adam_lowbit_step_held_",
+         TORCH_BOX(&o::adam_lowbit_step_held_op<o::adam_lowbit_step_cuda>));
+  m.impl("sgd_lowbit_step_held_", TORCH_BOX(&o::sgd_lowbit_step_held_op<o::sgd_lowbit_step_cuda>));
 }

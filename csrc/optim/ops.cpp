@@ -4,6 +4,7 @@
 // optim_cpu.cpp, optim_cuda.cu and lowbit_cuda.cu.
 #include "common/torch_api.h"
 
+#include "common/held_tensors.h"
 #include "optim/optim_checks.h"
 
 namespace fastamp {
@@ -84,6 +85,35 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   // strides and addresses (no data, no sync); the same on every device. The optimizers run it
   // over the params of all their groups before stepping any group.
   m.def("shared_memory_pair(Tensor[] tensors) -> int[]");
+
+  // Keeps references to `tensors`, cut into consecutive lists of `lengths` (which add up to
+  // len(tensors)), and returns a handle for the *_held_ ops below; reads and writes no data. The
+  // references are dropped by release_tensors(handle). A step plan holds its params and state
+  // once, so that each step boxes only its grads (common/held_tensors.h).
+  m.def("hold_tensors(Tensor[] tensors, int[] lengths) -> int");
+  m.def("release_tensors(int held) -> ()");
+
+  // The step ops with every list but the grads held: `held` (from hold_tensors) holds the lists
+  // of the op of the same name without `_held`, in its schema's order (adam_step_: params,
+  // exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params). Reads, writes and checks
+  // exactly what that op would with those lists; the held tensors are the caller's own, so the
+  // write counters of what they write are the caller's to bump (the schema cannot list them).
+  m.def(
+      "adam_step_held_(int held, Tensor[] grads, float lr, Tensor? lr_tensor, float beta1, "
+      "float beta2, float weight_decay, float eps, bool amsgrad, bool decoupled_weight_decay, "
+      "bool maximize, Tensor? inv_scale, Tensor? found_inf, Tensor? clip_coef) -> ()");
+  m.def(
+      "sgd_step_held_(int held, Tensor[] grads, float lr, Tensor? lr_tensor, "
+      "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, "
+      "Tensor? inv_scale, Tensor? found_inf, Tensor? clip_coef) -> ()");
+  m.def(
+      "adam_lowbit_step_held_(int held, Tensor[] grads, int seed, float lr, Tensor? lr_tensor, "
+      "float beta1, float beta2, float weight_decay, float eps, bool decoupled_weight_decay, "
+      "bool maximize, Tensor? inv_scale, Tensor? found_inf, Tensor? clip_coef) -> ()");
+  m.def(
+      "sgd_lowbit_step_held_(int held, Tensor[] grads, int seed, float lr, Tensor? lr_tensor, "
+      "float weight_decay, float momentum, float dampening, bool nesterov, bool maximize, "
+      "Tensor? inv_scale, Tensor? found_inf, Tensor? clip_coef) -> ()");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
@@ -93,4 +123,12 @@ STABLE_TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
   m.impl("sgd_step_", TORCH_BOX(&o::sgd_step_op<o::no_kernel<o::SgdArgs>>));
   m.impl("adam_lowbit_step_", TORCH_BOX(&o::adam_lowbit_step_op<o::no_kernel<o::AdamLowbitArgs>>));
   m.impl("sgd_lowbit_step_", TORCH_BOX(&o::sgd_lowbit_step_op<o::no_kernel<o::SgdLowbitArgs>>));
+  m.impl("hold_tensors", TORCH_BOX(&fastamp::hold_tensors));
+  m.impl("release_tensors", TORCH_BOX(&fastamp::release_tensors));
+  m.impl("adam_step_held_", TORCH_BOX(&o::adam_step_held_op<o::no_kernel<o::AdamArgs>>));
+  m.impl("sgd_step_held_", TORCH_BOX(&o::sgd_step_held_op<o::no_kernel<o::SgdArgs>>));
+  m.impl("adam_lowbit_step_held_",
+         TORCH_BOX(&o::adam_lowbit_step_held_op<o::no_kernel<o::AdamLowbitArgs>>));
+  m.impl("sgd_lowbit_step_held_",
+         TORCH_BOX(&o::sgd_lowbit_step_held_op<o::no_kernel<o::SgdLowbitArgs>>));
 }

@@ -7,6 +7,7 @@
 
 #include "optim/optim_math.h"
 
+#include "common/held_tensors.h"
 #include "common/torch_api.h"
 
 #include <cstdint>
@@ -159,6 +160,81 @@ void sgd_lowbit_step_op(TensorList params, TensorList grads, TensorList momentum
                        momentum_buffers,
                        state_steps,
                        master_params,
+                       seed,
+                       {lr, weight_decay, momentum, dampening, nesterov, maximize},
+                       {lr_tensor, inv_scale, found_inf, clip_coef}});
+}
+
+// --- the held variants (`*_held_`): the same kernels, with every list but the grads taken from
+// fastamp::hold_tensors (common/held_tensors.h), in the list-taking schema's order. Registered
+// beside each list-taking op, e.g. `m.impl("adam_step_held_",
+// TORCH_BOX(&adam_step_held_op<adam_step_cpu>))`.
+
+template <void (*Kernel)(const AdamArgs&)>
+void adam_step_held_op(int64_t held, TensorList grads, double lr, const OptTensor& lr_tensor,
+                       double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
+                       bool decoupled_weight_decay, bool maximize, const OptTensor& inv_scale,
+                       const OptTensor& found_inf, const OptTensor& clip_coef) {
+  const auto h = held_lists(held, 6, "fastamp::adam_step_held_");
+  Kernel(AdamArgs{h->list(0),
+                  grads,
+                  h->list(1),
+                  h->list(2),
+                  h->list(3),
+                  h->list(4),
+                  h->list(5),
+                  {lr, beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize},
+                  {lr_tensor, inv_scale, found_inf, clip_coef}});
+}
+
+template <void (*Kernel)(const AdamLowbitArgs&)>
+void adam_lowbit_step_held_op(int64_t held, TensorList grads, int64_t seed, double lr,
+                              const OptTensor& lr_tensor, double beta1, double beta2,
+                              double weight_decay, double eps, bool decoupled_weight_decay,
+                              bool maximize, const OptTensor& inv_scale, const OptTensor& found_inf,
+                              const OptTensor& clip_coef) {
+  const auto h = held_lists(held, 7, "fastamp::adam_lowbit_step_held_");
+  Kernel(
+      AdamLowbitArgs{h->list(0),
+                     grads,
+                     h->list(1),
+                     h->list(2),
+                     h->list(3),
+                     h->list(4),
+                     h->list(5),
+                     h->list(6),
+                     seed,
+                     {lr, beta1, beta2, weight_decay, eps, false, decoupled_weight_decay, maximize},
+                     {lr_tensor, inv_scale, found_inf, clip_coef}});
+}
+
+template <void (*Kernel)(const SgdArgs&)>
+void sgd_step_held_op(int64_t held, TensorList grads, double lr, const OptTensor& lr_tensor,
+                      double weight_decay, double momentum, double dampening, bool nesterov,
+                      bool maximize, const OptTensor& inv_scale, const OptTensor& found_inf,
+                      const OptTensor& clip_coef) {
+  const auto h = held_lists(held, 4, "fastamp::sgd_step_held_");
+  Kernel(SgdArgs{h->list(0),
+                 grads,
+                 h->list(1),
+                 h->list(2),
+                 h->list(3),
+                 {lr, weight_decay, momentum, dampening, nesterov, maximize},
+                 {lr_tensor, inv_scale, found_inf, clip_coef}});
+}
+
+template <void (*Kernel)(const SgdLowbitArgs&)>
+void sgd_lowbit_step_held_op(int64_t held, TensorList grads, int64_t seed, double lr,
+                             const OptTensor& lr_tensor, double weight_decay, double momentum,
+                             double dampening, bool nesterov, bool maximize,
+                             const OptTensor& inv_scale, const OptTensor& found_inf,
+                             const OptTensor& clip_coef) {
+  const auto h = held_lists(held, 4, "fastamp::sgd_lowbit_step_held_");
+  Kernel(SgdLowbitArgs{h->list(0),
+                       grads,
+                       h->list(1),
+                       h->list(2),
+                       h->list(3),
                        seed,
                        {lr, weight_decay, momentum, dampening, nesterov, maximize},
                        {lr_tensor, inv_scale, found_inf, clip_coef}});

@@ -217,4 +217,9 @@ STABLE_TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
   m.impl("sgd_step_", TORCH_BOX(&o::sgd_step_op<o::sgd_step_cpu>));
   m.impl("adam_lowbit_step_", TORCH_BOX(&o::adam_lowbit_step_op<o::adam_lowbit_step_cpu>));
   m.impl("sgd_lowbit_step_", TORCH_BOX(&o::sgd_lowbit_step_op<o::sgd_lowbit_step_cpu>));
+  m.impl("adam_step_held_", TORCH_BOX(&o::adam_step_held_op<o::adam_step_cpu>));
+  m.impl("sgd_step_held_", TORCH_BOX(&o::sgd_step_held_op<o::sgd_step_cpu>));
+  m.impl("adam_lowbit_step_held_",
+         TORCH_BOX(&o::adam_lowbit_step_held_op<o::adam_lowbit_step_cpu>));
+  m.impl("sgd_lowbit_step_held_", TORCH_BOX(&o::sgd_lowbit_step_held_op<o::sgd_lowbit_step_cpu>));
 }

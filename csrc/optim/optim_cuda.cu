@@ -251,4 +251,6 @@ FASTAMP_CUDA_KERNELS(m) {
   namespace o = fastamp::optim;
   m.impl("adam_step_", TORCH_BOX(&o::adam_step_op<o::adam_step_cuda>));
   m.impl("sgd_step_", TORCH_BOX(&o::sgd_step_op<o::sgd_step_cuda>));
+  m.impl("adam_step_held_", TORCH_BOX(&o::adam_step_held_op<o::adam_step_cuda>));
+  m.impl("sgd_step_held_", TORCH_BOX(&o::sgd_step_held_op<o::sgd_step_cuda>));
 }

@@ -38,6 +38,7 @@ HOST_SOURCES = [
     "scaler/scaler_checks.cpp",
     "optim/optim_checks.cpp",
     "common/tensor_list.cpp",
+    "common/held_tensors.cpp",
     "common/torch_api.cpp",
 ]
 

@@ -11,7 +11,10 @@ emulated run, so every run starts from the same bits. Then:
 - the emulated outputs must be bit-identical across the three launch orders (ascending,
   descending, seeded random blocks and threads): an order-dependent result is a missing barrier or
   an order-dependent sum;
-- no byte outside the tensors may change (the canaries): an out-of-bounds write fails here.
+- no byte outside the tensors may change (the canaries): an out-of-bounds write fails here;
+- a step op with a held variant (``adam_step_held_``: every list but the grads held, see
+  csrc/common/held_tensors.h) runs the same case through it on both backends, with the same
+  outputs as the list-taking op's CPU kernel, bit for bit.
 """
 
 from __future__ import annotations
@@ -182,7 +185,63 @@ def run_case(
                         f"{op_name}: output {i} differs between launch orders ({orders[0]} vs "
                         f"{order}): a missing barrier or an order-dependent reduction"
                     )
+    if held_variant(op_name) is not None:
+        _run_held(op_name, build, seed, cpu_out, cpu_canaries)
     return {"cpu": cpu_out, "emu": first}
+
+
+def held_variant(op_name: str) -> str | None:
+    """The op that takes ``op_name``'s lists but the grads held (``adam_step_`` ->
+    ``adam_step_held_``, csrc/common/held_tensors.h), or None."""
+    name = op_name + "held_"
+    return name if name in emu.fastamp_ops() else None
+
+
+def _held_call(op_name: str, args: Sequence[Any], call: Callable[..., Any], ns: Any) -> Any:
+    """``op_name``'s call ``args`` made through its held variant (``call``): every tensor list
+    but the grads held by ``ns.hold_tensors`` for the call, the other arguments by name."""
+    schema = getattr(torch.ops.fastamp, op_name).default._schema
+    held_schema = getattr(torch.ops.fastamp, held_variant(op_name)).default._schema
+    by_name = {a.name: v for a, v in zip(schema.arguments, args)}
+    lists = [
+        a.name
+        for a in schema.arguments
+        if a.name != "grads" and a.type.isSubtypeOf(torch._C.ListType.ofTensors())
+    ]
+    handle = ns.hold_tensors(
+        [t for n in lists for t in by_name[n]], [len(by_name[n]) for n in lists]
+    )
+    try:
+        return call(handle, *[by_name[a.name] for a in held_schema.arguments[1:]])
+    finally:
+        ns.release_tensors(handle)
+
+
+def _run_held(
+    op_name: str,
+    build: Callable[[Mem], Sequence[Any]],
+    seed: int,
+    cpu_out: list[Tensor],
+    cpu_canaries: list[Tensor],
+) -> None:
+    """The held variant of ``op_name`` on the same case, on the CPU kernel and on the emulator:
+    the same outputs as the list-taking op's CPU kernel, bit for bit, and no write outside."""
+    held = held_variant(op_name)
+    for where in ("cpu", "emu"):
+        mem = Mem(seed)
+        args = build(mem)
+        if where == "cpu":
+            result = _held_call(op_name, args, getattr(torch.ops.fastamp, held), torch.ops.fastamp)
+        else:
+            result = _held_call(op_name, args, emu.op(held), torch.ops.fastamp_emu)
+        out = _outputs(result, args)
+        for i, (e, c) in enumerate(zip(out, cpu_out)):
+            if not torch.equal(comparable_bits(e), comparable_bits(c)):
+                raise AssertionError(
+                    f"{held} [{where}] output {i}: differs from {op_name}'s CPU kernel bit for bit"
+                )
+        for j, (a, b) in enumerate(zip(mem.canaries(), cpu_canaries)):
+            assert torch.equal(a, b), f"{held} [{where}]: wrote outside tensor {j}"
 
 
 def reductions_order(reductions: Iterable[int]) -> list[int]:

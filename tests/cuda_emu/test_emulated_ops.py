@@ -16,7 +16,7 @@ import math
 import emu
 import pytest
 import torch
-from harness import Mem, bits, run_case
+from harness import Mem, bits, held_variant, run_case
 
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 CHUNK = 65536
@@ -625,3 +625,23 @@ def test_bulk_bytes_move_as_16_byte_vectors_exactly_when_aligned(offset):
     assert stats == {"loads": total // 4, "stores": 0, "load_bytes": 4 * total, "store_bytes": 0}
     assert adam["load_bytes"] == 16 * total and adam["store_bytes"] == 12 * total, adam
     assert adam["loads"] == total and adam["stores"] == 3 * total // 4, adam
+
+
+# The step ops' held variants (csrc/common/held_tensors.h): run_case sends every case of the
+# list-taking op through its held variant too, on the CPU kernel and on the emulator.
+HELD = {
+    "adam_step_": "adam_step_held_",
+    "sgd_step_": "sgd_step_held_",
+    "adam_lowbit_step_": "adam_lowbit_step_held_",
+    "sgd_lowbit_step_": "sgd_lowbit_step_held_",
+}
+
+
+def test_every_held_variant_runs_with_its_list_ops_cases():
+    assert {n for n in emu.fastamp_ops() if n.endswith("_held_")} == set(HELD.values())
+    for op, held in HELD.items():
+        assert held_variant(op) == held
+    emu.load()
+    for name in ("hold_tensors", "release_tensors"):
+        qualname = f"fastamp_emu::{name}"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeExplicitAutograd")

@@ -159,6 +159,44 @@ def test_plan_sees_each_change(name, change):
     assert _planned(opts[1]), "the plan was not rebuilt after the change"
 
 
+def _two_groups(m: nn.Module) -> list[dict]:
+    """Two launches: the Linear and the LayerNorm (another weight decay) after the Conv."""
+    return [
+        {"params": list(m[0].parameters())},
+        {"params": list(m[2].parameters()) + list(m[3].parameters()), "weight_decay": 0.0},
+    ]
+
+
+TWO_GROUP_CHANGES = ["data_swapped", "channels_last", "state_replaced", "state_cleared",
+                     "load_state_dict", "option_edited"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+@pytest.mark.parametrize("change", TWO_GROUP_CHANGES)
+def test_two_launch_plan_sees_each_change(name, change):
+    """A plan of two launches compares what the params are made of itself (a later launch must
+    not be the first to refuse): each change differential against torch."""
+    models, opts = _pair(name, _two_groups)
+    _steps(models, opts, 3)
+    assert _planned(opts[1]) and len(opts[1]._plan.launches) == 2
+    CHANGES[change](models, opts)
+    _steps(models, opts, 3, seed=10)
+    _same(models, opts)
+    assert _planned(opts[1])
+
+
+def test_plan_sees_a_dtype_change():
+    """A param's dtype decides its state format and master weights: a changed dtype makes the
+    plan stand down (the next step is a full one, which decides anew)."""
+    models, opts = _pair("AdamW")
+    _steps(models, opts, 3)
+    opt = opts[1]
+    assert _planned(opt)
+    w = models[1][2].weight
+    w.data = w.data.double()
+    assert opt._plan.grads(opt.param_groups, opt.state) is None
+
+
 @pytest.mark.parametrize("name", ["AdamW", "SGD"])
 def test_plan_sees_a_grad_that_disappears_and_comes_back(name):
     models, opts = _pair(name)

@@ -5,10 +5,16 @@ Each wrapper takes the op's tensor lists, its hyper-parameters as one :class:`Ad
 :class:`SgdHyper` and the scaler's per-step device scalars as one :class:`fastamp.handoff.AmpStep`,
 and spreads them into the op's schema in one place. The step ops mutate their inputs and return
 nothing; the fake kernels check what a trace can check (devices) and return None.
+
+The ``*_held_`` variants take a :class:`HeldTensors` (every list of the op but the grads, held by
+the op library between calls) in place of those lists: a step plan (fastamp.optim._plan) holds
+its lists once and boxes only the grads at each step. They have no fake kernels: a plan is not
+used while tracing (the full step calls the list-taking ops).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +31,16 @@ from fastamp.handoff import AmpStep
 
 __all__ = [
     "AdamHyper",
+    "HeldTensors",
     "SgdHyper",
     "adam_lowbit_step_",
+    "adam_lowbit_step_held_",
     "adam_step_",
+    "adam_step_held_",
     "sgd_lowbit_step_",
+    "sgd_lowbit_step_held_",
     "sgd_step_",
+    "sgd_step_held_",
     "shared_memory_pair",
 ]
 
@@ -187,6 +198,91 @@ def sgd_lowbit_step_(
     _call("sgd_lowbit_step_", written,
         params, grads, momentum_buffers, state_steps, master_params, int(seed), *h.schema_args(),
         *_amp_args(a),
+    )  # fmt: skip
+
+
+class HeldTensors:
+    """Tensor lists held by the op library (``fastamp::hold_tensors``) for the ``*_held_`` ops,
+    which take ``handle`` in place of every list but the grads, so a step boxes only its grads.
+    The lists are the caller's own tensors, in the list-taking op's schema order; the library's
+    references are dropped when this object is collected (or by :meth:`release`)."""
+
+    def __init__(self, lists: Sequence[Sequence[Tensor]]) -> None:
+        flat = [t for ts in lists for t in ts]
+        self.handle: int = _ops.hold_tensors(flat, [len(ts) for ts in lists])
+        self.count = len(lists)
+        self._release = weakref.finalize(self, _release_held, self.handle)
+        self._release.atexit = False  # the process frees everything at exit anyway
+
+    def release(self) -> None:
+        self._release()
+
+
+def _release_held(handle: int) -> None:
+    _ops.release_tensors(handle)
+
+
+def _call_held(name: str, written: Sequence[Tensor], *args: Any) -> None:
+    getattr(_ops_listed, name)(*args)
+    bump_versions(written)
+
+
+def adam_step_held_(
+    held: HeldTensors,
+    grads: Sequence[Tensor],
+    hyper: AdamHyper,
+    amp: AmpStep,
+    written: Sequence[Tensor],
+) -> None:
+    """:func:`adam_step_` with ``held`` holding (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+    state_steps, master_params); bumps the write counters of ``written`` (every tensor it
+    writes)."""
+    _call_held("adam_step_held_", written,
+        held.handle, grads, *hyper.schema_args(with_amsgrad=True), *_amp_args(amp),
+    )  # fmt: skip
+
+
+def adam_lowbit_step_held_(
+    held: HeldTensors,
+    grads: Sequence[Tensor],
+    seed: int,
+    hyper: AdamHyper,
+    amp: AmpStep,
+    written: Sequence[Tensor],
+) -> None:
+    """:func:`adam_lowbit_step_` with ``held`` holding (params, exp_avgs, exp_avg_sqs,
+    exp_avg_absmax, exp_avg_sq_absmax, state_steps, master_params)."""
+    _call_held("adam_lowbit_step_held_", written,
+        held.handle, grads, int(seed), *hyper.schema_args(with_amsgrad=False), *_amp_args(amp),
+    )  # fmt: skip
+
+
+def sgd_step_held_(
+    held: HeldTensors,
+    grads: Sequence[Tensor],
+    hyper: SgdHyper,
+    amp: AmpStep,
+    written: Sequence[Tensor],
+) -> None:
+    """:func:`sgd_step_` with ``held`` holding (params, momentum_buffers, state_steps,
+    master_params)."""
+    _call_held("sgd_step_held_", written,
+        held.handle, grads, *hyper.schema_args(), *_amp_args(amp),
+    )  # fmt: skip
+
+
+def sgd_lowbit_step_held_(
+    held: HeldTensors,
+    grads: Sequence[Tensor],
+    seed: int,
+    hyper: SgdHyper,
+    amp: AmpStep,
+    written: Sequence[Tensor],
+) -> None:
+    """:func:`sgd_lowbit_step_` with ``held`` holding (params, momentum_buffers, state_steps,
+    master_params)."""
+    _call_held("sgd_lowbit_step_held_", written,
+        held.handle, grads, int(seed), *hyper.schema_args(), *_amp_args(amp),
     )  # fmt: skip
 
 

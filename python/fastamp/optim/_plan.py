@@ -4,17 +4,27 @@ computed once by a full (checked) step and reused while it holds.
 
 A step through a plan does per tensor only what must be read anew every step (each param's
 grad) plus a few comparisons of machine words made at C speed (``map(id, ...)``,
-``map(data_ptr, ...)``); the per-param checks, format decisions, state lookups and list building
-of a full step run only when something they depend on changed. :meth:`StepPlan.grads` compares
-against what the plan was built from:
+``map(type, ...)``); the per-param checks, format decisions, state lookups and list building
+of a full step run only when something they depend on changed. Each launch's params and state
+lists are held by the op library (:class:`fastamp.optim._ops.HeldTensors`), so its op call boxes
+only the grads. :meth:`StepPlan.grads` compares against what the plan was built from:
 
 * the ``param_groups`` list, each group dict, each group's structural options (everything but
   the per-step hyper-parameters, which are read every step) and the params in each group (ids);
-* each param's storage address, shape and strides (``model.to(...)``, ``p.data = ...``,
-  channels_last);
-* which params have a grad (a grad that appears or disappears);
-* the ``state`` mapping, each param's state dict and every state tensor the kernels read (ids:
-  a moment replaced, removed or converted, ``load_state_dict``).
+* which params have a grad, and each grad's type (a grad that appears, disappears or becomes a
+  subclass);
+* the ``state`` mapping: every param's state dict and every value in it, by identity (a moment
+  replaced, removed or converted, ``load_state_dict``).
+
+Each param's dtype is compared (it decides the state format and master weights). The rest of
+what a param is made of (storage, shape, strides, device: ``model.to(...)``, ``p.data = ...``,
+channels_last) is not compared here when the step is one launch: the held param is the caller's
+own tensor, so the kernel sees the new storage, and it checks every held tensor at every call as
+the list-taking op would (the state must have the param's dtype, shape, strides and device).
+When it refuses, nothing is written and the optimizer runs a full step, which rebuilds the state
+as it needs and makes a new plan, or raises the full step's error. With more than one launch,
+the params' devices, shapes and strides are compared here as well (a later launch must not be
+the first to refuse).
 
 Grads themselves may be new tensors every step (``zero_grad(set_to_none=True)``); the kernels
 check each one against its param before writing anything (dtype, shape, strides, device). With
@@ -24,8 +34,10 @@ error in a later group's grad cannot leave an earlier group stepped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -84,7 +96,6 @@ class StepPlan:
         state: Mapping[Tensor, Any],
         launches: list[PlannedLaunch],
         params: list[Tensor],
-        state_keys: Sequence[str],
     ) -> None:
         self.groups = groups
         self.group_dicts = list(groups)
@@ -93,14 +104,20 @@ class StepPlan:
         self.launches = launches
         self.ids = [id(p) for p in params]
         self.params = params
-        self.ptrs = [p.data_ptr() for p in params]
-        self.shapes = [p.shape for p in params]
-        self.strides = [p.stride() for p in params]
-        self.mask = [p.grad is None for p in params]
-        self.stepped = [params[i] for launch in launches for i in launch.index]
-        states = [state.get(p) for p in self.stepped]
-        self.state_ids = [id(s) for s in states]
-        self.state_keys = [(k, [id(s.get(k)) if s else 0 for s in states]) for k in state_keys]
+        self.grad_types = [type(p.grad) for p in params]
+        # Every state dict and every value in it, kept (so no id is reused while the plan
+        # lives) and compared by identity.
+        self.state_dicts = list(state.values())
+        self.state_values = list(chain.from_iterable(map(dict.values, self.state_dicts)))
+        self.state_ids = list(map(id, self.state_dicts))
+        self.value_ids = list(map(id, self.state_values))
+        # One launch over every param in order: its grads are this step's list as it is.
+        self.whole = len(launches) == 1 and launches[0].index == list(range(len(params)))
+        # With more than one launch, what the params are made of is compared here too (see
+        # _layout_of), so a later launch's kernel cannot be the first to refuse a param.
+        self.layout = None if len(launches) == 1 else _layout_of(params)
+        # A param's dtype decides its state format and master weights: compared in any case.
+        self.dtypes = list(map(_DTYPE, params))
 
     def grads(
         self, groups: list[dict[str, Any]], state: Mapping[Tensor, Any]
@@ -114,30 +131,49 @@ class StepPlan:
             return None
         if any(structure_of(grp) != key for grp, key in zip(groups, self.structure)):
             return None
-        grads = [p.grad for p in params]
-        if [g is None for g in grads] != self.mask:
+        grads = list(map(_GRAD, params))
+        if list(map(type, grads)) != self.grad_types or list(map(_DTYPE, params)) != self.dtypes:
             return None
-        if (
-            list(map(Tensor.data_ptr, params)) != self.ptrs
-            or list(map(Tensor.size, params)) != self.shapes
-            or list(map(Tensor.stride, params)) != self.strides
-        ):
+        dicts = list(state.values())
+        if list(map(id, dicts)) != self.state_ids:
             return None
-        states = list(map(state.get, self.stepped))
-        if list(map(id, states)) != self.state_ids:
-            return None
-        for k, ids in self.state_keys:
-            if [id(s.get(k)) if s else 0 for s in states] != ids:
+        try:
+            values = chain.from_iterable(map(dict.values, dicts))
+            if list(map(id, values)) != self.value_ids:
                 return None
+        except TypeError:  # a state entry that is not a dict: the full step says what it finds
+            return None
+        if self.whole:
+            return [grads]
         out = [[grads[i] for i in launch.index] for launch in self.launches]
-        if len(self.launches) > 1:
+        if self.layout is not None:
             # All or nothing across launches: a later launch's kernel must not be the first to
-            # see a grad it refuses (then the full step raises its error, with nothing written).
+            # see a param or grad it refuses (then the full step raises its error, or rebuilds
+            # the state it needs, with nothing written).
+            if _layout_of(params) != self.layout:
+                return None
             for launch, gs in zip(self.launches, out):
                 for g, kp in zip(gs, launch.kparams):
                     if not _matches(g, kp):
                         return None
         return out
+
+
+_GRAD = attrgetter("grad")
+
+
+def _layout_of(params: list[Tensor]) -> list[list[Any]]:
+    """The dtypes, devices, shapes and strides of ``params`` (compared at C speed)."""
+    return [
+        list(map(_DTYPE, params)),
+        list(map(_DEVICE, params)),
+        list(map(Tensor.size, params)),
+        list(map(Tensor.stride, params)),
+    ]
+
+
+_DTYPE = attrgetter("dtype")
+_DEVICE = attrgetter("device")
 
 
 def _matches(g: Tensor, kp: Tensor) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -53,9 +54,13 @@ class _Launch:
     """One kernel launch of a step, made before any launch runs: ``call(grads, group, amp)``
     writes ``kparams`` and the state tensors (all listed in ``written``; new ones in ``news``),
     reading the group's hyper-parameters when it runs; after it the state in ``news`` is
-    committed."""
+    committed. ``held_call(held, grads, group, amp)`` is the same launch through the op's
+    ``_held_`` variant, with ``held`` holding ``lists`` (every list of the op but the grads, in
+    its schema order): what a step plan repeats."""
 
     call: Callable[[list[Tensor], dict[str, Any], AmpStep], None]
+    held_call: Callable[[_ops.HeldTensors, list[Tensor], dict[str, Any], AmpStep], None]
+    lists: tuple[list[Tensor], ...]
     g: int
     group: dict[str, Any]
     params: list[Tensor]
@@ -440,7 +445,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         position = {id(p): k for k, p in enumerate(params)}
         planned = [
             PlannedLaunch(
-                call=launch.call,
+                call=partial(launch.held_call, _ops.HeldTensors(launch.lists)),
                 g=launch.g,
                 group=launch.group,
                 places=launch.places,
@@ -451,10 +456,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
             )
             for launch in launches
         ]
-        keys = sorted(
-            {k for launch in launches for p in launch.params for k in self.state.get(p) or ()}
-        )
-        return StepPlan(self.param_groups, self.state, planned, params, keys)
+        return StepPlan(self.param_groups, self.state, planned, params)
 
     @staticmethod
     def _lr(group: dict[str, Any], device: torch.device) -> tuple[float, Tensor | None]:
@@ -557,6 +559,12 @@ class _AdamBase(_FusedOptimizer):
                     kparams, gs, ms, vs, ams, avs, steps, masters, seed, hyper_of(group), amp,
                     written,
                 )  # fmt: skip
+
+            def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
+                          amp: AmpStep) -> None:  # fmt: skip
+                _ops.adam_lowbit_step_held_(held, gs, seed, hyper_of(group), amp, written)
+
+            lists = (kparams, ms, vs, ams, avs, steps, masters)
         else:
 
             def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
@@ -564,9 +572,16 @@ class _AdamBase(_FusedOptimizer):
                     kparams, gs, ms, vs, max_sqs, steps, masters, hyper_of(group), amp, written
                 )
 
+            def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
+                          amp: AmpStep) -> None:  # fmt: skip
+                _ops.adam_step_held_(held, gs, hyper_of(group), amp, written)
+
+            lists = (kparams, ms, vs, max_sqs, steps, masters)
+
         return _Launch(
-            call, g, group, params, places, kparams, grads, written, news, moments, staged
-        )
+            call, held_call, lists, g, group, params, places, kparams, grads, written, news,
+            moments, staged,
+        )  # fmt: skip
 
 
 class Adam(_AdamBase, torch.optim.Adam):
@@ -712,14 +727,22 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
                 _ops.sgd_lowbit_step_(
                     kparams, gs, bufs, counts, masters, seed, hyper_of(group), amp, written
                 )
+
+            def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
+                          amp: AmpStep) -> None:  # fmt: skip
+                _ops.sgd_lowbit_step_held_(held, gs, seed, hyper_of(group), amp, written)
         else:
 
             def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
                 _ops.sgd_step_(kparams, gs, bufs, counts, masters, hyper_of(group), amp, written)
 
+            def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
+                          amp: AmpStep) -> None:  # fmt: skip
+                _ops.sgd_step_held_(held, gs, hyper_of(group), amp, written)
+
         return _Launch(
-            call, g, group, params, places, kparams, grads, written, news, moments, staged,
-            new_counts,
+            call, held_call, (kparams, bufs, counts, masters), g, group, params, places, kparams,
+            grads, written, news, moments, staged, new_counts,
         )  # fmt: skip
 
     def _commit(self, launch: _Launch) -> None:

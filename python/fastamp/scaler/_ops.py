@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -28,8 +29,17 @@ __all__ = [
 _ops = StableOps("fastamp")
 
 
-def _dense(grads: Sequence[Tensor], op: str) -> list[Tensor]:
-    return dense_list(grads, op, "grads")
+def _on_dense(op: str, grads: Sequence[Tensor], *args: Any) -> Any:
+    """``fastamp::<op>(grads, *args)``. A sparse grad cannot reach a kernel (the dispatcher
+    refuses the call before any kernel runs, naming only a Sparse* backend); that refusal is
+    replaced by :func:`dense_list`'s message, naming the grad. Checked after a refusal, not
+    before every call: no Python per grad on the way to the kernel."""
+    grads = list(grads)
+    try:
+        return getattr(_ops, op)(grads, *args)
+    except (NotImplementedError, RuntimeError):
+        dense_list(grads, op, "grads")
+        raise
 
 
 def grad_stats(
@@ -42,7 +52,7 @@ def grad_stats(
     ``tensor_found_inf`` a bool tensor flagging which grads held inf/NaN. Nothing is written into
     ``grads``, and nothing syncs with the host. Grads may mix float32, float16, bfloat16 and float64.
     """
-    return _ops.grad_stats(_dense(grads, "grad_stats"), inv_scale, float(norm_type))
+    return _on_dense("grad_stats", grads, inv_scale, float(norm_type))
 
 
 def non_finite_check_and_unscale_(
@@ -57,10 +67,10 @@ def non_finite_check_and_unscale_(
     and it also reports *which* tensors were non-finite in ``tensor_found_inf`` (allocated when
     None and returned).
     """
-    grads = _dense(grads, "non_finite_check_and_unscale_")
+    grads = list(grads)
     if tensor_found_inf is None:
         tensor_found_inf = torch.zeros(len(grads), dtype=torch.bool, device=inv_scale.device)
-    _ops.non_finite_check_and_unscale_(grads, found_inf, inv_scale, tensor_found_inf)
+    _on_dense("non_finite_check_and_unscale_", grads, found_inf, inv_scale, tensor_found_inf)
     return tensor_found_inf
 
 
@@ -68,7 +78,7 @@ def clip_unscale_(
     grads: Sequence[Tensor], inv_scale: Tensor, total_norm: Tensor, max_norm: float
 ) -> None:
     """``grads[i] *= inv_scale * min(max_norm / (total_norm + 1e-6), 1)`` in one write pass."""
-    _ops.clip_unscale_(_dense(grads, "clip_unscale_"), inv_scale, total_norm, float(max_norm))
+    _on_dense("clip_unscale_", grads, inv_scale, total_norm, float(max_norm))
 
 
 def update_scale_(

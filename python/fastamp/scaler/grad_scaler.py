@@ -28,6 +28,7 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any
 
 import torch
@@ -514,8 +515,8 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
             flags = [to_device(f, dev) for _, f in entries]
             diagnostics.record(
                 self._diag, opt_id,
-                keys=tuple(k for entry, _ in entries for k in entry.param_ids),
-                places=[pl for entry, _ in entries for pl in entry.places],
+                keys=tuple(chain.from_iterable(entry.param_ids for entry, _ in entries)),
+                places=list(chain.from_iterable(entry.places for entry, _ in entries)),
                 flags=flags[0] if len(flags) == 1 else torch.cat(flags),
                 overflowed=self._found_total(opt_id, state) > 0, update_count=update_count,
             )  # fmt: skip

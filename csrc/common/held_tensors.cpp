@@ -1,0 +1,81 @@
+// The registry behind held_tensors.h: handles to tensor lists, under one mutex (a lookup per
+// call, not per tensor).
+#include "common/held_tensors.h"
+
+#include <mutex>
+#include <unordered_map>
+
+namespace fastamp {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::unordered_map<int64_t, std::shared_ptr<const HeldLists>> lists;
+  int64_t next = 1;
+};
+
+Registry& registry() {
+  // Never destroyed: a Python finalizer may release a handle while the process exits.
+  static Registry* r = new Registry();
+  return *r;
+}
+
+}  // namespace
+
+int64_t hold_tensors(TensorList tensors, IntList lengths) {
+  std::vector<size_t> offsets{0};
+  offsets.reserve(lengths.size() + 1);
+  for (size_t k = 0; k < lengths.size(); ++k) {
+    FASTAMP_CHECK_VALUE(lengths[k] >= 0, "fastamp::hold_tensors: lengths[", k, "] is ", lengths[k],
+                        "; expected a count >= 0");
+    offsets.push_back(offsets.back() + static_cast<size_t>(lengths[k]));
+  }
+  FASTAMP_CHECK_VALUE(offsets.back() == tensors.size(), "fastamp::hold_tensors: lengths add up to ",
+                      offsets.back(), " but ", tensors.size(),
+                      " tensors were given; expected the same count");
+  auto held = std::make_shared<const HeldLists>(std::vector<Tensor>(tensors.begin(), tensors.end()),
+                                                std::move(offsets));
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const int64_t handle = r.next++;
+  r.lists.emplace(handle, std::move(held));
+  return handle;
+}
+
+void release_tensors(int64_t handle) {
+  std::shared_ptr<const HeldLists> dropped;  // destroyed after the lock is released
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto it = r.lists.find(handle);
+  FASTAMP_CHECK_VALUE(it != r.lists.end(), "fastamp::release_tensors: no tensors are held under ",
+                      "handle ", handle, " (released already, or never returned by hold_tensors)");
+  dropped = std::move(it->second);
+  r.lists.erase(it);
+}
+
+std::shared_ptr<const HeldLists> held_lists(int64_t handle, size_t expected, const char* op) {
+  std::shared_ptr<const HeldLists> held;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    auto it = r.lists.find(handle);
+    FASTAMP_CHECK_VALUE(it != r.lists.end(), op, ": held is ", handle,
+                        ", which holds no tensors (released, or never returned by "
+                        "fastamp::hold_tensors)");
+    held = it->second;
+  }
+  FASTAMP_CHECK_VALUE(held->size() == expected, op, ": held ", handle, " holds ", held->size(),
+                      " tensor lists; expected ", expected);
+  return held;
+}
+
+}  // namespace fastamp
+
+#if defined(FASTAMP_CUDA_EMULATOR)
+// The emulator library's own registry, for the held variants of its mirrored step ops (the
+// schemas are fastamp's, copied by the test harness into fastamp_emu).
+STABLE_TORCH_LIBRARY_IMPL(fastamp_emu, CompositeExplicitAutograd, m) {
+  m.impl("hold_tensors", TORCH_BOX(&fastamp::hold_tensors));
+  m.impl("release_tensors", TORCH_BOX(&fastamp::release_tensors));
+}
+#endif
