@@ -47,6 +47,7 @@ FILES = {
                                      "tests/optim/test_exact_ties.py", "tests/cuda_emu/test_emulated_lowbit.py"],
     "parallel/bucket_cpu.cpp": ["tests/parallel/test_bucket_ops.py", "tests/cuda_emu/test_emulated_ops.py"],
     "checkpoint/checkpoint_cpu.cpp": ["tests/checkpoint", "tests/cuda_emu/test_emulated_ops.py"],
+    "checkpoint/digest_cpu_kernels.inc": ["tests/checkpoint", "tests/cuda_emu/test_emulated_ops.py"],
 }  # fmt: skip
 
 

@@ -5,8 +5,10 @@
 #include <cstring>
 #include <vector>
 
-#include "checkpoint/digest_math.h"
 #include "checkpoint/digest_checks.h"
+#include "checkpoint/digest_cpu_kernels.h"
+#include "checkpoint/digest_math.h"
+#include "common/cpu_capability.h"
 
 namespace fastamp {
 namespace checkpoint {
@@ -18,15 +20,20 @@ uint64_t digest_bytes(const uint8_t* p, int64_t nbytes) {
   // cannot change the result.
   const int64_t grain = 1 << 16;
   std::vector<uint64_t> sums(static_cast<size_t>((nwords + grain - 1) / grain), 0);
+  const int64_t whole = nbytes / 8;  // words read with a fixed 8-byte load; a last partial one
+#if defined(__x86_64__) || defined(_M_X64)
+  auto words = cpu_use_avx512() ? &digest_words_avx512 : &digest_words_default;
+#else
+  auto words = &digest_words_default;
+#endif
   parallel_for(static_cast<int64_t>(sums.size()), 1, [&](int64_t b, int64_t e) {
     for (int64_t c = b; c < e; ++c) {
-      uint64_t s = 0;
       const int64_t end = std::min(nwords, (c + 1) * grain);
-      for (int64_t i = c * grain; i < end; ++i) {
+      uint64_t s = words(p, c * grain, std::min(end, whole));
+      if (end > whole) {  // the zero-padded last word
         uint64_t w = 0;
-        const int64_t left = nbytes - i * 8;
-        std::memcpy(&w, p + i * 8, static_cast<size_t>(left < 8 ? left : 8));
-        s += digest_term(w, static_cast<uint64_t>(i));
+        std::memcpy(&w, p + whole * 8, static_cast<size_t>(nbytes - whole * 8));
+        s += digest_term(w, static_cast<uint64_t>(whole));
       }
       sums[static_cast<size_t>(c)] = s;
     }

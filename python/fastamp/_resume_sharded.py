@@ -22,8 +22,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fastamp._sharding import is_dtensor, local
+from fastamp._state_checksums import file_digests, verify_files
 
-__all__ = ["ShardedState", "agree", "load_tensors", "remove_stale", "save_tensors"]
+__all__ = [
+    "ShardedState",
+    "agree",
+    "check_files",
+    "load_tensors",
+    "remove_stale",
+    "save_tensors",
+]
 
 
 @dataclass
@@ -31,7 +39,8 @@ class ShardedState:
     """What the checkpoint file holds of a sharded model and optimizer: where their tensors are
     (``directory``, beside the file), the model's keys with their global shapes, and the
     optimizer's ``state_dict()`` without its tensors (``param_groups``, the other per-parameter
-    entries, and for each tensor entry whether it is a DTensor, its global shape and dtype)."""
+    entries, and for each tensor entry whether it is a DTensor, its global shape and dtype), and
+    the checksums of the directory's files (:func:`fastamp._state_checksums.file_digests`)."""
 
     directory: str
     model_shapes: dict[str, list[int]]
@@ -40,6 +49,7 @@ class ShardedState:
     optimizer_tensors: dict[int, dict[str, tuple[bool, list[int], str]]] = field(
         default_factory=dict
     )
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,18 +58,20 @@ class ShardedState:
             "optimizer_groups": self.optimizer_groups,
             "optimizer_other": self.optimizer_other,
             "optimizer_tensors": self.optimizer_tensors,
+            "files": self.files,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str) -> ShardedState:
         keys = ("directory", "model_shapes", "optimizer_groups", "optimizer_other")
-        missing = [k for k in keys + ("optimizer_tensors",) if k not in d]
+        keys += ("optimizer_tensors", "files")
+        missing = [k for k in keys if k not in d]
         if missing:
             raise KeyError(
                 f"load_training_state: the sharded state in {where} has no {missing}; it was "
                 "edited or written by hand. Resume from an unmodified checkpoint"
             )
-        return cls(**{k: d[k] for k in keys + ("optimizer_tensors",)})
+        return cls(**{k: d[k] for k in keys})
 
 
 def _dcp() -> Any:
@@ -92,7 +104,30 @@ def save_tensors(
         tensors["optim"] = optim
     target = os.path.join(os.path.dirname(os.path.abspath(path)), directory)
     _dcp().save(tensors, checkpoint_id=target)
+    # Checksums of the files just written (each rank a share, read back from the page cache):
+    # torch.distributed.checkpoint records none, and the checkpoint file keeps them.
+    rank, world = _rank_world()
+    mine = file_digests(target, rank, world)
+    if world > 1:
+        shares: list[Any] = [None] * world
+        dist.all_gather_object(shares, mine)
+        mine = {name: rec for share in shares for name, rec in share.items()}
+    state.files = mine
     return state
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def check_files(state: ShardedState, path: str) -> None:
+    """Verifies this rank's share of the tensor directory's files against the checksums the save
+    recorded (every rank calls it; the ranks then agree, so a damaged file raises everywhere)."""
+    folder = os.path.join(os.path.dirname(os.path.abspath(path)), state.directory)
+    rank, world = _rank_world()
+    verify_files(state.files, folder, repr(path), rank, world)
 
 
 def remove_stale(path: str, keep: str) -> None:

@@ -46,18 +46,22 @@ from fastamp._resume_checks import (
 from fastamp._resume_sharded import (
     ShardedState,
     agree,
+    check_files,
     load_tensors,
     remove_stale,
     save_tensors,
 )
 from fastamp._resume_sharded import check as check_sharded
 from fastamp._sharding import is_sharded
+from fastamp._state_checksums import seal, verify
 from fastamp._state_io import atomic_save, check_weights_only, decode_extra, encode_extra
 from fastamp.scaler import GradScaler
 
 __all__ = ["TrainingState", "load_training_state", "save_training_state"]
 
-_FORMAT = 1
+# 2: every file carries checksums of its content (fastamp._state_checksums). Format 1 files (fastamp
+# before 0.1.0, which has not been released) have none and are refused: their bytes cannot be verified.
+_FORMAT = 2
 
 
 @dataclass
@@ -158,7 +162,7 @@ def save_training_state(
         "rng": rng_state(),
     }
     if world > 1:
-        atomic_save(local, f"{path}.rank{rank}")
+        atomic_save(seal(local), f"{path}.rank{rank}")
         dist.barrier()
     if rank == 0:
         shared = {
@@ -179,7 +183,7 @@ def save_training_state(
         }
         if world == 1:
             shared["rng"] = local["rng"]
-        atomic_save(shared, path)
+        atomic_save(seal(shared), path)
         if shards is not None:  # the file names the new tensors: earlier saves' can go
             remove_stale(path, shards.directory)
     if world > 1:
@@ -189,12 +193,29 @@ def save_training_state(
 def _load(path: str, what: str, map_location: Any) -> dict[str, Any]:
     if not os.path.exists(path):
         raise FileNotFoundError(f"load_training_state: {what} {path!r} does not exist")
-    obj = torch.load(path, map_location=map_location, weights_only=True)
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # a damaged archive or pickle: name the file, not torch's internals
+        lines = str(e).strip().splitlines()
+        raise RuntimeError(
+            f"load_training_state: {what} {path!r} could not be read ({type(e).__name__}: "
+            f"{(lines[0] if lines else '')[:200]}): the file is damaged or not a training state. "
+            "Nothing was restored; resume from another checkpoint"
+        ) from e
+    if isinstance(obj, dict) and obj.get("format") == 1 and "save_id" in obj:
+        raise RuntimeError(
+            f"load_training_state: {path!r} was written by a development version of fastamp "
+            f"(format 1) that recorded no checksums of its content, so its bytes cannot be "
+            f"verified; this version (format {_FORMAT}) refuses it. Resume it with the fastamp "
+            "that wrote it and save again, or read its parts with torch.load(path, "
+            "weights_only=True)"
+        )
     if not isinstance(obj, dict) or obj.get("format") != _FORMAT or "save_id" not in obj:
         raise RuntimeError(
             f"load_training_state: {path!r} is not a fastamp training state (format {_FORMAT}); "
             "it must be written by fastamp.save_training_state"
         )
+    verify(obj, path)  # its content is what the save wrote, before anything reads it
     # What every file of the format holds (the checkpoint also its model), named when missing.
     required = ("world_size", "model") if what == "checkpoint" else ("world_size", "rng")
     missing = [k for k in required if k not in obj]
@@ -236,18 +257,30 @@ def load_training_state(
     restore_rng: bool = True,
 ) -> TrainingState:
     """Restores what :func:`save_training_state` saved into the given objects; returns the step and
-    ``extra``. Every file is read and checked (format, save id, world size, which objects were
-    saved) before any object is changed. Build the model, optimizer, scaler and scheduler as the
-    saved run did (same parameter order and groups), then call this on every rank.
+    ``extra``. Every file is read and checked (format, the checksums of its content, save id,
+    world size, which objects were saved) before any object is changed; under torch.distributed
+    the ranks agree first, so a damaged or mismatched file raises on every rank. Build the model,
+    optimizer, scaler and scheduler as the saved run did (same parameter order and groups), then
+    call this on every rank.
 
     A sharded model (FSDP2) may resume on another number of ranks with ``restore_rng=False``
     (``torch.distributed.checkpoint`` reshards its tensors); its ranks agree before anything is
     read or restored, so a bad checkpoint raises on every rank."""
     path = os.fspath(path)
-    rank, world, _ = _dist_info()
+    rank, world, distributed = _dist_info()
     module, ddp = _unwrap(model)
     objects = {"optimizer": optimizer, "scaler": scaler, "lr_scheduler": lr_scheduler}
-    if not (is_sharded(module) and world > 1):
+    error: BaseException | None = None
+    if world > 1 and distributed and not is_sharded(module):
+        # Every rank reads its own file: the ranks agree before any restores (a damaged rank file
+        # raises on every rank, not only on its own while the others go on).
+        try:
+            shared, local = _read_and_check(path, module, ddp, objects, map_location, restore_rng)
+        except Exception as e:
+            error = e
+        agree(error, "reading and checking its files")
+        model_sd, optim_sd = shared["model"], shared["optimizer"]
+    elif not (is_sharded(module) and world > 1):
         shared, local = _read_and_check(path, module, ddp, objects, map_location, restore_rng)
         if shared.get("sharded") is None:
             model_sd, optim_sd = shared["model"], shared["optimizer"]
@@ -257,7 +290,6 @@ def load_training_state(
             if optimizer is not None:
                 check_optimizer_state(optimizer, optim_sd, path)
     else:
-        error: BaseException | None = None
         try:
             shared, local = _read_and_check(path, module, ddp, objects, map_location, restore_rng)
         except Exception as e:
@@ -343,6 +375,7 @@ def _read_and_check(
             )
     if shards is not None:
         check_sharded(shards, path, module, optimizer)
+        check_files(shards, path)  # this rank's share of the tensor files, byte for byte
     else:
         _check_model_and_optimizer(path, shared, module, optimizer)
     layout = shared.get("ddp_buckets")

@@ -504,8 +504,96 @@ def training_state(rank: int, world: int, init_file: str) -> None:
         with open(os.path.join(root, tensor_dir, files[-1]), "r+b") as f:
             f.truncate(16)
     dist.barrier()
-    refused(("could not be read",))
+    refused(("is damaged: it has 16 bytes",))  # its size differs from what the save recorded
+    _damaged_files_refused(mesh, rank, world, root)
     _finish()
+
+
+def _overwrite(path: str, frac: float, n: int = 64) -> None:
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(int(size * frac))
+        f.write(b"\xff" * min(n, size - int(size * frac)))
+
+
+def _full_state(m, opt, scaler, sched):
+    def own(t):  # this rank's bytes of a sharded or plain tensor
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    params = [own(p) for p in m.parameters()]
+    state = [{k: own(v) for k, v in opt.state[p].items()} for p in m.parameters()]
+    return (params, state, scaler.state_dict(), sched.state_dict(), torch.get_rng_state())
+
+
+def _damaged_files_refused(mesh, rank: int, world: int, root: str) -> None:
+    """Issue 40: 64 bytes of 0xff at 30%, 50% and 70% of each file of a training state (the
+    checkpoint, each rank's file, each torch.distributed.checkpoint shard and its .metadata), in
+    each state format, sharded and unsharded: every rank raises (its own error naming the file,
+    or one naming the rank that refused) and nothing changes; the clean files resume bit for
+    bit."""
+    from fastamp.testing import assert_bitwise_equal
+
+    for sharded in (True, False):
+        for fmt in FORMATS:
+            tag = f"dmg-{'fsdp' if sharded else 'plain'}-{str(fmt).replace('torch.', '')}"
+            path = os.path.join(root, f"{tag}.pt")
+
+            def make(seed, sharded=sharded, fmt=fmt):
+                if sharded:
+                    m = _model(mesh, seed=seed, width=512)
+                else:  # replicated (as under DDP): rank 0's file and one file per rank
+                    torch.manual_seed(seed)
+                    m = nn.Sequential(nn.Linear(16, 512), nn.Tanh(), nn.Linear(512, 3))
+                opt = _opt(m, fmt)
+                sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+                return m, opt, fastamp.GradScaler("cpu"), sched
+
+            a, oa, sa, la = make(0)
+            for s in range(2):
+                # the unsharded model is replicated: every rank steps on the whole batch
+                x, y = _batch(s, rank, world) if sharded else _batch(s, 0, 1)
+                oa.zero_grad(set_to_none=True)
+                sa.scale(nn.functional.mse_loss(a(x), y)).backward()
+                sa.step(oa)
+                sa.update()
+                la.step()
+            torch.manual_seed(100 + rank)  # each rank's random stream is its own
+            fastamp.save_training_state(path, model=a, optimizer=oa, scaler=sa, lr_scheduler=la)
+            want = _full_state(a, oa, sa, la)
+            b, ob, sb, lb = make(4)
+            torch.manual_seed(200 + rank)
+            before = _full_state(b, ob, sb, lb)
+            files = [path] + [f"{path}.rank{r}" for r in range(world)]
+            if sharded:
+                (tensors,) = [d for d in os.listdir(root) if d.startswith(f"{tag}.pt.dcp-")]
+                names = sorted(os.listdir(os.path.join(root, tensors)))
+                assert ".metadata" in names and sum(n.endswith(".distcp") for n in names) == world
+                files += [os.path.join(root, tensors, n) for n in names]
+            for target in files:
+                for frac in (0.3, 0.5, 0.7):
+                    if rank == 0:
+                        with open(target, "rb") as f:
+                            clean = f.read()
+                        _overwrite(target, frac)
+                    dist.barrier()
+                    try:
+                        fastamp.load_training_state(
+                            path, model=b, optimizer=ob, scaler=sb, lr_scheduler=lb
+                        )
+                    except Exception as e:  # every rank raises
+                        msg = str(e)
+                        assert os.path.basename(target) in msg, (rank, target, frac, msg)
+                        assert "is damaged" in msg or "could not be read" in msg, (rank, msg)
+                    else:
+                        raise AssertionError(f"rank {rank}: {target} at {frac} loaded")
+                    assert_bitwise_equal(_full_state(b, ob, sb, lb), before)
+                    dist.barrier()
+                    if rank == 0:
+                        with open(target, "wb") as f:
+                            f.write(clean)
+                    dist.barrier()
+            fastamp.load_training_state(path, model=b, optimizer=ob, scaler=sb, lr_scheduler=lb)
+            assert_bitwise_equal(_full_state(b, ob, sb, lb), want)
 
 
 class _Blocks(nn.Module):

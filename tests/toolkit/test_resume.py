@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 import fastamp
+from fastamp._state_checksums import seal
 from fastamp.testing import assert_bitwise_equal
 
 
@@ -157,7 +159,7 @@ def test_interrupted_distributed_save_and_world_size_change_are_refused(tmp_path
     net, scaler, opt, _ = _make()
     base = tmp_path / "c.pt"
     shared = {
-        "format": 1,
+        "format": 2,
         "save_id": "aaaa",
         "world_size": 2,
         "step": 1,
@@ -169,9 +171,10 @@ def test_interrupted_distributed_save_and_world_size_change_are_refused(tmp_path
         "lr_scheduler": None,
         "torch_version": "x",
     }
-    torch.save(shared, base)
+    torch.save(seal(shared), base)
     torch.save(
-        {"format": 1, "save_id": "bbbb", "rank": 0, "world_size": 2, "rng": {}}, f"{base}.rank0"
+        seal({"format": 2, "save_id": "bbbb", "rank": 0, "world_size": 2, "rng": {}}),
+        f"{base}.rank0",
     )
     with pytest.raises(RuntimeError, match="saved by 2 process.*restore_rng=False"):
         fastamp.load_training_state(base, model=net)  # this process is not distributed: world 1
@@ -217,9 +220,10 @@ def _full_snapshot(net, opt, scaler, sched):
 
 
 def _tamper(path, fn):
+    """A file edited by hand, its checksums recomputed: what the checks after them must refuse."""
     obj = torch.load(path, weights_only=True)
     fn(obj)
-    torch.save(obj, path)
+    torch.save(seal(obj), path)
 
 
 def _set(*keys_and_value):
@@ -437,3 +441,126 @@ def test_failed_saves_leave_no_temporary_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adir", "c.pt"]
     assert (tmp_path / "c.pt").read_bytes() == b"previous checkpoint"  # not replaced
+
+
+# ----------------------------------------------------------------------------- issue 40
+# Bytes overwritten in place (a bad disk block, a network file system): the content checksums
+# refuse the file before anything is restored, in every optimizer-state format.
+
+STATE_FORMATS = (torch.float32, torch.bfloat16, "int8")
+OFFSETS = (0.3, 0.5, 0.7)
+
+
+def _make_wide(fmt, seed=0):
+    """A model whose first weight (8192 elements) keeps 8-bit state under state_dtype='int8'."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(64, 128), nn.Dropout(0.3), nn.Linear(128, 2))
+    scaler = fastamp.GradScaler("cpu", init_scale=256.0, growth_interval=2, hysteresis=2)
+    opt = fastamp.optim.AdamW(net.parameters(), lr=1e-2, state_dtype=fmt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return net, scaler, opt, sched
+
+
+def _train_wide(net, scaler, opt, sched, steps):
+    for _ in range(steps):
+        x = torch.tensor(np.random.randn(4, 64), dtype=torch.float32) + random.random()
+        opt.zero_grad()
+        scaler.scale(net(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+
+
+def _overwrite(src, dst, frac, n=64):
+    data = bytearray(src.read_bytes())
+    at = int(len(data) * frac)
+    data[at : at + n] = b"\xff" * min(n, len(data) - at)
+    dst.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fmt", STATE_FORMATS, ids=str)
+def test_overwritten_bytes_are_refused_before_anything_is_restored(tmp_path, fmt, monkeypatch):
+    random.seed(2)
+    np.random.seed(2)
+    saved = _make_wide(fmt)
+    _train_wide(*saved, 3)
+    if fmt == "int8":
+        assert saved[2].state[saved[0][0].weight]["exp_avg_codes"].dtype == torch.uint8
+    clean = tmp_path / "c.pt"
+    fastamp.save_training_state(
+        clean, model=saved[0], optimizer=saved[2], scaler=saved[1], lr_scheduler=saved[3], step=3
+    )
+    want = _full_snapshot(saved[0], saved[2], saved[1], saved[3])
+
+    random.seed(5)
+    np.random.seed(5)
+    objs = _make_wide(fmt, seed=3)  # the run that tries to resume
+    _train_wide(*objs, 2)
+    net, scaler, opt, sched = objs
+    kw = dict(model=net, optimizer=opt, scaler=scaler, lr_scheduler=sched)
+    before = _full_snapshot(net, opt, scaler, sched)
+    bad = tmp_path / "bad.pt"
+    for frac in OFFSETS:
+        _overwrite(clean, bad, frac)
+        with pytest.raises(RuntimeError) as info:
+            fastamp.load_training_state(bad, **kw)
+        msg = str(info.value)
+        assert str(bad) in msg and "nothing was restored" in msg.lower(), msg
+        if "could not be read" not in msg:  # (else the archive itself no longer parses)
+            # the checksum error: the entry, found and recorded digests
+            assert re.search(r"entry '[^']+' .* is 0x[0-9a-f]{16}, the save recorded 0x", msg), msg
+        assert_bitwise_equal(_full_snapshot(net, opt, scaler, sched), before)
+
+    # The overwritten bytes reach the state: without the checksums one of these files loads, and
+    # what it restores is not what was saved.
+    import fastamp.resume as resume
+
+    monkeypatch.setattr(resume, "verify", lambda obj, path: None)
+    differs = 0
+    for frac in OFFSETS:
+        _overwrite(clean, bad, frac)
+        try:
+            fastamp.load_training_state(bad, **kw)
+        except Exception:  # noqa: BLE001 - a later check may still catch it
+            continue
+        got = _full_snapshot(net, opt, scaler, sched)
+        try:
+            assert_bitwise_equal(got, want)
+        except AssertionError:
+            differs += 1
+    assert differs > 0
+    monkeypatch.undo()
+
+    # The clean checkpoint still resumes bit for bit, and trains on like the saved run.
+    fastamp.load_training_state(clean, **kw)
+    assert_bitwise_equal(_full_snapshot(net, opt, scaler, sched), want)
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    _train_wide(*objs, 2)
+    torch.set_rng_state(rng[0])
+    random.setstate(rng[1])
+    np.random.set_state(rng[2])
+    _train_wide(*saved, 2)
+    assert_bitwise_equal(
+        _full_snapshot(net, opt, scaler, sched),
+        _full_snapshot(saved[0], saved[2], saved[1], saved[3]),
+    )
+
+
+def test_format_1_checkpoint_without_checksums_is_refused(tmp_path):
+    net, scaler, opt, _ = _make()
+    path = tmp_path / "c.pt"
+    fastamp.save_training_state(path, model=net, optimizer=opt, scaler=scaler, step=1)
+    obj = torch.load(path, weights_only=True)
+    obj.pop("checksums")
+    obj["format"] = 1
+    torch.save(obj, path)
+    before = _snapshot(net, opt, scaler)
+    with pytest.raises(RuntimeError, match="format 1.*no checksums.*refuses it"):
+        fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler)
+    assert_bitwise_equal(_snapshot(net, opt, scaler), before)
+    # a current file whose checksums entry was removed: refused as damaged
+    obj["format"] = 2
+    torch.save(obj, path)
+    with pytest.raises(RuntimeError, match="is damaged: its 'checksums' entry is missing"):
+        fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler)
+    assert_bitwise_equal(_snapshot(net, opt, scaler), before)
