@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -53,18 +53,26 @@ PER_STEP_OPTIONS = frozenset(
 )  # fmt: skip
 
 
-def structure_of(group: Mapping[str, Any]) -> tuple[Any, ...]:
-    """The options of ``group`` a plan depends on (amsgrad, state_dtype, state_seed, whether
-    SGD keeps momentum, capturable, ...): every option but the per-step hyper-parameters, tensors
-    by identity."""
-    key: list[Any] = []
-    for k, v in group.items():
-        if k in PER_STEP_OPTIONS:
-            continue
-        if k == "momentum":
-            v = v != 0  # SGD's buffers exist or not; the value itself is read every step
-        key.append((k, id(v) if isinstance(v, Tensor) else v))
-    return tuple(key)
+class Structure:
+    """The options of a group a plan depends on (amsgrad, state_dtype, state_seed, whether SGD
+    keeps momentum, capturable, ...: every option but the per-step hyper-parameters), kept as
+    the option names and the value objects; :meth:`holds` compares them by identity at C speed
+    (an option assigned anew, even to an equal value, counts as changed: the plan is rebuilt,
+    never wrongly kept)."""
+
+    def __init__(self, group: Mapping[str, Any]) -> None:
+        self.keys = frozenset(group.keys())
+        self.names = tuple(k for k in group if k not in PER_STEP_OPTIONS and k != "momentum")
+        self.values = tuple(map(group.__getitem__, self.names))
+        # SGD's momentum buffers exist or not: its value is read every step, its on/off here.
+        self.momentum = group.get("momentum", 0) != 0
+
+    def holds(self, group: Mapping[str, Any]) -> bool:
+        return (
+            group.keys() == self.keys
+            and all(map(is_, map(group.__getitem__, self.names), self.values))
+            and (group.get("momentum", 0) != 0) == self.momentum
+        )
 
 
 @dataclass
@@ -99,7 +107,7 @@ class StepPlan:
     ) -> None:
         self.groups = groups
         self.group_dicts = list(groups)
-        self.structure = [structure_of(grp) for grp in groups]
+        self.structure = [Structure(grp) for grp in groups]
         self.state = state
         self.launches = launches
         self.ids = [id(p) for p in params]
@@ -129,7 +137,7 @@ class StepPlan:
         params = same_params(groups, self.group_dicts, self.ids)
         if params is None:
             return None
-        if any(structure_of(grp) != key for grp, key in zip(groups, self.structure)):
+        if not all(st.holds(grp) for grp, st in zip(groups, self.structure)):
             return None
         grads = list(map(_GRAD, params))
         if list(map(type, grads)) != self.grad_types or list(map(_DTYPE, params)) != self.dtypes:

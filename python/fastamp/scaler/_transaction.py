@@ -38,9 +38,11 @@ class OptimizerIteration:
     # The inf flags summed over devices, once the step began (step, last_step_skipped and
     # update all read it; its inputs no longer change).
     found_total: Tensor | None = None
+    # found_total > 0, once (the step's skip flag, and the overflow record at update()).
+    overflowed: Tensor | None = None
 
     def copy(self) -> OptimizerIteration:
-        return OptimizerIteration(list(self.flags), self.clip, self.found_total)
+        return OptimizerIteration(list(self.flags), self.clip, self.found_total, self.overflowed)
 
 
 class Transaction:

@@ -8,7 +8,10 @@ step); :func:`report` reads them back (one sync, meant for after a NaN loss) as 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import is_
 
 import torch
 from torch import Tensor
@@ -45,9 +48,11 @@ class OverflowReport:
 class OverflowRecord:
     """Per-optimizer, device-resident record of the last overflow (updated without host syncs):
     ``keys`` the parameter ids, ``places`` their (group, index), ``flags`` one inf/NaN flag per
-    parameter, ``update`` the update() index of that overflow (-1: none yet)."""
+    parameter, ``update`` the update() index of that overflow (-1: none yet); ``sources`` the
+    per-device id lists ``keys`` was made from (a step that hands the same list objects again,
+    as a grad plan does, skips rebuilding and comparing ``keys``)."""
 
-    __slots__ = ("keys", "places", "flags", "update")
+    __slots__ = ("keys", "places", "flags", "update", "sources")
 
     def __init__(
         self, keys: tuple[int, ...], places: list[tuple[int, int]], flags: Tensor, update: Tensor
@@ -56,25 +61,34 @@ class OverflowRecord:
         self.places = places
         self.flags = flags
         self.update = update
+        self.sources: list[list[int]] = []
 
 
 def record(
     records: dict[int, OverflowRecord],
     opt_id: int,
-    keys: tuple[int, ...],
-    places: list[tuple[int, int]],
+    ids: Sequence[list[int]],
+    places: Sequence[list[tuple[int, int]]],
     flags: Tensor,
     overflowed: Tensor,
     update_count: Tensor,
 ) -> None:
     """Keeps ``flags`` (one per parameter, on ``update_count``'s device) as optimizer
-    ``opt_id``'s record when ``overflowed`` (a device bool): device ops only."""
+    ``opt_id``'s record when ``overflowed`` (a device bool): device ops only. ``ids`` and
+    ``places`` are the parameter ids and (group, index) of each device's grads, in the order of
+    ``flags``."""
     rec = records.get(opt_id)
-    if rec is None or rec.keys != keys:
-        rec = OverflowRecord(
-            keys, places, torch.zeros_like(flags), torch.full_like(update_count, -1)
-        )
-        records[opt_id] = rec
+    if rec is None or len(rec.sources) != len(ids) or not all(map(is_, rec.sources, ids)):
+        keys = tuple(chain.from_iterable(ids))
+        if rec is None or rec.keys != keys:
+            rec = OverflowRecord(
+                keys,
+                list(chain.from_iterable(places)),
+                torch.zeros_like(flags),
+                torch.full_like(update_count, -1),
+            )
+            records[opt_id] = rec
+        rec.sources = list(ids)
     rec.flags = torch.where(overflowed, flags, rec.flags)
     rec.update = torch.where(overflowed, update_count, rec.update)
 

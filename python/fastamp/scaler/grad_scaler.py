@@ -28,7 +28,6 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Iterator
-from itertools import chain
 from typing import Any
 
 import torch
@@ -54,6 +53,13 @@ from fastamp.scaler._validation import (
 from fastamp.scaler.diagnostics import OverflowReport
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
+
+
+def _inverse(scale: Tensor) -> Tensor:
+    """``1 / scale`` in float32: the bits of torch's ``scale.double().reciprocal().float()`` in
+    one op instead of three (a quotient rounded to double and then to float is the quotient
+    rounded to float: 53 >= 2 * 24 + 2 bits, so the double rounding is innocuous)."""
+    return torch.reciprocal(scale)
 
 
 def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -347,7 +353,7 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         if already_unscaled:
             inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
         else:
-            inv_scale = scale.double().reciprocal().float()
+            inv_scale = _inverse(scale)
         invs = {dev: to_device(inv_scale, dev) for dev in per_device}
         reuse = None
         if (
@@ -413,6 +419,13 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
             record.found_total = total
         return record.found_total
 
+    def _overflowed(self, key: int, optimizer_state: dict[str, Any]) -> Tensor:
+        """``_found_total(...) > 0`` (a device bool), computed once per iteration."""
+        record = self._iterations.setdefault(key, OptimizerIteration())
+        if record.overflowed is None:
+            record.overflowed = self._found_total(key, optimizer_state) > 0
+        return record.overflowed
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         if not self._enabled:
             return super().step(optimizer, *args, **kwargs)
@@ -424,7 +437,7 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         if self._enabled:
             state = self._per_optimizer_states[id(optimizer)]
             if state["found_inf_per_device"]:
-                self._last_skipped = self._found_total(id(optimizer), state) > 0
+                self._last_skipped = self._overflowed(id(optimizer), state)
         return retval
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -443,7 +456,7 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
             inv_scale, coef = clip.inv_scale, clip.clip_coef
         elif state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
-            inv_scale, coef = scale.double().reciprocal().float(), None
+            inv_scale, coef = _inverse(scale), None
         else:  # unscale_ already rewrote the grads
             inv_scale, coef = None, None
         if not state["found_inf_per_device"]:
@@ -455,7 +468,7 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
         with handing(optimizer, AmpStep(inv_scale, found, coef)):
             retval = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
-        self._last_skipped = found > 0
+        self._last_skipped = self._overflowed(id(optimizer), state)
         return retval
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
@@ -515,10 +528,10 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
             flags = [to_device(f, dev) for _, f in entries]
             diagnostics.record(
                 self._diag, opt_id,
-                keys=tuple(chain.from_iterable(entry.param_ids for entry, _ in entries)),
-                places=list(chain.from_iterable(entry.places for entry, _ in entries)),
+                ids=[entry.param_ids for entry, _ in entries],
+                places=[entry.places for entry, _ in entries],
                 flags=flags[0] if len(flags) == 1 else torch.cat(flags),
-                overflowed=self._found_total(opt_id, state) > 0, update_count=update_count,
+                overflowed=self._overflowed(opt_id, state), update_count=update_count,
             )  # fmt: skip
 
     # ------------------------------------------------------------------ diagnostics
