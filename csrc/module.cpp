@@ -1,5 +1,5 @@
 // The Python extension module `fastamp._C`. It exposes nothing itself: importing it loads this
-// shared library, whose static initialisers run the TORCH_LIBRARY registrations of every
+// shared library, whose static initialisers run the STABLE_TORCH_LIBRARY registrations of every
 // capability.
 // Python's limited API (3.10 and up; CMake's USE_SABI defines it): the library is an abi3 module,
 // one file for every CPython.

@@ -79,12 +79,23 @@ def test_a_kernels_marked_error_reaches_python_as_its_class(cls):
     assert translate_error(subclass) is subclass
 
 
-def test_the_raw_op_carries_the_class_as_a_message_prefix_and_the_wrappers_raise_it():
+def test_the_raw_op_raises_the_class_a_kernel_meant_and_so_do_the_wrappers():
+    """The dispatcher kernel at ADInplaceOrView translates a marked error for the raw op; under
+    inference_mode (no such key) the raw op keeps the marked RuntimeError and the wrappers
+    translate it."""
     bad_inv = torch.ones((), dtype=torch.float64)
     bucket, grads = torch.zeros(4), [torch.ones(4)]
-    with pytest.raises(RuntimeError, match=r"^TypeError: fastamp::bucket_unpack_: inv_scale"):
+    with pytest.raises(TypeError, match=r"^fastamp::bucket_unpack_: inv_scale has dtype Double"):
         torch.ops.fastamp.bucket_unpack_(bucket, grads, [0], bad_inv)
     with pytest.raises(TypeError, match=r"^fastamp::bucket_unpack_: inv_scale has dtype Double"):
         StableOps("fastamp").bucket_unpack_(bucket, grads, [0], bad_inv)
     with pytest.raises(NotImplementedError, match=r"grads\[0\] has dtype Long"):
+        torch.ops.fastamp.grad_stats([torch.ones(3, dtype=torch.long)], torch.ones(()))
+    with pytest.raises(NotImplementedError, match=r"grads\[0\] has dtype Long"):
         fastamp.scaler._ops.grad_stats([torch.ones(3, dtype=torch.long)], torch.ones(()))
+    with torch.inference_mode():
+        bucket, grads, bad_inv = torch.zeros(4), [torch.ones(4)], bad_inv.clone()
+        with pytest.raises(RuntimeError, match=r"^TypeError: fastamp::bucket_unpack_: inv_scale"):
+            torch.ops.fastamp.bucket_unpack_(bucket, grads, [0], bad_inv)
+        with pytest.raises(TypeError, match=r"^fastamp::bucket_unpack_: inv_scale has dtype"):
+            StableOps("fastamp").bucket_unpack_(bucket, grads, [0], bad_inv)

@@ -56,7 +56,8 @@ def make(kind: str, numel: int, device: str):
     return step, restore, len(shapes)
 
 
-def measure(kind: str, numel: int, device: str, reps: int) -> None:
+def measure(kind: str, numel: int, device: str, reps: int) -> tuple[float, float]:
+    """Prints the step's profile; returns (median wall seconds, GPU kernel microseconds)."""
     step, restore, n_tensors = make(kind, numel, device)
 
     def sync():
@@ -112,6 +113,7 @@ def measure(kind: str, numel: int, device: str, reps: int) -> None:
     )
     print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
     print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    return statistics.median(walls), kernel_us
 
 
 def main() -> None:
@@ -127,9 +129,16 @@ def main() -> None:
         return
     name = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
     print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | {name}")
+    summary = []
     for n in a.numel:
-        for kind in ("torch", "fastamp"):
-            measure(kind, int(n), a.device, a.reps)
+        got = {kind: measure(kind, int(n), a.device, a.reps) for kind in ("torch", "fastamp")}
+        (tw, tk), (fw, fk) = got["torch"], got["fastamp"]
+        summary.append(
+            f"{n / 1e6:5.0f}M: wall fastamp/torch {fw / tw:.3f}x ({fw * 1e3:.2f} / {tw * 1e3:.2f} ms)"
+            + (f", GPU kernels {fk / tk:.3f}x ({fk / 1e3:.2f} / {tk / 1e3:.2f} ms)" if tk else "")
+        )
+    print("\n=== the whole step, fastamp / torch's fused recipe (host-cost issue: wall <= 0.80x)")
+    print("\n".join(summary))
 
 
 if __name__ == "__main__":

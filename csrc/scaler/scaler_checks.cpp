@@ -6,10 +6,10 @@
 #include <cstdint>
 #include <limits>
 
-// Every refusal here is a RuntimeError (TORCH_CHECK), as
+// Every refusal here is a RuntimeError (FASTAMP_CHECK), as
 // torch._amp_foreach_non_finite_check_and_unscale_ and torch._amp_update_scale_ raise for the same
-// misuse; an unsupported grad dtype is a NotImplementedError (a RuntimeError), as PyTorch's dtype
-// dispatch says "not implemented for".
+// misuse; an unsupported grad dtype is a NotImplementedError (FASTAMP_CHECK_NOT_IMPLEMENTED), as
+// PyTorch's dtype dispatch says "not implemented for".
 namespace fastamp {
 namespace scaler {
 

@@ -101,11 +101,7 @@ def _written_arguments(op: Any) -> list[tuple[int, str]]:
     ]
 
 
-def _bump_versions(written: list[tuple[int, str]], args: tuple, kwargs: dict) -> None:
-    """Bumps the in-place write counter of the tensors an op wrote, as every in-place ATen op
-    does: autograd then refuses a backward through a graph that saved one of them before (torch:
-    "modified by an inplace operation") instead of using the new values silently. The kernels
-    are registered through the stable ABI, which has no ADInplaceOrView kernel to do it."""
+def _written_tensors(written: list[tuple[int, str]], args: tuple, kwargs: dict) -> list[Tensor]:
     out: list[Tensor] = []
     for i, name in written:
         v = args[i] if i < len(args) else kwargs.get(name)
@@ -113,33 +109,87 @@ def _bump_versions(written: list[tuple[int, str]], args: tuple, kwargs: dict) ->
             out.append(v)
         elif isinstance(v, (list, tuple)):
             out.extend(t for t in v if isinstance(t, Tensor))
-    out = [t for t in out if not t.is_inference()]  # inference tensors keep no counter
-    if out:
-        torch.autograd.graph.increment_version(out)
+    return out
 
 
-def bump_versions(tensors: Sequence[Tensor]) -> None:
-    """Bumps the write counter of ``tensors`` (none may be an inference tensor): what an op
-    called through ``StableOps(..., bump=False)`` leaves to its caller, which has them listed."""
-    if tensors:
-        torch.autograd.graph.increment_version(tensors)
+# The ADInplaceOrView kernels below (kept alive with this library object).
+_VIEW_KERNELS: torch.library.Library | None = None
 
 
-def _translating(op: Callable[..., Any], bump: bool = True) -> Callable[..., Any]:
-    written = _written_arguments(op) if bump else []
+def _register_dispatcher_kernels(namespace: str) -> None:
+    """Registers, for every op of ``namespace`` that takes a tensor, a kernel at the
+    ADInplaceOrView key (where ATen's in-place ops bump their write counters): it runs the op
+    below that key, then bumps the write counter of every tensor the schema marks as written
+    (``Tensor(a!)``), as every in-place ATen op does, so autograd refuses a backward through a
+    graph that saved one of them before ("modified by an inplace operation") instead of using the
+    new values silently; and it raises the exception class a kernel meant (:func:`translate_error`).
+    The stable ABI registers no kernel at that key, so without this only fastamp's wrappers did
+    it: now a raw ``torch.ops.fastamp.*`` call and ``torch.compile``'s trace of one do it too.
 
-    @functools.wraps(op)
-    def call(*args: Any, **kwargs: Any) -> Any:
+    The key is in every tensor's dispatch key set but inference tensors' (and is skipped inside
+    ``torch.inference_mode``), where there is no write counter to bump; there the raw op raises
+    RuntimeError("TypeError: ...") and fastamp's wrappers (:class:`StableOps`) translate it."""
+    global _VIEW_KERNELS
+    lib = torch.library.Library(namespace, "IMPL")
+    below = torch._C._after_ADInplaceOrView_keyset
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith(namespace + "::"):
+            continue
+        op_name, _, overload = name.split("::", 1)[1].partition(".")
+        packet = getattr(getattr(torch.ops, namespace), op_name)
+        op = getattr(packet, overload or "default")
+        # private-ok: an OpOverload's parsed schema has no public spelling (as above).
+        schema = op._schema
+        if not any(
+            a.type.isSubtypeOf(torch._C.ListType.ofTensors())
+            or a.type.isSubtypeOf(torch._C.OptionalType.ofTensor())
+            for a in schema.arguments
+        ):
+            continue  # no tensor: the call never reaches the key
+        written = _written_arguments(op)
+        lib.impl(
+            name.split("::", 1)[1],
+            _view_kernel(op, below, written),
+            "ADInplaceOrView",
+            with_keyset=True,
+        )
+    _VIEW_KERNELS = lib
+
+
+def _view_kernel(op: Any, below: Any, written: list[tuple[int, str]]) -> Callable[..., Any]:
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            result = op(*args, **kwargs)
+            result = op.redispatch(keyset & below, *args, **kwargs)
         except RuntimeError as exc:
             err = translate_error(exc)
             if err is exc:
                 raise
             raise err from None
         if written:
-            _bump_versions(written, args, kwargs)
+            # Inference tensors keep no counter: increment_version skips them.
+            torch.autograd.graph.increment_version(_written_tensors(written, args, kwargs))
         return result
+
+    return kernel
+
+
+def bump_versions(tensors: Sequence[Tensor]) -> None:
+    """Bumps the write counter of ``tensors``: what a held op (whose schema cannot name the held
+    tensors it writes) leaves to its caller, which has them listed."""
+    if tensors:
+        torch.autograd.graph.increment_version(tensors)
+
+
+def _translating(op: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(op)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return op(*args, **kwargs)
+        except RuntimeError as exc:  # a call that did not pass the ADInplaceOrView kernel
+            err = translate_error(exc)
+            if err is exc:
+                raise
+            raise err from None
 
     return call
 
@@ -148,15 +198,12 @@ class StableOps:
     """``torch.ops.<namespace>`` whose calls raise the exception class each kernel meant (see the
     module docstring). ``StableOps("fastamp").grad_stats(...)`` calls
     ``torch.ops.fastamp.grad_stats``; ``.overload(name)`` gives the ``.default`` overload, wrapped
-    the same way.
+    the same way. The write counters of what an op writes are bumped by the dispatcher
+    (:func:`_register_dispatcher_kernels`); the held ops, whose schemas cannot name what they
+    write, leave it to their caller (:func:`bump_versions`)."""
 
-    ``bump=False``: the written arguments' write counters are left to the caller (a step plan
-    that keeps the list of what its launch writes, :func:`bump_versions`), instead of being
-    collected from the arguments at every call."""
-
-    def __init__(self, namespace: str, bump: bool = True) -> None:
+    def __init__(self, namespace: str) -> None:
         self._packets = getattr(torch.ops, namespace)
-        self._bump = bump
         self._calls: dict[str, Callable[..., Any]] = {}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
@@ -164,11 +211,11 @@ class StableOps:
             raise AttributeError(name)
         call = self._calls.get(name)
         if call is None:
-            call = self._calls[name] = _translating(getattr(self._packets, name), self._bump)
+            call = self._calls[name] = _translating(getattr(self._packets, name))
         return call
 
     def overload(self, name: str) -> Callable[..., Any]:
-        return _translating(getattr(self._packets, name).default, self._bump)
+        return _translating(getattr(self._packets, name).default)
 
 
 def build_info() -> dict[str, Any]:
@@ -256,3 +303,6 @@ def _version() -> str:
         return version("fastamp")
     except Exception:  # pragma: no cover
         return "unknown"
+
+
+_register_dispatcher_kernels("fastamp")

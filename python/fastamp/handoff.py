@@ -15,15 +15,15 @@ another's private attributes (``tests/test_architecture.py`` checks the sources)
 
 * :class:`GradStats` -- DDP to the scaler, through :meth:`GradStatsConsumer.note_grad_stats`.
 * :class:`AmpStep` -- the scaler to a :class:`AmpFusedOptimizer`, for exactly one ``step()`` call:
-  :func:`handing` makes it available while the scaler calls ``optimizer.step()`` (the public
-  entry point, so LR schedulers and wrappers see the step), and the optimizer's ``step`` takes
-  it with :func:`take`.
+  :func:`handing` sets it as the optimizer's ``amp_step`` attribute while the scaler calls
+  ``optimizer.step()`` (the public entry point, so LR schedulers and wrappers see the step), as
+  torch's scaler sets ``grad_scale`` / ``found_inf`` on its fused optimizers, and the optimizer's
+  ``step`` takes it with :func:`take`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -63,32 +63,30 @@ class AmpFusedOptimizer:
 
     # torch.amp.GradScaler's flag for that protocol (public in PyTorch's optimizer contract).
     _step_supports_amp_scaling = True
-
-
-_PENDING: contextvars.ContextVar[tuple[int, AmpStep] | None] = contextvars.ContextVar(
-    "fastamp_amp_step", default=None
-)
+    #: The AmpStep :class:`fastamp.GradScaler` hands this optimizer for the ``step()`` it is
+    #: calling: set just before that call and cleared when it returns or raises (:func:`handing`),
+    #: taken by the step (:func:`take`); None at any other time.
+    amp_step: AmpStep | None = None
 
 
 @contextlib.contextmanager
 def handing(optimizer: AmpFusedOptimizer, step: AmpStep) -> Iterator[None]:
-    """Makes ``step`` the next :func:`take` of ``optimizer`` inside the block (and of no other
-    optimizer). Nothing stays behind when the block ends, whether or not ``step()`` ran or raised."""
-    token = _PENDING.set((id(optimizer), step))
+    """Sets ``step`` as ``optimizer.amp_step`` inside the block, for its next :func:`take`.
+    Nothing stays behind when the block ends, whether or not ``step()`` ran or raised."""
+    optimizer.amp_step = step
     try:
         yield
     finally:
-        _PENDING.reset(token)
+        vars(optimizer).pop("amp_step", None)
 
 
 def take(optimizer: AmpFusedOptimizer) -> AmpStep | None:
     """The :class:`AmpStep` handed to ``optimizer`` by the enclosing :func:`handing`, once: a
     second call in the same block (a closure that steps again) gets None."""
-    pending = _PENDING.get()
-    if pending is None or pending[0] != id(optimizer):
-        return None
-    _PENDING.set(None)
-    return pending[1]
+    step = optimizer.amp_step
+    if step is not None:
+        optimizer.amp_step = None
+    return step
 
 
 # ---------------------------------------------------------------------------- DDP -> scaler

@@ -12,7 +12,7 @@ from fastamp._library import StableOps  # (importing it loads the operator libra
 
 __all__ = ["rng_get_state", "rng_set_state", "tensor_digest"]
 
-_ops = StableOps("fastamp")
+_raw = StableOps("fastamp")  # the raw ops; this module is their typed layer
 
 # The RNG ops are defined here, in Python: generators are not part of the LibTorch stable ABI the
 # compiled library is limited to. They stay operators (with fake kernels below) so that a
@@ -110,7 +110,7 @@ def tensor_digest(tensors: Sequence[Tensor]) -> Tensor:
     tensors = dense_list(tensors, "tensor_digest", "tensors")
     if not tensors:
         return torch.empty(0, dtype=torch.int64)
-    return _ops.tensor_digest(tensors)
+    return _raw.tensor_digest(tensors)
 
 
 @torch.library.register_fake("fastamp::rng_get_state")

@@ -44,22 +44,15 @@ __all__ = [
     "shared_memory_pair",
 ]
 
-_ops = StableOps("fastamp")
-# The same ops for a caller that lists what they write (``written=``): a step plan.
-_ops_listed = StableOps("fastamp", bump=False)
+_raw = StableOps("fastamp")  # the raw ops; this module is their typed layer
 
 # No scaler: grads taken as they are, the step unconditional, no clipping.
 _NO_AMP = AmpStep(None, None, None)
 
 
-def _call(name: str, written: Sequence[Tensor] | None, *args: Any) -> None:
-    """Calls op ``name``; ``written`` (when given: every tensor it writes, none an inference
-    tensor) get their write counters bumped, instead of the ones collected from the arguments."""
-    if written is None:
-        getattr(_ops, name)(*args)
-    else:
-        getattr(_ops_listed, name)(*args)
-        bump_versions(written)
+def _call(name: str, *args: Any) -> None:
+    """Calls op ``name`` (the dispatcher bumps the write counters of what it writes)."""
+    getattr(_raw, name)(*args)
 
 
 def _amp_args(a: AmpStep) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -119,14 +112,13 @@ def adam_step_(
     master_params: Sequence[Tensor],
     hyper: AdamHyper,
     amp: AmpStep | None = None,
-    written: Sequence[Tensor] | None = None,
 ) -> None:
     """One Adam (AdamW with ``decoupled_weight_decay``) step over a list of params, in one pass:
     each grad is read once and multiplied in registers by ``amp.inv_scale * amp.clip_coef``; when
     ``amp.found_inf`` is non-zero nothing is written and ``state_steps`` hold. ``master_params``
     (fp32) are updated in place of half params when given."""
     h, a = hyper, amp or _NO_AMP
-    _call("adam_step_", written,
+    _call("adam_step_",
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params,
         *h.schema_args(with_amsgrad=True), *_amp_args(a),
     )  # fmt: skip
@@ -144,7 +136,6 @@ def adam_lowbit_step_(
     seed: int,
     hyper: AdamHyper,
     amp: AmpStep | None = None,
-    written: Sequence[Tensor] | None = None,
 ) -> None:
     """:func:`adam_step_` with low-precision moments (fastamp.optim.lowbit): bfloat16 ones,
     written with stochastic rounding keyed by ``seed``, or uint8 codes of 256-element blocks with
@@ -156,7 +147,7 @@ def adam_lowbit_step_(
             "fastamp::adam_lowbit_step_: amsgrad is not supported with low-precision "
             "state (hyper.amsgrad must be False)"
         )
-    _call("adam_lowbit_step_", written,
+    _call("adam_lowbit_step_",
         params, grads, exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax, state_steps,
         master_params, int(seed), *h.schema_args(with_amsgrad=False), *_amp_args(a),
     )  # fmt: skip
@@ -170,12 +161,11 @@ def sgd_step_(
     master_params: Sequence[Tensor],
     hyper: SgdHyper,
     amp: AmpStep | None = None,
-    written: Sequence[Tensor] | None = None,
 ) -> None:
     """One SGD step (torch.optim.SGD's rule), fused as :func:`adam_step_`; ``state_steps`` count
     each param's updates (a buffer's first update takes the grad as is)."""
     h, a = hyper, amp or _NO_AMP
-    _call("sgd_step_", written,
+    _call("sgd_step_",
         params, grads, momentum_buffers, state_steps, master_params, *h.schema_args(), *_amp_args(a),
     )  # fmt: skip
 
@@ -189,13 +179,12 @@ def sgd_lowbit_step_(
     seed: int,
     hyper: SgdHyper,
     amp: AmpStep | None = None,
-    written: Sequence[Tensor] | None = None,
 ) -> None:
     """:func:`sgd_step_` (momentum != 0) with bfloat16 momentum buffers, written with stochastic
     rounding keyed by ``seed`` (fastamp.optim.lowbit). One pass; with ``amp.found_inf`` non-zero
     nothing is written."""
     h, a = hyper, amp or _NO_AMP
-    _call("sgd_lowbit_step_", written,
+    _call("sgd_lowbit_step_",
         params, grads, momentum_buffers, state_steps, master_params, int(seed), *h.schema_args(),
         *_amp_args(a),
     )  # fmt: skip
@@ -209,7 +198,7 @@ class HeldTensors:
 
     def __init__(self, lists: Sequence[Sequence[Tensor]]) -> None:
         flat = [t for ts in lists for t in ts]
-        self.handle: int = _ops.hold_tensors(flat, [len(ts) for ts in lists])
+        self.handle: int = _raw.hold_tensors(flat, [len(ts) for ts in lists])
         self.count = len(lists)
         self._release = weakref.finalize(self, _release_held, self.handle)
         self._release.atexit = False  # the process frees everything at exit anyway
@@ -219,11 +208,11 @@ class HeldTensors:
 
 
 def _release_held(handle: int) -> None:
-    _ops.release_tensors(handle)
+    _raw.release_tensors(handle)
 
 
 def _call_held(name: str, written: Sequence[Tensor], *args: Any) -> None:
-    getattr(_ops_listed, name)(*args)
+    getattr(_raw, name)(*args)
     bump_versions(written)
 
 
@@ -289,7 +278,7 @@ def sgd_lowbit_step_held_(
 def shared_memory_pair(tensors: Sequence[Tensor]) -> list[int]:
     """``[]`` when the tensors' elements are disjoint in memory, else ``[a, b]``: tensors ``a`` and
     ``b`` overlap (``a == b``: tensor ``a`` overlaps itself, as ``expand()`` views do)."""
-    return list(_ops.shared_memory_pair(list(tensors)))
+    return list(_raw.shared_memory_pair(list(tensors)))
 
 
 def _register_step_fake(name: str) -> None:

@@ -1,6 +1,7 @@
 """The step plan of a fused optimizer (:class:`StepPlan`, one :class:`PlannedLaunch` per kernel
-launch): what depends only on the set of params, their layouts, groups and state formats,
-computed once by a full (checked) step and reused while it holds.
+launch, a :class:`Structure` per param group): what depends only on the set of params, their
+layouts, groups and state formats, computed once by a full (checked) step and reused while it
+holds.
 
 A step through a plan does per tensor only what must be read anew every step (each param's
 grad) plus a few comparisons of machine words made at C speed (``map(id, ...)``,

@@ -556,9 +556,8 @@ class _AdamBase(_FusedOptimizer):
 
             def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
                 _ops.adam_lowbit_step_(
-                    kparams, gs, ms, vs, ams, avs, steps, masters, seed, hyper_of(group), amp,
-                    written,
-                )  # fmt: skip
+                    kparams, gs, ms, vs, ams, avs, steps, masters, seed, hyper_of(group), amp
+                )
 
             def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
                           amp: AmpStep) -> None:  # fmt: skip
@@ -568,9 +567,7 @@ class _AdamBase(_FusedOptimizer):
         else:
 
             def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
-                _ops.adam_step_(
-                    kparams, gs, ms, vs, max_sqs, steps, masters, hyper_of(group), amp, written
-                )
+                _ops.adam_step_(kparams, gs, ms, vs, max_sqs, steps, masters, hyper_of(group), amp)
 
             def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
                           amp: AmpStep) -> None:  # fmt: skip
@@ -725,7 +722,7 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
 
             def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
                 _ops.sgd_lowbit_step_(
-                    kparams, gs, bufs, counts, masters, seed, hyper_of(group), amp, written
+                    kparams, gs, bufs, counts, masters, seed, hyper_of(group), amp
                 )
 
             def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
@@ -734,7 +731,7 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
         else:
 
             def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
-                _ops.sgd_step_(kparams, gs, bufs, counts, masters, hyper_of(group), amp, written)
+                _ops.sgd_step_(kparams, gs, bufs, counts, masters, hyper_of(group), amp)
 
             def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
                           amp: AmpStep) -> None:  # fmt: skip

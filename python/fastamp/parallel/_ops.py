@@ -15,7 +15,7 @@ from fastamp._library import (  # (importing it loads the operator library)
 
 __all__ = ["bucket_pack_", "bucket_unpack_"]
 
-_ops = StableOps("fastamp")
+_raw = StableOps("fastamp")  # the raw ops; this module is their typed layer
 
 
 def bucket_pack_(
@@ -23,7 +23,7 @@ def bucket_pack_(
 ) -> None:
     """``bucket[offsets[i] : offsets[i] + grads[i].numel()] = grads[i] * scale`` for every grad, in
     one multi-tensor pass (the bucket flat and contiguous)."""
-    _ops.bucket_pack_(bucket, grads, list(offsets), float(scale))
+    _raw.bucket_pack_(bucket, grads, list(offsets), float(scale))
 
 
 def bucket_unpack_(
@@ -32,7 +32,7 @@ def bucket_unpack_(
     """Copies each grad's span of the reduced ``bucket`` into it; returns ``(found_inf, sum of
     (g * inv_scale)^2)``, computed with the scaler's stats kernel over the same chunks (so equal
     bit for bit to ``fastamp::grad_stats`` over the grads)."""
-    return _ops.bucket_unpack_(bucket, grads, list(offsets), inv_scale)
+    return _raw.bucket_unpack_(bucket, grads, list(offsets), inv_scale)
 
 
 @torch.library.register_fake("fastamp::bucket_pack_")

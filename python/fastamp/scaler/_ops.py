@@ -1,7 +1,7 @@
 """Typed Python wrappers and fake (meta) kernels of the ``fastamp`` scaler ops.
 
-The C++ schemas (csrc/scaler/ops.cpp) point torch at this module for their fake kernels
-(``set_python_module``), so ``torch.compile`` can trace the ops on FakeTensors without running them.
+The schemas are in csrc/scaler/ops.cpp; the fake kernels registered here (``register_fake``)
+let ``torch.compile`` trace the ops on FakeTensors without running them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ __all__ = [
     "update_scale_",
 ]
 
-_ops = StableOps("fastamp")
+_raw = StableOps("fastamp")  # the raw ops; this module is their typed layer
 
 
 def _on_dense(op: str, grads: Sequence[Tensor], *args: Any) -> Any:
@@ -36,7 +36,7 @@ def _on_dense(op: str, grads: Sequence[Tensor], *args: Any) -> Any:
     before every call: no Python per grad on the way to the kernel."""
     grads = list(grads)
     try:
-        return getattr(_ops, op)(grads, *args)
+        return getattr(_raw, op)(grads, *args)
     except (NotImplementedError, RuntimeError):
         dense_list(grads, op, "grads")
         raise
@@ -94,7 +94,7 @@ def update_scale_(
     max_scale: float = math.inf,
 ) -> None:
     """Device-side loss-scale update (``torch._amp_update_scale_`` plus hysteresis and bounds)."""
-    _ops.update_scale_(
+    _raw.update_scale_(
         scale,
         growth_tracker,
         hysteresis_tracker,
