@@ -37,10 +37,9 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from fastamp._checks import is_real, real
 from fastamp._devices import to_device
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, handing
-from fastamp.scaler import _ops, diagnostics
+from fastamp.scaler import _ops, _state, diagnostics
 from fastamp.scaler._clip import check_clip_arguments, clip_coefficient, grad_norm, unscale_and_clip
 from fastamp.scaler._grads import DeviceGrads, GradPlan, collect_grads
-from fastamp.scaler._state import ScalerState
 from fastamp.scaler._transaction import ClipStep, OptimizerIteration, Transaction
 from fastamp.scaler._validation import (
     FLOAT32_MAX,
@@ -66,7 +65,7 @@ def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, AmpFusedOptimizer)
 
 
-class GradScaler(ScalerState, torch.amp.GradScaler):
+class GradScaler(torch.amp.GradScaler):
     """Drop-in replacement for :class:`torch.amp.GradScaler`.
 
     Args:
@@ -83,6 +82,7 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
     _growth_factor: float
     _backoff_factor: float
     _growth_interval: int
+    _enabled: bool
 
     def __init__(
         self,
@@ -533,6 +533,48 @@ class GradScaler(ScalerState, torch.amp.GradScaler):
                 flags=flags[0] if len(flags) == 1 else torch.cat(flags),
                 overflowed=self._overflowed(opt_id, state), update_count=update_count,
             )  # fmt: skip
+
+    # ------------------------------------------------------------------ state
+    def _get_hysteresis_tracker(self) -> int:
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        """PyTorch's five entries; plus the hysteresis/bounds entries only when they are in use,
+        so the dict of a default-configured scaler is exactly PyTorch's."""
+        out = super().state_dict()
+        if self._enabled:
+            out.update(
+                _state.extra_entries(
+                    self._hysteresis, self._min_scale, self._max_scale,
+                    self._get_hysteresis_tracker(),
+                )
+            )  # fmt: skip
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Accepts dicts from ``torch.amp.GradScaler`` and from ``fastamp.GradScaler``; every
+        entry is checked before anything changes."""
+        if not self._enabled:
+            return
+        _state.check_loadable(state_dict)
+        super().load_state_dict(state_dict)
+        if "hysteresis" in state_dict:
+            self._hysteresis = int(state_dict["hysteresis"])
+            self._min_scale = float(state_dict.get("min_scale", 0.0))
+            self._max_scale = float(state_dict.get("max_scale", math.inf))
+        tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+        self._init_hysteresis_tracker = tracker
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(tracker)
+
+    def __getstate__(self) -> dict[str, Any]:
+        tracker = self._get_hysteresis_tracker() if self._enabled else None
+        return _state.pickled(super().__getstate__(), self._enabled, tracker)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(_state.unpickled(state))
 
     # ------------------------------------------------------------------ diagnostics
     def in_iteration(self) -> bool:
