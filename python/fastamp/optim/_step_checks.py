@@ -136,8 +136,9 @@ class StepChecks:
                 f"float32 params with float16/bfloat16 ones ({where_in_groups(g, fp32)} is float32, "
                 f"{where_in_groups(g, halves[0])} is not); put them in separate param groups"
             )
-        if group.get("capturable"):
-            # PyTorch's single-tensor and foreach steps assert this (an AssertionError there too).
+        if group.get("capturable") and not torch.compiler.is_compiling():
+            # PyTorch's single-tensor and foreach steps assert this (an AssertionError there too),
+            # except while torch.compile traces, which sets capturable on the groups it traces.
             bad = next(
                 ((p, i) for p, i in zip(params, places) if p.device.type not in _CAPTURABLE), None
             )

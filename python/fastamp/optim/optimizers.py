@@ -89,8 +89,9 @@ class _Launch:
 
 
 def _written(*lists: list[Tensor]) -> list[Tensor]:
-    """What a launch writes, for the write counters (inference tensors keep none)."""
-    return [t for ts in lists for t in ts if not t.is_inference()]
+    """What a launch writes, for the write counters (increment_version skips inference tensors,
+    which keep none)."""
+    return [t for ts in lists for t in ts]
 
 
 class _FusedOptimizer(AmpFusedOptimizer):
@@ -436,7 +437,13 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 raise checks.kernel_error(e, launch.g, launch.places, first=k == 0) from e
             self._commit(launch)
         self.stepped = stepped
-        plannable = launches and all(launch.plannable() for launch in launches)
+        # No plan from a traced step: its held lists would hold FakeTensors, and a compiled step
+        # is a graph already.
+        plannable = (
+            launches
+            and all(launch.plannable() for launch in launches)
+            and not torch.compiler.is_compiling()
+        )
         self._plan = self._make_plan(launches) if plannable else None
 
     def _make_plan(self, launches: list[_Launch]) -> StepPlan:

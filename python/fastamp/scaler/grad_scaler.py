@@ -79,6 +79,7 @@ class GradScaler(torch.amp.GradScaler):
 
     # torch.amp.GradScaler's (set by its __init__ and its lazy init)
     _scale: Tensor | None
+    _growth_tracker: Tensor | None
     _growth_factor: float
     _backoff_factor: float
     _growth_interval: int
@@ -226,10 +227,38 @@ class GradScaler(torch.amp.GradScaler):
         if self._transaction is not None:
             self._transaction.grads_written()
 
+    def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """torch's per-optimizer record (stage, inf flags), made on first use as torch's
+        ``defaultdict`` makes it, but stored explicitly: torch.compile's trace of a missing
+        ``defaultdict`` key does not keep the entry it makes."""
+        states = self._per_optimizer_states
+        key = id(optimizer)
+        state = states.get(key)
+        if state is None:  # torch's _refresh_per_optimizer_state(), as a literal dynamo traces
+            state = states[key] = {"stage": OptState.READY, "found_inf_per_device": {}}
+        return state
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
+        """torch's check, with torch's messages (``scale()`` must have made the scale and the
+        growth tracker), written here because torch.compile does not trace into
+        ``torch.amp.GradScaler``'s own methods."""
+        fix = (
+            "This may indicate your script did not use scaler.scale(loss or outputs) earlier in "
+            "the iteration."
+        )
+        if self._scale is None:
+            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+        if self._growth_tracker is None:
+            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+        return self._scale, self._growth_tracker
+
     def _collect(
         self, optimizer: torch.optim.Optimizer, allow_fp16: bool, caller: str = "unscale_"
     ) -> dict[torch.device, DeviceGrads]:
-        """:func:`collect_grads`, through the optimizer's :class:`GradPlan` while it holds."""
+        """:func:`collect_grads`, through the optimizer's :class:`GradPlan` while it holds (not
+        while torch.compile traces: the plan is host-side bookkeeping a graph need not repeat)."""
+        if torch.compiler.is_compiling():
+            return collect_grads(optimizer, allow_fp16, caller)
         try:
             plan = self._grad_plans.get(optimizer)
         except TypeError:  # an optimizer that takes no weak reference: no plan
@@ -279,7 +308,7 @@ class GradScaler(torch.amp.GradScaler):
             for dev, entry in per_device.items():
                 f, _, flags[dev] = _ops.grad_stats(entry.grads, to_device(one, dev))
                 found[dev] = f if entry.shard is None else entry.shard.reduce_found(f)
-        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        self._optimizer_state(optimizer)["found_inf_per_device"] = found
         self._record_flags(optimizer, per_device, flags)
         return found
 
@@ -338,7 +367,7 @@ class GradScaler(torch.amp.GradScaler):
         norm_type: float,
         tx: Transaction,
     ) -> Tensor:
-        state = self._per_optimizer_states[id(optimizer)]
+        state = self._optimizer_state(optimizer)
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError(
                 "clip_grad_norm_() is being called after step(). Expected once per iteration, "
@@ -435,7 +464,7 @@ class GradScaler(torch.amp.GradScaler):
         with self._restore_on_error(optimizer):
             retval = super().step(optimizer, *args, **kwargs)
         if self._enabled:
-            state = self._per_optimizer_states[id(optimizer)]
+            state = self._optimizer_state(optimizer)
             if state["found_inf_per_device"]:
                 self._last_skipped = self._overflowed(id(optimizer), state)
         return retval
@@ -447,7 +476,7 @@ class GradScaler(torch.amp.GradScaler):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale, _ = self._check_scale_growth_tracker("step")
-        state = self._per_optimizer_states[id(optimizer)]
+        state = self._optimizer_state(optimizer)
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         record = self._iteration(optimizer)
