@@ -238,9 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         "  - plus the format's update bytes: ncu's step bytes less the fp32 step's 4.0 non-update"
         " B/param,",
         f"    for {PARAMS_H200 / 1e6:.0f}M parameters, at that bandwidth.",
-        "- Registers (ptxas, sm_90): the bfloat16 and SGD kernels fit 64 per thread (2 blocks of",
-        "  512 threads per SM). The 8-bit kernel takes about 125 (1 block per SM, 25% theoretical",
-        "  occupancy), which may keep it below that bandwidth. Capped at 64 it spills.",
+        "- Registers (ptxas, sm_80/86/90): every low-precision kernel fits 64 per thread (2 blocks",
+        "  of 512 threads per SM, 50% theoretical occupancy on sm_80/90, 67% on sm_86), no spill",
+        "  (`make gpu-resources`). The 8-bit kernel is held there by its launch bounds",
+        "  (`kMinBlocks`); misaligned 8-bit chunks take a one-element-per-thread loop of their own.",
         "- The issue's targets on a GPU (`make gpu-check`) are <= 0.50x (8-bit) and <= 0.60x",
         "  (bf16) of torch's kernel time. The prediction meets them only if the bandwidth",
         "  assumption holds.",

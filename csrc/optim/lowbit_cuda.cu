@@ -19,6 +19,10 @@
 // path: one element per lane per access, group k then holding k*128 + j*32 + lane (coalesced,
 // and in the same quantization block as on the vector path). Every element's math, rounding key
 // and block are the same on both paths, so the bits are too.
+// 8-bit misaligned chunks instead take update_q8_scalar (one element per thread, the block maximum
+// over the block's 8 warps): registers. The 8-bit kernel is bounded to 64 registers a thread
+// (kMinBlocks: 2 blocks of 512 threads per SM, .ci/gpu_resources.py's occupancy floor); holding
+// the scalar path's loads beside the vector path's in one loop made ptxas spill at that bound.
 //
 // 8-bit: a tile is two quantization blocks (groups 0-1 and 2-3); a block's new absmax is a max
 // over one warp (shuffles), exact in any order, as on the CPU. The chunk's block scales are read
@@ -283,6 +287,9 @@ struct AdamLowbitOp {
   static constexpr int kSide = kInt8 ? 2 : 0;
   static constexpr int kDepth = kCodes + (kMaster ? 1 : 0) + kSide;
   static constexpr int kAbsmaxM = kCodes + (kMaster ? 1 : 0);
+  /// 8-bit: 2 blocks of 512 threads per SM (multi_tensor_apply_kernel's launch bounds), so at most
+  /// 64 registers a thread: unbounded, ptxas spends over 100 on the vector path's loads.
+  static constexpr int kMinBlocks = kInt8 ? 2 : 0;
   /// Elements per lane per tile: 16 codes (one 16-byte vector) or 8 bfloat16 values.
   static constexpr int G = kInt8 ? 16 : 8;
   static constexpr int kTile = 32 * G;
@@ -340,34 +347,49 @@ struct AdamLowbitOp {
       if constexpr (kMaster) vec = vec && aligned16(mp);
       const int lane = t & 31;
       uint32_t* const stage = warp_stage<G, S, 2>();
-      for (int base = (t >> 5) * kTile; base < blk.len; base += kWarps * kTile) {
-        const int live = blk.len - base < kTile ? blk.len - base : kTile;
-        const DirectList<T> pl{p + base, live, vec};
-        const DirectList<T> gl{const_cast<T*>(g) + base, live, vec};
-        const DirectList<float> ml{kMaster ? mp + base : nullptr, live, vec};
-        const StagedList<G, S> ms{m + base, live, vec, stage};
-        const StagedList<G, S> vs{v + base, live, vec, stage + kTile * sizeof(S) / 4};
-        ms.load(lane);
-        vs.load(lane);
-        if (vec) __syncwarp();
-        // One group (bfloat16) or block (8-bit) at a time: unrolled, the compiler would hold two
-        // groups' loads and maxima at once, over the 64 registers that 2 blocks of 512 threads
-        // per SM leave each thread.
-        if constexpr (kInt8) {
+      // 8-bit: the vector path's loop on its own (vec a constant), and misaligned chunks in
+      // update_q8_scalar; one loop with both paths would hold both paths' addresses and loads at
+      // once, over the 64 registers that 2 blocks of 512 threads per SM leave each thread.
+      const auto tiles = [&](auto vec_c) {
+        const bool kVec = vec_c;
+        for (int base = (t >> 5) * kTile; base < blk.len; base += kWarps * kTile) {
+          const int live = blk.len - base < kTile ? blk.len - base : kTile;
+          const DirectList<T> pl{p + base, live, kVec};
+          const DirectList<T> gl{const_cast<T*>(g) + base, live, kVec};
+          const DirectList<float> ml{kMaster ? mp + base : nullptr, live, kVec};
+          const StagedList<G, S> ms{m + base, live, kVec, stage};
+          const StagedList<G, S> vs{v + base, live, kVec, stage + kTile * sizeof(S) / 4};
+          ms.load(lane);
+          vs.load(lane);
+          if (kVec) __syncwarp();
+          // One group (bfloat16) or block (8-bit) at a time: unrolled, the compiler would hold two
+          // groups' loads and maxima at once, over the 64 registers that 2 blocks of 512 threads
+          // per SM leave each thread.
+          if constexpr (kInt8) {
 #pragma unroll 1
-          for (int half = 0; half < 2; ++half) {
-            update_q8_block<T>(half, pl, gl, ml, ms, vs, sm + base / kQuantBlock,
-                               sv + base / kQuantBlock, lane, b);
-          }
-        } else {
+            for (int half = 0; half < 2; ++half) {
+              update_q8_block<T>(half, pl, gl, ml, ms, vs, sm + base / kQuantBlock,
+                                 sv + base / kQuantBlock, lane, b);
+            }
+          } else {
 #pragma unroll 1
-          for (int k = 0; k < G / 4; ++k) {
-            update_bf16_group<T>(k, blk.start + base, pl, gl, ml, ms, vs, lane, b);
+            for (int k = 0; k < G / 4; ++k) {
+              update_bf16_group<T>(k, blk.start + base, pl, gl, ml, ms, vs, lane, b);
+            }
           }
+          if (kVec) __syncwarp();
+          ms.store(lane);
+          vs.store(lane);
         }
-        if (vec) __syncwarp();
-        ms.store(lane);
-        vs.store(lane);
+      };
+      if constexpr (kInt8) {
+        if (vec) {
+          tiles(std::true_type{});
+        } else {
+          update_q8_scalar<T>(blk, p, g, mp, sm, sv, b);
+        }
+      } else {
+        tiles(vec);
       }
       if constexpr (kInt8) {
         __syncthreads();  // every warp's new scales are in shared memory
@@ -377,6 +399,75 @@ struct AdamLowbitOp {
           copy_scales<true>(blk.template side_ptr<float>(kAbsmaxM + 1), sv, nq, t - 256);
         }
       }
+    }
+  }
+
+  /// A misaligned 8-bit chunk: one element per thread and iteration (512 consecutive elements,
+  /// two quantization blocks of 8 warps each); a block's new absmax is a max over its warps
+  /// (shuffles, then the 8 warps' maxima in shared memory), exact in any order, as on the CPU.
+  /// `sm`, `sv`: the chunk's block scales (shared memory), read before and written after the
+  /// barrier.
+  template <typename T>
+  __device__ __forceinline__ void update_q8_scalar(const MtaBlock<kDepth>& blk, T* p, const T* g,
+                                                   float* mp, float* sm, float* sv,
+                                                   const BlockScalars& b) const {
+    constexpr int kWarpsPerBlock = kQuantBlock / 32;
+    __shared__ uint32_t warp_m[kWarps];
+    __shared__ uint32_t warp_v[kWarps];
+    S* const mq = blk.template ptr<S>(2);
+    S* const vq = blk.template ptr<S>(3);
+    const int t = static_cast<int>(threadIdx.x);
+    const int lane = t & 31;
+    const int warp = t >> 5;
+    // Every thread runs every iteration (the barriers and shuffles need all of them); threads
+    // past the chunk's end carry 0, the identity of these maxima.
+    for (int base = 0; base < blk.len; base += kMtaThreads) {
+      const int e = base + t;
+      const bool live = e < blk.len;
+      const int qb = e / kQuantBlock;  // block within the chunk
+      float mi = 0.0f;
+      float vi = 0.0f;
+      if (live) {
+        mi = decode_m8(mq[e]) * sm[qb];
+        vi = decode_v8(vq[e]) * sv[qb];
+        float pi = kMaster ? mp[e] : static_cast<float>(p[e]);
+        float unused = 0.0f;
+        adam_update(pi, prep_grad(static_cast<float>(g[e]), b.inv, b.coef, h.maximize), mi, vi,
+                    unused, h, b.c);
+        if constexpr (kMaster) mp[e] = pi;
+        p[e] = static_cast<T>(pi);
+      }
+      uint32_t wm = live ? (float_bits(mi) & 0x7FFFFFFFu) : 0u;
+      uint32_t wv = live ? (float_bits(vi) & 0x7FFFFFFFu) : 0u;
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) {
+        wm = max_bits(__shfl_xor_sync(0xffffffffu, wm, off), wm);
+        wv = max_bits(__shfl_xor_sync(0xffffffffu, wv, off), wv);
+      }
+      if (lane == 0) {
+        warp_m[warp] = wm;
+        warp_v[warp] = wv;
+      }
+      __syncthreads();  // every warp's maxima written, every thread's old scale read
+      const int first = (warp / kWarpsPerBlock) * kWarpsPerBlock;
+      uint32_t mbits = 0u;
+      uint32_t vbits = 0u;
+#pragma unroll
+      for (int w = 0; w < kWarpsPerBlock; ++w) {
+        mbits = max_bits(warp_m[first + w], mbits);
+        vbits = max_bits(warp_v[first + w], vbits);
+      }
+      const float mmax = bits_float(canonical_max(mbits));
+      const float vmax = bits_float(canonical_max(vbits));
+      if (live) {
+        mq[e] = encode_m8(mi * block_reciprocal(mmax));
+        vq[e] = encode_v8(vi * block_reciprocal(vmax));
+        if (e % kQuantBlock == 0) {  // the block's first element writes its scales
+          sm[qb] = mmax;
+          sv[qb] = vmax;
+        }
+      }
+      __syncthreads();  // the next iteration overwrites warp_m / warp_v
     }
   }
 
