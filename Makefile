@@ -75,7 +75,7 @@ test: emu
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # Planted faults (a removed barrier, a wrong chunk index, a divergent shuffle, a misaligned 16-byte
-# load, an out-of-bounds write, four in the low-precision kernels and a half store rounding ties away; tests/cuda_emu/mutants.py): each is built into its own emulator library and must make the
+# load, an out-of-bounds write, six in the low-precision kernels (one of them moving one element per lane, which the traffic budget must catch) and a half store rounding ties away; tests/cuda_emu/mutants.py): each is built into its own emulator library and must make the
 # emulated tests fail with the expected report.
 emu-faults: emu
 	$(PY) tests/cuda_emu/mutants.py

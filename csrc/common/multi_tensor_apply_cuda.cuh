@@ -124,8 +124,19 @@ __host__ __device__ __forceinline__ MtaBlock<Depth> mta_block(const MtaMeta<Dept
   return blk;
 }
 
+/// The resident blocks per SM an Op's kernel must leave room for: its `kMinBlocks`, or 0 (no
+/// bound: the same PTX as no second argument; an explicit 1 would let ptxas take 128 registers).
+/// It is __launch_bounds__' second argument, so ptxas holds the kernel to
+/// 65536 / (kMtaThreads * kMinBlocks) registers a thread (2: 64, the occupancy floor of
+/// .ci/gpu_resources.py) instead of spending more on latency hiding.
+template <typename Op, typename = void>
+struct MtaMinBlocks : std::integral_constant<int, 0> {};
+template <typename Op>
+struct MtaMinBlocks<Op, std::void_t<decltype(Op::kMinBlocks)>>
+    : std::integral_constant<int, Op::kMinBlocks> {};
+
 template <int Depth, typename Op>
-__global__ void __launch_bounds__(kMtaThreads)
+__global__ void __launch_bounds__(kMtaThreads, MtaMinBlocks<Op>::value)
     multi_tensor_apply_kernel(const MtaMeta<Depth> meta, const Op op) {
   const MtaBlock<Depth> blk = mta_block(meta, static_cast<int>(blockIdx.x));
   // The tag is the same for every thread of the block, so this switch never diverges.

@@ -92,31 +92,31 @@ MUTANTS = {
     # disagree on their quantization block's scale.
     "lowbit_half_warp_absmax": Mutant(
         "optim/lowbit_cuda.cu",
-        "      for (int off = 16; off > 0; off /= 2) {\n"
-        "        wm = max_bits(__shfl_xor_sync(0xffffffffu, wm, off), wm);",
-        "      for (int off = 8; off > 0; off /= 2) {\n"
-        "        wm = max_bits(__shfl_xor_sync(0xffffffffu, wm, off), wm);",
+        "    for (int off = 16; off > 0; off /= 2) {\n"
+        "      wm = max_bits(__shfl_xor_sync(0xffffffffu, wm, off), wm);",
+        "    for (int off = 8; off > 0; off /= 2) {\n"
+        "      wm = max_bits(__shfl_xor_sync(0xffffffffu, wm, off), wm);",
         "test_adam_lowbit_step and fp32 and int8",
         r"differ from the CPU kernel|differs between launch orders",
         "8-bit block maximum reduced over 16 of the 32 lanes",
         "test_emulated_lowbit.py",
     ),
-    # Every quantization block of a CUDA block takes the first block's warps' maximum.
-    "lowbit_wrong_block_warps": Mutant(
+    # Both quantization blocks of a tile decode with the first block's scale.
+    "lowbit_wrong_block_scale": Mutant(
         "optim/lowbit_cuda.cu",
-        "      const int first = (warp / kWarpsPerBlock) * kWarpsPerBlock;",
-        "      const int first = 0;",
+        "    const float scale_m = sm[half];",
+        "    const float scale_m = sm[0];",
         "test_adam_lowbit_step and fp32 and int8",
         r"differ from the CPU kernel|differs between launch orders",
-        "8-bit block scale taken from another quantization block's warps",
+        "8-bit codes decoded with another quantization block's scale",
         "test_emulated_lowbit.py",
     ),
     # The stochastic rounding's counter restarts at every chunk (the element index within the
     # chunk instead of the tensor): later chunks repeat the first chunk's random bits.
     "lowbit_chunk_local_counter": Mutant(
         "optim/lowbit_cuda.cu",
-        "const uint32_t r = sr_bits(key, blk.start + e);",
-        "const uint32_t r = sr_bits(key, e);",
+        "update_bf16_group<T>(k, blk.start + base, pl, gl, ml, ms, vs, lane, b);",
+        "update_bf16_group<T>(k, base, pl, gl, ml, ms, vs, lane, b);",
         "test_adam_lowbit_step and bf16 and bfloat16",
         r"differ from the CPU kernel|differs between launch orders",
         "bfloat16 rounding bits drawn from the chunk-local index",
@@ -126,18 +126,38 @@ MUTANTS = {
     # the CPU kernel does; keyed by the old count, every rounding bit changes.
     "sgd_lowbit_stale_rounding_key": Mutant(
         "optim/lowbit_cuda.cu",
-        "const bool first = old == 0.0f;\n"
-        "      // Every thread computes the same key (a few integer operations; no barrier needed).\n"
-        "      const uint32_t key =\n"
-        "          sr_key(seed, static_cast<uint32_t>(old + 1.0f),",
-        "const bool first = old == 0.0f;\n"
-        "      // Every thread computes the same key (a few integer operations; no barrier needed).\n"
-        "      const uint32_t key =\n"
-        "          sr_key(seed, static_cast<uint32_t>(old),",
+        "shared.first = old == 0.0f;\n"
+        "          shared.key =\n"
+        "              sr_key(seed, static_cast<uint32_t>(old + 1.0f),",
+        "shared.first = old == 0.0f;\n"
+        "          shared.key =\n"
+        "              sr_key(seed, static_cast<uint32_t>(old),",
         "test_sgd_lowbit_step and fp32 and later",
         r"differ from the CPU kernel|differs between launch orders",
         "SGD bfloat16 rounding keyed by the update count before the step",
         "test_emulated_lowbit.py",
+    ),
+    # The low-precision kernels' warp transpose hands each lane the 1- and 2-byte elements of the
+    # wrong group: only the 16-byte vector path (aligned lists) has it.
+    "lowbit_transpose_wrong_group": Mutant(
+        "optim/lowbit_cuda.cu",
+        "        const uint32_t w = stage[(k * 32 + lane) * kWords + i];",
+        "        const uint32_t w = stage[((G / 4 - 1 - k) * 32 + lane) * kWords + i];",
+        "test_adam_lowbit_step and aligned",
+        r"differ from the CPU kernel|differs between launch orders",
+        "warp transpose of the low-bit state reads another group's words",
+        "test_emulated_lowbit.py",
+    ),
+    # The low-precision kernels never take their 16-byte vector path: one element per lane per
+    # access, the bits unchanged, the requests 2-4 sectors (the traffic budget must catch it).
+    "lowbit_scalar_per_lane": Mutant(
+        "optim/lowbit_cuda.cu",
+        "  return reinterpret_cast<uintptr_t>(p) % 16 == 0;",
+        "  return p == nullptr;",
+        "lowbit",
+        r"sectors per request",
+        "low-precision state kernels moving one element per lane",
+        "test_traffic.py",
     ),
     # The optimizers' half stores round ties away from zero (the value nudged up by one float32
     # ulp before the round-to-nearest-even cast): only inputs exactly on a tie see it.

@@ -29,7 +29,14 @@ SPECS = {
     ],
     "fp16": [(513, F16, 1), (CHUNK - 1, F16, 0)],
     "bf16": [(2 * CHUNK + 17, BF16, 3), (31, BF16, 0)],
+    # Offset 9 (after the 7-element front canaries): every list 16-byte aligned, so the kernels'
+    # 16-byte vector path (and its cut last vector) runs; the offsets above take the scalar one.
+    "fp32-aligned": [(CHUNK + 4097, F32, 9), (300, F32, 9), (3 * 256 + 5, F32, 9)],
+    "bf16-aligned": [(CHUNK + 700, BF16, 9), (45, BF16, 9)],
 }
+
+# Without master weights: the float32 param lists (the others have fp32 masters).
+NO_MASTER = ("fp32-blocks", "fp32-aligned")
 
 
 def _build(
@@ -91,8 +98,7 @@ def _build(
 @pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_adam_lowbit_step(name, fmt):
-    master = name != "fp32-blocks"
-    run_case("adam_lowbit_step_", _build(SPECS[name], fmt, master))
+    run_case("adam_lowbit_step_", _build(SPECS[name], fmt, name not in NO_MASTER))
 
 
 # Each argument value the kernel branches on, against the CPU kernel (tests/_argcov.py checks
@@ -176,7 +182,7 @@ def _build_sgd(
 @pytest.mark.parametrize("first", [False, True], ids=["later", "first-update"])
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_sgd_lowbit_step(name, first):
-    run_case("sgd_lowbit_step_", _build_sgd(SPECS[name], name != "fp32-blocks", first=first))
+    run_case("sgd_lowbit_step_", _build_sgd(SPECS[name], name not in NO_MASTER, first=first))
 
 
 SGD_VARIANTS = {

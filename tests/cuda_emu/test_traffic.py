@@ -111,6 +111,19 @@ def test_kernel_traffic_matches_the_bytes_model(case: tc.Case):
         assert tc.sectors_of(t) <= loaded
 
 
+LOWBIT = [c for c in CASES if "lowbit" in c.op]
+
+
+@pytest.mark.parametrize("case", LOWBIT, ids=[c.name for c in LOWBIT])
+def test_lowbit_requests_carry_the_sectors_of_the_fp32_path(case: tc.Case):
+    """The bf16 and 8-bit state kernels move 16-byte vectors per lane like the fp32 update of the
+    same optimizer: at least its sectors per request, loads and stores of every launch."""
+    fp32 = tc.by_name()["sgd_step_ float32" if case.op.startswith("sgd") else "adam_step_ float32"]
+    ref = tc.sectors_per_request(_trace(lambda: emu.op(fp32.op)(*fp32.args())))
+    got = tc.sectors_per_request(_trace(lambda: emu.op(case.op)(*case.args())))
+    assert got >= ref, f"{case.name}: {got:.2f} sectors per request, {fp32.name}: {ref:.2f}"
+
+
 def _written(case: tc.Case, args: tuple) -> list[torch.Tensor]:
     return [t for i in case.writes for t in _flat(args[i])]
 

@@ -27,6 +27,10 @@ ELEMENTS = sum(SIZES)
 BLOCK8 = 256  # elements per scale of the 8-bit codes
 
 
+#: The fewest sectors per request of the low-precision state kernels' cases: those of the fp32
+#: path's (adam_step_ float32: 15.48 on these inputs; test_traffic.py also compares the two).
+LOWBIT_SECTORS_PER_REQUEST = 15.4
+
 #: A launch's DRAM bytes may differ from the model by this much (relative, plus absolute bytes
 #: per element: the shared scalars), its sectors per ideal sector by COALESCING.
 MARGIN_REL, MARGIN_ABS = 0.005, 0.01
@@ -38,6 +42,9 @@ class Budget:
     load: float  # model: DRAM bytes read per element
     store: float  # model: DRAM bytes written per element
     reread: float = 0.1  # sectors moved beyond the distinct ones, bytes per element
+    #: the fewest sectors per request (loads and stores of all the op's launches): a kernel that
+    #: moves 16-byte vectors per lane issues about 16, one element per lane 1-4
+    sectors_per_request: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -76,7 +83,18 @@ def problems(launches, budget: Budget, elements: int) -> list[str]:
                 for a in (ln.load, ln.store)) / elements  # fmt: skip
     if again > budget.reread:
         out.append(f"{again:.3f} bytes per element re-read (allowed {budget.reread})")
+    spr = sectors_per_request(launches)
+    if spr < budget.sectors_per_request:
+        out.append(f"{spr:.2f} sectors per request (at least {budget.sectors_per_request} wanted: "
+                   "16-byte vectors per lane)")  # fmt: skip
     return out
+
+
+def sectors_per_request(launches) -> float:
+    """Sectors per warp request over the loads and stores of `launches`."""
+    launches = [launches] if not isinstance(launches, list) else launches
+    req = sum(a.requests for ln in launches for a in (ln.load, ln.store))
+    return sum(a.sectors for ln in launches for a in (ln.load, ln.store)) / max(req, 1)
 
 
 def sectors_of(t: torch.Tensor) -> set[int]:
@@ -196,10 +214,12 @@ def cases() -> list[Case]:
     # the moments (+ the max, + master) and the step counts.
     adam_r, adam_w = (0, 1, 2, 3, 4, 6), (0, 2, 3, 4, 5, 6)
     lowbit_r, lowbit_w = (0, 1, 2, 3, 4, 5), (0, 2, 3, 4, 5, 6)
-    # The 8-bit codes' scales: every warp reads the two scales of its 32 elements (2 sectors per
-    # 32 elements beyond the distinct ones, 2 B per element: L1 hits on a GPU, not DRAM traffic),
-    # and each scale is one 4-byte store (8 stores per sector: 7/8 * 2 * 32 B per 256 elements).
-    int8_reread = 2 * 32 / 32 + 2 * 32 * 7 / 8 / BLOCK8 + 0.1
+    # The low-precision state kernels move 16-byte vectors per lane, as the fp32 and half ones
+    # (their 1- and 2-byte lists through a warp transpose in shared memory, the 8-bit scales
+    # through shared memory once per chunk): their requests must carry at least the sectors of
+    # adam_step_ float32's (15.48), which a kernel moving one element per lane (2-3) or 8 bytes
+    # per lane (8-12) does not.
+    vec = LOWBIT_SECTORS_PER_REQUEST
     out += [
         Case("adam_step_ float32", "adam_step_", _adam(F32), Budget(16, 12), adam_r, adam_w),
         Case("adam_step_ float32 amsgrad", "adam_step_", _adam(F32, amsgrad=True),
@@ -209,14 +229,15 @@ def cases() -> list[Case]:
         Case("adam_step_ bfloat16 master", "adam_step_", _adam(BF16, master=True),
              Budget(14, 14), (1, 2, 3, 6), adam_w),
         Case("adam_lowbit_step_ bfloat16 state", "adam_lowbit_step_", _adam_lowbit("bfloat16"),
-             Budget(12, 8), lowbit_r, lowbit_w),
+             Budget(12, 8, sectors_per_request=vec), lowbit_r, lowbit_w),
         Case("adam_lowbit_step_ int8 state", "adam_lowbit_step_", _adam_lowbit("int8"),
-             Budget(10 + 8 / BLOCK8, 6 + 8 / BLOCK8, int8_reread), lowbit_r, lowbit_w),
+             Budget(10 + 8 / BLOCK8, 6 + 8 / BLOCK8, sectors_per_request=vec), lowbit_r,
+             lowbit_w),
         # SGD with momentum: reads param, grad, buffer; writes param, buffer, step counts.
         Case("sgd_step_ float32", "sgd_step_", _sgd(F32, False), Budget(12, 8), (0, 1, 2),
              (0, 2, 3)),
         Case("sgd_lowbit_step_ bfloat16 momentum", "sgd_lowbit_step_", _sgd(F32, True),
-             Budget(10, 6), (0, 1, 2), (0, 2, 3)),
+             Budget(10, 6, sectors_per_request=vec), (0, 1, 2), (0, 2, 3)),
     ]  # fmt: skip
     return out
 
