@@ -82,3 +82,29 @@ def test_library_check_passes_ours_and_catches_a_classic_api_library():
     assert classic.returncode == 1, classic.stdout
     assert "undefined libtorch C++ symbol: c10::" in classic.stdout
     assert "links a library outside the stable ABI and the runtimes: libc10.so" in classic.stdout
+
+
+def test_package_metadata_names_authors_urls_and_classifiers(tmp_path):
+    # What `pip show fastamp` and a package index display, from the build backend's own metadata
+    # hook (no compile).
+    import email
+
+    from scikit_build_core.build import prepare_metadata_for_build_wheel
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        dist_info = prepare_metadata_for_build_wheel(str(tmp_path))
+    finally:
+        os.chdir(cwd)
+    meta = email.message_from_string((tmp_path / dist_info / "METADATA").read_text())
+    holder = re.search(r"^Copyright \(c\) \d{4}, (.+)$", (ROOT / "LICENSE").read_text(), re.M)
+    assert holder and meta["Author"] == holder.group(1), (meta["Author"], holder)
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL") or [])
+    assert {"Homepage", "Source", "Issues"} <= set(urls), urls
+    assert all(u.startswith("https://") for u in urls.values()), urls
+    classifiers = meta.get_all("Classifier") or []
+    assert "Programming Language :: Python :: 3 :: Only" in classifiers, classifiers
+    # PEP 639: the SPDX expression is the license; a License :: classifier beside it is refused.
+    assert meta["License-Expression"] == "BSD-3-Clause"
+    assert not [c for c in classifiers if c.startswith("License ::")], classifiers
