@@ -69,7 +69,11 @@ def test_pip_build_isolation_is_named_as_the_cause(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "flags", [["--accum-steps", "2", "--checkpoint"], ["--amp", "bf16", "--bucket-view"]]
+    "flags",
+    [
+        ["--accum-steps", "2", "--checkpoint"],
+        pytest.param(["--amp", "bf16", "--bucket-view"], marks=pytest.mark.full),
+    ],
 )
 def test_ddp_example_with_torchrun_two_processes(flags):
     out = _run(
@@ -104,11 +108,12 @@ def test_docs_show_the_fsdp_example_commands():
     assert (2, ("--state-dtype", "int8", "--checkpoint")) in documented_torchrun("fsdp_train.py")
 
 
-# Each FSDP2 command the docs show, as written (with --steps 3): the default --amp is fp16.
+# Each FSDP2 command the docs show, as written (with --steps 3): the default --amp is fp16. More
+# than two processes on 2 cores: the full tier (`make test-all`).
 @pytest.mark.parametrize(
     "procs,flags",
     [
-        pytest.param(n, f, id=" ".join((str(n), *f)))
+        pytest.param(n, f, id=" ".join((str(n), *f)), marks=[pytest.mark.full] if n > 2 else [])
         for n, f in documented_torchrun("fsdp_train.py")
     ],
 )
