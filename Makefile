@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-all test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample mutate-cpu mutate-python emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-all test-clients test-matrix test-matrix-ci wheel wheel-cpu bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample mutate-cpu mutate-python emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -33,6 +33,7 @@ help:
 	@echo "  make mutate-python AST mutants of the scaler/optimizer step logic (in a worktree of HEAD)"
 	@echo "  make test-clients  the Lightning / accelerate / transformers tier, in .venv-clients"
 	@echo "  make wheel         the CPU and CUDA abi3 wheels and the sdist in dist/, audited"
+	@echo "  make wheel-cpu     the CPU wheel alone (fastamp-<version>+cpu-...whl in dist/cpu/, no nvcc needed), audited"
 	@echo "  make test-matrix   the CPU wheel installed beside other torch releases, tested (MATRIX=...)"
 	@echo "  make test-matrix-ci  the floor and newest torch beside .venv's library (what CI runs)"
 	@echo "  make bench         the scaler, optimizer and checkpoint benchmarks (benchmarks/ has more)"
@@ -143,7 +144,9 @@ test-matrix-ci: $(VENV)/.built
 	done
 
 # Release artefacts, in dist/: a CPU wheel (built in .venv), a CUDA wheel (built in .venv-cuda with
-# nvcc, the default arch list) and the sdist. Each wheel is Python abi3 and loads on every torch
+# nvcc, the default arch list) and the sdist. The wheels' versions carry their flavour as torch's do
+# (0.1.0+cpu, 0.1.0+cu130: cmake/wheel_flavour.py), so their file names differ and one index holds
+# both; the sdist has none (FASTAMP_VERSION_LABEL empty), as a wheel built from it keeps its version. Each wheel is Python abi3 and loads on every torch
 # from 2.11 up (LibTorch stable ABI); auditwheel repairs it to its manylinux tag, leaving out the
 # libraries torch itself provides; .ci/check_library.py audits the library inside. The reports go
 # to dist/wheels.txt (copied into benchmarks/results/wheels.md by hand with the matrix results).
@@ -167,8 +170,13 @@ dist/cuda/.built: $(shell find csrc cmake python -type f -not -name '*.pyc' 2>/d
 	rm -rf dist/raw-cuda
 	touch $@
 
+wheel-cpu: dist/cpu/.built
+	{ w=$$(ls dist/cpu/*.whl); echo "### $$w"; $(VENV)/bin/auditwheel show $$w; \
+	  $(PY) .ci/check_library.py dist/cpu; } 2>&1 | tee dist/wheels-cpu.txt
+	@ls -l dist/cpu/*.whl
+
 wheel: dist/cpu/.built dist/cuda/.built
-	rm -f dist/*.tar.gz && $(PY) -m build --sdist --no-isolation -o dist . > /dev/null
+	rm -f dist/*.tar.gz && FASTAMP_VERSION_LABEL= $(PY) -m build --sdist --no-isolation -o dist . > /dev/null
 	{ for w in dist/cpu/*.whl dist/cuda/*.whl; do echo "### $$w"; $(VENV)/bin/auditwheel show $$w; done; \
 	  $(PY) .ci/check_library.py dist/cpu dist/cuda; } 2>&1 | tee dist/wheels.txt
 	@ls -l dist/*.tar.gz dist/cpu/*.whl dist/cuda/*.whl
