@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - build fastamp in .venv and train fastamp vs torch side by side
-#   make test   - build fastamp in .venv and run the test suite (what CI runs)
+#   make test   - build fastamp in .venv and run the quick test tier (about 6 minutes of tests)
+#   make test-all - the same build, then the full test suite (what CI runs)
 # TORCH_SPEC picks the torch to build against (default: the CPU 2.13.0 wheel; use torch==2.14.1 for CUDA).
 # A bare `make` (or `make help`) lists every target.
 
@@ -14,7 +15,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-clients test-matrix test-matrix-ci wheel bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample mutate-cpu mutate-python emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-all test-clients test-matrix test-matrix-ci wheel wheel-cpu bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample mutate-cpu mutate-python emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -23,7 +24,8 @@ BUILD_TOOLS := "scikit-build-core==1.1.2" "cmake==4.4.5" "ninja==1.13.2"
 help:
 	@echo "fastamp's make targets (each builds what it needs first, in .venv unless said):"
 	@echo "  make demo          build, then train fastamp vs torch side by side (examples/demo.py)"
-	@echo "  make test          build, build the CUDA emulator library, run the test suite (what CI runs)"
+	@echo "  make test          build, build the CUDA emulator library, run the quick test tier (~6 min on 2 cores)"
+	@echo "  make test-all      the same, then the full test suite: the quick tier and the tests marked full (what CI runs)"
 	@echo "  make emu           build the CUDA emulator library only"
 	@echo "  make emu-faults    planted CUDA faults the emulated tests must catch"
 	@echo "  make mutate        generated mutants of the CUDA kernels vs the emulated tests (score, survivors)"
@@ -31,6 +33,7 @@ help:
 	@echo "  make mutate-python AST mutants of the scaler/optimizer step logic (in a worktree of HEAD)"
 	@echo "  make test-clients  the Lightning / accelerate / transformers tier, in .venv-clients"
 	@echo "  make wheel         the CPU and CUDA abi3 wheels and the sdist in dist/, audited"
+	@echo "  make wheel-cpu     the CPU wheel alone (fastamp-<version>+cpu-...whl in dist/cpu/, no nvcc needed), audited"
 	@echo "  make test-matrix   the CPU wheel installed beside other torch releases, tested (MATRIX=...)"
 	@echo "  make test-matrix-ci  the floor and newest torch beside .venv's library (what CI runs)"
 	@echo "  make bench         the scaler, optimizer and checkpoint benchmarks (benchmarks/ has more)"
@@ -70,9 +73,22 @@ demo: $(VENV)/.built
 emu: $(VENV)/.built
 	$(PY) tests/cuda_emu/build.py
 
+# The test tiers (README "Tests"). `make test` is the quick tier: every capability, without the
+# tests marked `full` (the soak, the multi-process parity suites, the emulator's whole case matrix).
+# `make test-all` is the full suite CI runs (everything but `slow`, as a bare `pytest` selects):
+# the quick tier's tests and the `full` ones, in one session (the argument-coverage check needs
+# the whole run). pytest prints a line per test file with the run's progress; --durations names
+# the slowest tests at the end.
+QUICK_TIER := -m "not slow and not full"
+FULL_TIER := -m "not slow"
+
 test: emu
 	$(PY) .ci/check_fp_contract.py build/$(notdir $(VENV))
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest $(QUICK_TIER) --durations=5 $(PYTEST_ARGS)
+
+test-all: emu
+	$(PY) .ci/check_fp_contract.py build/$(notdir $(VENV))
+	$(PY) -m pytest $(FULL_TIER) --durations=10 $(PYTEST_ARGS)
 
 # Planted faults (a removed barrier, a wrong chunk index, a divergent shuffle, a misaligned 16-byte
 # load, an out-of-bounds write, six in the low-precision kernels (one of them moving one element per lane, which the traffic budget must catch) and a half store rounding ties away; tests/cuda_emu/mutants.py): each is built into its own emulator library and must make the
@@ -128,7 +144,9 @@ test-matrix-ci: $(VENV)/.built
 	done
 
 # Release artefacts, in dist/: a CPU wheel (built in .venv), a CUDA wheel (built in .venv-cuda with
-# nvcc, the default arch list) and the sdist. Each wheel is Python abi3 and loads on every torch
+# nvcc, the default arch list) and the sdist. The wheels' versions carry their flavour as torch's do
+# (0.1.0+cpu, 0.1.0+cu130: cmake/wheel_flavour.py), so their file names differ and one index holds
+# both; the sdist has none (FASTAMP_VERSION_LABEL empty), as a wheel built from it keeps its version. Each wheel is Python abi3 and loads on every torch
 # from 2.11 up (LibTorch stable ABI); auditwheel repairs it to its manylinux tag, leaving out the
 # libraries torch itself provides; .ci/check_library.py audits the library inside. The reports go
 # to dist/wheels.txt (copied into benchmarks/results/wheels.md by hand with the matrix results).
@@ -152,8 +170,13 @@ dist/cuda/.built: $(shell find csrc cmake python -type f -not -name '*.pyc' 2>/d
 	rm -rf dist/raw-cuda
 	touch $@
 
+wheel-cpu: dist/cpu/.built
+	{ w=$$(ls dist/cpu/*.whl); echo "### $$w"; $(VENV)/bin/auditwheel show $$w; \
+	  $(PY) .ci/check_library.py dist/cpu; } 2>&1 | tee dist/wheels-cpu.txt
+	@ls -l dist/cpu/*.whl
+
 wheel: dist/cpu/.built dist/cuda/.built
-	rm -f dist/*.tar.gz && $(PY) -m build --sdist --no-isolation -o dist . > /dev/null
+	rm -f dist/*.tar.gz && FASTAMP_VERSION_LABEL= $(PY) -m build --sdist --no-isolation -o dist . > /dev/null
 	{ for w in dist/cpu/*.whl dist/cuda/*.whl; do echo "### $$w"; $(VENV)/bin/auditwheel show $$w; done; \
 	  $(PY) .ci/check_library.py dist/cpu dist/cuda; } 2>&1 | tee dist/wheels.txt
 	@ls -l dist/*.tar.gz dist/cpu/*.whl dist/cuda/*.whl

@@ -1,7 +1,7 @@
 """Sharded training (FSDP2, ``fully_shard``) with fastamp, launched with torchrun:
 
     torchrun --standalone --nproc_per_node=2 examples/fsdp_train.py                     # CPU: gloo
-    torchrun --standalone --nproc_per_node=8 examples/fsdp_train.py --amp fp16          # GPUs: NCCL
+    torchrun --standalone --nproc_per_node=8 examples/fsdp_train.py                     # GPUs: NCCL
     torchrun --standalone --nproc_per_node=4 examples/fsdp_train.py --replicas 2        # HSDP 2 x 2
     torchrun --standalone --nproc_per_node=2 examples/fsdp_train.py --state-dtype int8 --checkpoint
 
@@ -11,6 +11,10 @@ mesh: hybrid sharding), stepped by fastamp.GradScaler + fastamp.optim.AdamW: the
 and norm are reduced over the shards in one all-reduce per step, the fused optimizer updates each
 rank's shard and skips on overflow with no host sync; ``--state-dtype`` keeps the moments in
 bfloat16 or 8 bits; ``--checkpoint`` recomputes every block with fastamp.checkpoint.
+
+``--amp fp16`` (the default; fp16 autocast runs on the CPU too) is what the loss scaler is for: the
+loss is scaled (the printed ``scale``: 65536, halved on a step whose grads overflow, which is then
+skipped). ``--amp bf16`` and ``--amp off`` need no scaler (it is built disabled: scale 1).
 
 Rank 0 prints the loss against chance; every rank checks at the end that the scale and the grad
 norm (decisions every rank must share) are the same everywhere. The exit status says whether they
@@ -25,6 +29,7 @@ import math
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,11 +49,26 @@ def main(argv=None):
     )
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch-size", type=int, default=16, help="per rank")
-    ap.add_argument("--amp", choices=["fp16", "bf16", "off"], default="off")
+    ap.add_argument(
+        "--amp",
+        choices=["fp16", "bf16", "off"],
+        default="fp16",
+        help="autocast dtype (default fp16: the loss scaler at work; bf16 and off need no scaler)",
+    )
     ap.add_argument("--checkpoint", action="store_true", help="checkpoint every block")
     ap.add_argument("--replicas", type=int, default=1, help="HSDP: replica groups of the mesh")
     ap.add_argument("--state-dtype", choices=["float32", "bfloat16", "int8"], default="float32")
     args = ap.parse_args(argv)
+    # torch warns when a fully_shard-ed module returns a view, because an in-place op on that view
+    # would drop the pre-backward hook (and the all-gather) it registers on the output. The root's
+    # output is self.head(x): nn.Linear on a 3-D input returns a view of its 2-D matmul. This
+    # script never modifies it in place (.float(), .flatten() and cross_entropy are out of place),
+    # so the hook stays and the backward all-gathers as it should: the warning does not apply.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"FSDP2-wrapped module \(FSDPModel\) returned a view tensor",
+        category=UserWarning,
+    )
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")

@@ -108,6 +108,7 @@ def _skip_reason(report) -> str:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    _quick_tier_summary(terminalreporter)
     if not getattr(config, "_fastamp_skip_summary", False):
         return
     skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.skipped]
@@ -170,3 +171,27 @@ def pytest_collection_modifyitems(session, config, items):
     last = [i for i in items if i.nodeid.split("::")[0].endswith(ARGCOV_TEST)]
     if last:
         items[:] = [i for i in items if i not in last] + last
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiers: `make test` (quick: `-m "not slow and not full"`), `make test-all` and a bare `pytest`
+# (the full suite, what CI runs: `-m "not slow"` from pyproject.toml), `pytest -m slow`. The items
+# -m or -k left out are kept on the config: the argument-coverage check only judges a run that left
+# out nothing but `slow` tests, and the quick tier's summary says what it did not run.
+def pytest_deselected(items):
+    if items:
+        config = items[0].config
+        config._fastamp_deselected = getattr(config, "_fastamp_deselected", []) + list(items)
+
+
+def _quick_tier_summary(terminalreporter) -> None:
+    config = terminalreporter.config
+    if "not full" not in config.getoption("markexpr", ""):
+        return
+    deselected = getattr(config, "_fastamp_deselected", [])
+    left = sum(1 for i in deselected if i.get_closest_marker("full") is not None)
+    if left:
+        terminalreporter.write_line(
+            f"quick tier: {left} tests marked `full` not run; `make test-all` runs the full suite "
+            "(what CI runs)"
+        )

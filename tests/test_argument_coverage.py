@@ -11,7 +11,7 @@ import torch
 from tests import _argcov
 
 # The suites whose calls count: the coverage is only judged on a run that collected all of them
-# with no keyword filter (`make test`, `pytest`).
+# and left out nothing but `slow` tests (`make test-all`, `pytest`: not the quick tier, not -k).
 SUITES = (
     "tests/cuda_emu/",
     "tests/scaler/",
@@ -25,14 +25,19 @@ def _whole_suite(request) -> bool:
     config = request.config
     if config.getoption("keyword", "") or getattr(config, "workerinput", None) is not None:
         return False
+    deselected = getattr(config, "_fastamp_deselected", [])  # tests/conftest.py
+    if any(i.get_closest_marker("slow") is None for i in deselected):
+        return False
     paths = {i.nodeid for i in request.session.items}
     return all(any(p.startswith(s) for p in paths) for s in SUITES)
 
 
+@pytest.mark.full
 def test_every_argument_value_class_reaches_both_backends(request):
     if not _whole_suite(request):
         pytest.skip(
-            "argument coverage is judged on the whole suite (no -k, every op suite collected)"
+            "argument coverage is judged on the whole suite (`make test-all`: no -k, nothing "
+            "but `slow` tests deselected, every op suite collected)"
         )
     gaps = _argcov.missing()
     assert not gaps, (

@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,86 @@ def test_library_check_passes_ours_and_catches_a_classic_api_library():
     assert classic.returncode == 1, classic.stdout
     assert "undefined libtorch C++ symbol: c10::" in classic.stdout
     assert "links a library outside the stable ABI and the runtimes: libc10.so" in classic.stdout
+
+
+def test_package_metadata_names_authors_urls_and_classifiers(tmp_path):
+    # What `pip show fastamp` and a package index display, from the build backend's own metadata
+    # hook (no compile).
+    import email
+
+    from scikit_build_core.build import prepare_metadata_for_build_wheel
+
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        dist_info = prepare_metadata_for_build_wheel(str(tmp_path))
+    finally:
+        os.chdir(cwd)
+    meta = email.message_from_string((tmp_path / dist_info / "METADATA").read_text())
+    holder = re.search(r"^Copyright \(c\) \d{4}, (.+)$", (ROOT / "LICENSE").read_text(), re.M)
+    assert holder and meta["Author"] == holder.group(1), (meta["Author"], holder)
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL") or [])
+    assert {"Homepage", "Source", "Issues"} <= set(urls), urls
+    assert all(u.startswith("https://") for u in urls.values()), urls
+    classifiers = meta.get_all("Classifier") or []
+    assert "Programming Language :: Python :: 3 :: Only" in classifiers, classifiers
+    # PEP 639: the SPDX expression is the license; a License :: classifier beside it is refused.
+    assert meta["License-Expression"] == "BSD-3-Clause"
+    assert not [c for c in classifiers if c.startswith("License ::")], classifiers
+
+
+def _make_dry_run(target: str) -> list[str]:
+    # The commands `make TARGET` would run, as a user types it (not as a sub-make of `make test`).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(
+        ["make", "-n", target], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def _pytest_selection(target: str) -> tuple[str, set[str]]:
+    # The -m expression of TARGET's pytest command, and the tests it selects (collected, not run).
+    (line,) = [ln for ln in _make_dry_run(target) if " -m pytest " in ln]
+    args = shlex.split(line.split(" -m pytest ", 1)[1])
+    expr = args[args.index("-m") + 1]
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        + ["-m", expr],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return expr, {ln for ln in out.stdout.splitlines() if ln.startswith("tests/") and "::" in ln}
+
+
+@pytest.mark.full  # collects the suite twice (about 15 s): checked where CI runs it
+def test_quick_tier_is_a_part_of_the_full_suite_ci_runs():
+    # CI (.ci/run) runs `make test-all`; the README's first test command, `make test`, runs the
+    # quick tier: a part of the same suite, with every capability in it.
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert re.search(r"^make test-all$", ci, re.M), "CI no longer runs `make test-all`"
+    quick_expr, quick = _pytest_selection("test")
+    full_expr, full = _pytest_selection("test-all")
+    assert "not full" in quick_expr and "not full" not in full_expr, (quick_expr, full_expr)
+    assert quick and quick < full, (len(quick), len(full), sorted(quick - full)[:5])
+    capabilities = sorted(
+        p.name for p in (ROOT / "tests").iterdir() if (p / "__init__.py").exists()
+    )
+    capabilities.append("cuda_emu")
+    missing = [c for c in capabilities if not any(t.startswith(f"tests/{c}/") for t in quick)]
+    assert not missing, f"capabilities without a test in the quick tier: {missing}"
+    # The argument-coverage check judges the whole suite: it runs in the full tier only.
+    argcov = (
+        "tests/test_argument_coverage.py::test_every_argument_value_class_reaches_both_backends"
+    )
+    assert argcov in full and argcov not in quick
+
+
+def test_readme_states_both_test_commands_with_their_durations():
+    readme = (ROOT / "README.md").read_text()
+    for command in ("make test", "make test-all"):
+        line = re.search(rf"^{re.escape(command)} +#.*$", readme, re.M)
+        assert line and re.search(r"\d+ min", line.group(0)), (command, line)

@@ -40,20 +40,51 @@ def _versions(r: _Report) -> None:
     r.info("CUDA (torch built with)", torch.version.cuda or "none (CPU build)")
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     r.info("cuDNN", cudnn or "not available")
-    try:
-        nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
-    except Exception:
-        nccl = None
-    r.info("NCCL", nccl or "not available")
-    r.info(
-        "distributed backends", ", ".join(b for b in ("gloo", "nccl") if _has_backend(b)) or "none"
+    nccl_built = _has_backend("nccl")
+    nccl, backends = backend_lines(
+        gloo_built=_has_backend("gloo"),
+        nccl_built=nccl_built,
+        nccl_version=_nccl_version() if nccl_built else None,
+        cuda_available=torch.cuda.is_available(),
     )
+    r.info("NCCL", nccl)
+    r.info("distributed backends", backends)
 
 
 def _has_backend(name: str) -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and getattr(dist, f"is_{name}_available", lambda: False)()
+
+
+def _nccl_version() -> str | None:
+    # Reading the version of the NCCL torch was built with needs no GPU.
+    try:
+        return ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception:
+        return None
+
+
+def backend_lines(
+    gloo_built: bool, nccl_built: bool, nccl_version: str | None, cuda_available: bool
+) -> tuple[str, str]:
+    """The doctor's "NCCL" and "distributed backends" values: what torch was built with, and which
+    of those this machine can use (NCCL needs a CUDA device; a CUDA torch on a machine without a GPU
+    has NCCL built in but cannot use it)."""
+    if not nccl_built:
+        nccl = "not in this torch build"
+    elif cuda_available:
+        nccl = nccl_version or "in this torch build"
+    else:
+        nccl = f"{nccl_version or 'in this torch build'}, not usable here (no CUDA device)"
+    built = [name for name, b in (("gloo", gloo_built), ("nccl", nccl_built)) if b]
+    if not built:
+        return nccl, "none built into this torch"
+    usable = [b for b in built if b != "nccl" or cuda_available]
+    backends = f"built {', '.join(built)}; usable here {', '.join(usable) or 'none'}"
+    if nccl_built and not cuda_available:
+        backends += " (nccl needs a CUDA device)"
+    return nccl, backends
 
 
 def _gpus(r: _Report) -> None:

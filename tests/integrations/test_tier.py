@@ -9,6 +9,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+# Each case runs pytest in a subprocess (about 15 s together on 2 cores): the full tier.
+pytestmark = pytest.mark.full
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROBES = textwrap.dedent(
@@ -32,6 +37,10 @@ PROBES = textwrap.dedent(
 
     def test_runs():
         assert True
+
+    @pytest.mark.full
+    def test_in_the_full_tier_only():
+        assert True
     """
 )
 
@@ -53,7 +62,8 @@ def _pytest(tmp_path, *args, require=None):
     (tmp_path / "test_probe.py").write_text(PROBES)
     (tmp_path / "test_probe_module.py").write_text(MODULE_LEVEL)
     (tmp_path / "pytest.ini").write_text(
-        "[pytest]\nmarkers =\n    clients: needs client libraries\n    cuda: cuda\naddopts = -ra\n"
+        "[pytest]\nmarkers =\n    clients: needs client libraries\n    cuda: cuda\n    full: full tier\n"
+        "addopts = -ra\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "FASTAMP_REQUIRE_CLIENTS"}
     if require is not None:
@@ -96,3 +106,11 @@ def test_skips_are_summarised_by_reason(tmp_path):
     assert (
         sum(ln.startswith("SKIPPED [") and "no CUDA device" in ln for ln in out.splitlines()) == 2
     ), out
+
+
+def test_the_quick_tier_says_what_it_left_to_the_full_suite(tmp_path):
+    rc, out = _pytest(tmp_path, "-m", "not clients and not full", "test_probe.py")
+    assert rc == 0, out
+    assert "quick tier: 1 tests marked `full` not run; `make test-all` runs the full suite" in out
+    rc, out = _pytest(tmp_path, "-m", "not clients", "test_probe.py")
+    assert rc == 0 and "quick tier" not in out, out

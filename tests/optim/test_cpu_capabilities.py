@@ -81,6 +81,7 @@ def _run(cap: str | None, path) -> dict:
     return torch.load(path)
 
 
+@pytest.mark.full  # a subprocess per CPU build (10-17 s on 2 cores): the full tier (`make test-all`)
 def test_every_cpu_build_of_the_optimizer_kernels_gives_the_same_bits(tmp_path):
     runs = {cap: _run(cap, tmp_path / f"{cap}.pt") for cap in ("default", "avx2", None)}
     best = runs[None]["capability"]

@@ -7,6 +7,10 @@ import torch.multiprocessing as mp
 
 from tests.parallel import _parity_workers as W
 
+# The full tier (`make test-all`): 3.5 minutes of spawned process groups on 2 cores. The quick
+# tier (`make test`) keeps fastamp's DDP against torch's through tests/parallel/test_ddp.py.
+pytestmark = pytest.mark.full
+
 
 def _spawn(fn, world, tmp_path):
     mp.spawn(fn, args=(world, str(tmp_path / "init")), nprocs=world, join=True)

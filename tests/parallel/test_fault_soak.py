@@ -57,6 +57,7 @@ def _check(results, steps, fused_tol):
         assert res["max_rel"]["fastamp_fused"] < fused_tol, (rank, res["max_rel"])
 
 
+@pytest.mark.full  # about 3 minutes on 2 cores: the full tier (`make test-all`)
 def test_fault_injection_soak_1000_steps_matches_torch(tmp_path):
     # fp32 compute: last-bit differences between the fused and torch's AdamW stay last-bit
     # (measured: ~2e-6 relative after 200 steps, with or without faults and clipping).

@@ -48,6 +48,8 @@ def test_bitwise_helper_catches_one_flipped_bit():
         assert_bitwise_equal({"x": [a]}, {"x": [b]})
 
 
+# Killed and stalled ranks wait out timeouts (40 s together): the full tier (`make test-all`).
+@pytest.mark.full
 def test_killed_rank_then_resume_is_bit_identical(tmp_path):
     timeout = 20.0
     full = tmp_path / "full"
@@ -96,6 +98,7 @@ def test_killed_rank_then_resume_is_bit_identical(tmp_path):
         )
 
 
+@pytest.mark.full
 def test_stalled_rank_raises_within_timeout(tmp_path):
     timeout = 5.0
     out = tmp_path / "out"

@@ -1,6 +1,7 @@
 """python -m fastamp doctor, and fastamp.memory."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,33 @@ def test_doctor_passes_on_this_machine():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "all checks passed" in out.stdout and "self-test on cpu" in out.stdout
     assert f"torch                        {torch.__version__}" in out.stdout
+    # The NCCL line and the backends line tell the same story (built vs usable here).
+    import torch.distributed as dist
+
+    nccl = re.search(r"^  NCCL +(.*)$", out.stdout, re.M)
+    backends = re.search(
+        r"^  distributed backends +built (.*); usable here (.*)$", out.stdout, re.M
+    )
+    assert nccl and backends, out.stdout
+    nccl_built = dist.is_nccl_available()
+    assert ("not in this torch build" in nccl.group(1)) == (not nccl_built), nccl.group(0)
+    assert ("nccl" in backends.group(1)) == nccl_built, backends.group(0)
+    usable = nccl_built and torch.cuda.is_available()
+    assert ("nccl" in backends.group(2).split(" (")[0]) == usable, backends.group(0)
+
+
+def test_doctor_says_which_backends_are_built_and_which_usable():
+    from fastamp.doctor import backend_lines
+
+    # A CUDA torch on a machine without a GPU: NCCL is built in but not usable, in both lines.
+    nccl, backends = backend_lines(True, True, "2.27.5", cuda_available=False)
+    assert nccl == "2.27.5, not usable here (no CUDA device)"
+    assert backends == "built gloo, nccl; usable here gloo (nccl needs a CUDA device)"
+    nccl, backends = backend_lines(True, True, "2.27.5", cuda_available=True)
+    assert (nccl, backends) == ("2.27.5", "built gloo, nccl; usable here gloo, nccl")
+    nccl, backends = backend_lines(True, False, None, cuda_available=False)  # a CPU torch
+    assert (nccl, backends) == ("not in this torch build", "built gloo; usable here gloo")
+    assert backend_lines(False, False, None, False)[1] == "none built into this torch"
 
 
 def test_console_script_is_installed():

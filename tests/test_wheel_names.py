@@ -1,0 +1,101 @@
+"""The wheels' names: the version carries the build's flavour as torch's wheels do (0.1.0+cpu,
+0.1.0+cu130; cmake/wheel_flavour.py), so the CPU and the CUDA wheel have different file names and
+one index holds both, and the sdist keeps the plain release. No wheel is built here: the flavour
+logic runs on its inputs, and the build backend's metadata hook (no compile) on this checkout."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
+from packaging.utils import parse_wheel_filename
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _flavour_module():
+    spec = importlib.util.spec_from_file_location(
+        "wheel_flavour", ROOT / "cmake" / "wheel_flavour.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+wf = _flavour_module()
+
+
+@pytest.mark.parametrize(
+    "fastamp_cuda,torch_cuda,nvcc,label",
+    [
+        ("OFF", "13.0", True, "cpu"),  # forced CPU build beside a CUDA torch
+        ("AUTO", None, True, "cpu"),  # a CPU torch
+        ("AUTO", "13.0", False, "cpu"),  # no nvcc: CMake builds CPU-only (with a warning)
+        ("AUTO", "13.0", True, "cu130"),
+        ("ON", "12.8", True, "cu128"),
+        ("auto", "12.6", True, "cu126"),
+    ],
+)
+def test_flavour_follows_the_builds_cuda_decision(fastamp_cuda, torch_cuda, nvcc, label):
+    assert wf.flavour(fastamp_cuda, torch_cuda, nvcc) == label
+
+
+def test_flavour_refuses_an_unknown_mode():
+    with pytest.raises(ValueError, match="FASTAMP_CUDA must be AUTO, ON or OFF, got 'yes'"):
+        wf.flavour("yes", "13.0", True)
+
+
+def test_label_is_empty_for_the_sdist_and_a_build_from_it(monkeypatch):
+    monkeypatch.setattr(wf, "_torch_cuda", lambda: "13.0")
+    monkeypatch.setattr(wf, "_nvcc_found", lambda env: True)
+    assert wf.label({}, from_sdist=False) == "cu130"
+    assert wf.label({"FASTAMP_CUDA": "OFF"}, from_sdist=False) == "cpu"
+    assert wf.label({"FASTAMP_VERSION_LABEL": ""}, from_sdist=False) == ""  # make wheel's sdist
+    assert wf.label({"FASTAMP_CUDA": "OFF"}, from_sdist=True) == ""  # a wheel keeps its sdist's
+
+
+def test_cpu_and_cuda_wheels_have_different_names_that_pip_resolves_alike():
+    release = re.search(
+        r'^__version__ = "(.+)"$', (ROOT / "python" / "fastamp" / "__init__.py").read_text(), re.M
+    ).group(1)
+    tag = "cp310-abi3-manylinux_2_34_x86_64"
+    names = {label: f"fastamp-{wf.version(release, label)}-{tag}.whl" for label in ("cpu", "cu130")}
+    assert len(set(names.values())) == 2, names
+    for label, name in names.items():
+        dist, version, _, _ = parse_wheel_filename(name)
+        assert dist == "fastamp" and version.local == label, (name, version)
+        assert version in SpecifierSet(f"=={release}")  # `pip install fastamp==0.1.0` takes either
+        assert version.public == release
+    assert Version(wf.version(release, "")) == Version(release)
+
+
+def _metadata_version(tmp_path, monkeypatch, **env) -> str:
+    from scikit_build_core.build import prepare_metadata_for_build_wheel
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(ROOT)
+    tmp_path.mkdir()
+    dist_info = prepare_metadata_for_build_wheel(str(tmp_path))
+    meta = (tmp_path / dist_info / "METADATA").read_text()
+    return re.search(r"^Version: (.+)$", meta, re.M).group(1)
+
+
+def test_the_build_backend_labels_this_checkout(tmp_path, monkeypatch):
+    monkeypatch.delenv("FASTAMP_VERSION_LABEL", raising=False)
+    release = re.search(
+        r'^__version__ = "(.+)"$', (ROOT / "python" / "fastamp" / "__init__.py").read_text(), re.M
+    ).group(1)
+    assert _metadata_version(tmp_path / "cpu", monkeypatch, FASTAMP_CUDA="OFF") == f"{release}+cpu"
+    assert _metadata_version(tmp_path / "sdist", monkeypatch, FASTAMP_VERSION_LABEL="") == release
+
+
+def test_make_wheel_cpu_builds_the_cpu_wheel_and_the_sdist_has_no_label():
+    make = (ROOT / "Makefile").read_text()
+    assert re.search(r"^wheel-cpu: dist/cpu/\.built$", make, re.M)
+    assert re.search(r"FASTAMP_CUDA=OFF .* wheel .* -w dist/raw-cpu", make)
+    assert re.search(r"FASTAMP_VERSION_LABEL= \$\(PY\) -m build --sdist", make)
