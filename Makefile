@@ -235,7 +235,7 @@ mutate-python: $(VENV)/.built
 	  --state $(CURDIR)/build/mutate_python_state.json --out $(CURDIR)/benchmarks/results/mutation_python.md
 
 # CI's fixed sample: one killed mutant of each .cu file (seconds each; all must stay killed).
-MUTATE_CI_KEYS := 7adc659ec5 0894e5a82d b076a08aa4 d46b6b829d e35257f87f
+MUTATE_CI_KEYS := 7adc659ec5 48db2909fa b076a08aa4 d46b6b829d e35257f87f
 mutate-sample: emu
 	$(PY) tests/cuda_emu/mutate.py --keys $(MUTATE_CI_KEYS) --min-score 100
 
