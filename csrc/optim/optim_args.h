@@ -165,9 +165,9 @@ void sgd_lowbit_step_op(TensorList params, TensorList grads, TensorList momentum
                        {lr_tensor, inv_scale, found_inf, clip_coef}});
 }
 
-// --- the held variants (`*_held_`): the same kernels, with every list but the grads taken from
-// fastamp::hold_tensors (common/held_tensors.h), in the list-taking schema's order. Registered
-// beside each list-taking op, e.g. `m.impl("adam_step_held_",
+// --- the held variants (`*_held_`): the list-taking op functions above, with every list but the
+// grads taken from fastamp::hold_tensors (common/held_tensors.h), in that schema's order.
+// Registered beside each list-taking op, e.g. `m.impl("adam_step_held_",
 // TORCH_BOX(&adam_step_held_op<adam_step_cpu>))`.
 
 template <void (*Kernel)(const AdamArgs&)>
@@ -176,15 +176,9 @@ void adam_step_held_op(int64_t held, TensorList grads, double lr, const OptTenso
                        bool decoupled_weight_decay, bool maximize, const OptTensor& inv_scale,
                        const OptTensor& found_inf, const OptTensor& clip_coef) {
   const auto h = held_lists(held, 6, "fastamp::adam_step_held_");
-  Kernel(AdamArgs{h->list(0),
-                  grads,
-                  h->list(1),
-                  h->list(2),
-                  h->list(3),
-                  h->list(4),
-                  h->list(5),
-                  {lr, beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize},
-                  {lr_tensor, inv_scale, found_inf, clip_coef}});
+  adam_step_op<Kernel>(h->list(0), grads, h->list(1), h->list(2), h->list(3), h->list(4),
+                       h->list(5), lr, lr_tensor, beta1, beta2, weight_decay, eps, amsgrad,
+                       decoupled_weight_decay, maximize, inv_scale, found_inf, clip_coef);
 }
 
 template <void (*Kernel)(const AdamLowbitArgs&)>
@@ -194,18 +188,10 @@ void adam_lowbit_step_held_op(int64_t held, TensorList grads, int64_t seed, doub
                               bool maximize, const OptTensor& inv_scale, const OptTensor& found_inf,
                               const OptTensor& clip_coef) {
   const auto h = held_lists(held, 7, "fastamp::adam_lowbit_step_held_");
-  Kernel(
-      AdamLowbitArgs{h->list(0),
-                     grads,
-                     h->list(1),
-                     h->list(2),
-                     h->list(3),
-                     h->list(4),
-                     h->list(5),
-                     h->list(6),
-                     seed,
-                     {lr, beta1, beta2, weight_decay, eps, false, decoupled_weight_decay, maximize},
-                     {lr_tensor, inv_scale, found_inf, clip_coef}});
+  adam_lowbit_step_op<Kernel>(h->list(0), grads, h->list(1), h->list(2), h->list(3), h->list(4),
+                              h->list(5), h->list(6), seed, lr, lr_tensor, beta1, beta2,
+                              weight_decay, eps, decoupled_weight_decay, maximize, inv_scale,
+                              found_inf, clip_coef);
 }
 
 template <void (*Kernel)(const SgdArgs&)>
@@ -214,13 +200,9 @@ void sgd_step_held_op(int64_t held, TensorList grads, double lr, const OptTensor
                       bool maximize, const OptTensor& inv_scale, const OptTensor& found_inf,
                       const OptTensor& clip_coef) {
   const auto h = held_lists(held, 4, "fastamp::sgd_step_held_");
-  Kernel(SgdArgs{h->list(0),
-                 grads,
-                 h->list(1),
-                 h->list(2),
-                 h->list(3),
-                 {lr, weight_decay, momentum, dampening, nesterov, maximize},
-                 {lr_tensor, inv_scale, found_inf, clip_coef}});
+  sgd_step_op<Kernel>(h->list(0), grads, h->list(1), h->list(2), h->list(3), lr, lr_tensor,
+                      weight_decay, momentum, dampening, nesterov, maximize, inv_scale, found_inf,
+                      clip_coef);
 }
 
 template <void (*Kernel)(const SgdLowbitArgs&)>
@@ -230,14 +212,9 @@ void sgd_lowbit_step_held_op(int64_t held, TensorList grads, int64_t seed, doubl
                              const OptTensor& inv_scale, const OptTensor& found_inf,
                              const OptTensor& clip_coef) {
   const auto h = held_lists(held, 4, "fastamp::sgd_lowbit_step_held_");
-  Kernel(SgdLowbitArgs{h->list(0),
-                       grads,
-                       h->list(1),
-                       h->list(2),
-                       h->list(3),
-                       seed,
-                       {lr, weight_decay, momentum, dampening, nesterov, maximize},
-                       {lr_tensor, inv_scale, found_inf, clip_coef}});
+  sgd_lowbit_step_op<Kernel>(h->list(0), grads, h->list(1), h->list(2), h->list(3), seed, lr,
+                             lr_tensor, weight_decay, momentum, dampening, nesterov, maximize,
+                             inv_scale, found_inf, clip_coef);
 }
 
 }  // namespace optim
