@@ -853,10 +853,12 @@ def wrapper_deleted(rank, world, init_file):
     module = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
     f = FDDP(module)
     nn.functional.mse_loss(f(x), y).backward()
-    sync = weakref.ref(f._sync)
+    sync = weakref.ref(f._bucket_stats)
     del f
     gc.collect()
-    assert sync() is None, "the deleted wrapper's GradSync is still referenced (its hooks remain)"
+    assert sync() is None, (
+        "the deleted wrapper's comm-hook state is still referenced (its reducer and hooks remain)"
+    )
     module.zero_grad()
     nn.functional.mse_loss(module(x), y).backward()  # local only: nothing hooked
     local = [p.grad.clone() for p in module.parameters()]

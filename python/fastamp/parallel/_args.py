@@ -4,7 +4,6 @@ torch's deprecation warnings, and an error naming each argument fastamp refuses 
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import Any
 
 import torch.distributed as dist
@@ -40,18 +39,16 @@ def check_arguments(
     broadcast_buffers: Any,
     process_group: Any,
     bucket_cap_mb: Any,
-    check_reduction: bool,
     delay_all_reduce_named_params: Any,
     param_to_hook_all_reduce: Any,
     mixed_precision: Any,
     device_mesh: Any,
     bucket_cap_mb_list: Any,
-    forward_sync_buffers: Any,
     lazy_bucket_allocation: Any = False,
-) -> tuple[set[str], list[nn.Parameter], str, bool, Any, Any]:
+) -> set[str]:
     """Raises (before anything is set up) for arguments torch refuses or fastamp cannot honour;
-    returns ``(ignored names, the module's parameters, device type, whether the module spans
-    several devices, device_ids, output_device)``."""
+    returns the names of the parameters and buffers DDP ignores. torch's constructor, which runs
+    next, checks again and warns about deprecated keywords itself."""
     # Everything is validated before any state is set or any collective is issued.
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -134,9 +131,8 @@ def check_arguments(
             "DistributedDataParallel's input module must be on the same type of devices, but "
             f"input module parameters locate in {device_types}."
         )
-    device_type = next(iter(device_types))
     multi_device = len({p.device for p in module_params}) > 1
-    if not device_ids or device_type == "cpu" or multi_device:
+    if not device_ids or next(iter(device_types)) == "cpu" or multi_device:
         if device_ids or output_device:
             raise ValueError(
                 "DistributedDataParallel device_ids and output_device arguments only work with "
@@ -144,14 +140,6 @@ def check_arguments(
                 f"{device_ids}, output_device {output_device}, and module parameters "
                 f"{ {p.device for p in module_params} }."
             )
-        device_ids_, output_device_ = None, None
-    else:
-        from torch._utils import _get_device_index
-
-        device_ids_ = [_get_device_index(x, True) for x in device_ids]
-        output_device_ = _get_device_index(
-            output_device if output_device is not None else device_ids[0], True
-        )
     for name, sub in module.named_modules():
         if (
             isinstance(sub, (nn.Embedding, nn.EmbeddingBag))
@@ -168,29 +156,4 @@ def check_arguments(
                 "Modules with uninitialized parameters can't be used with `DistributedDataParallel`. "
                 "Run a dummy forward pass to correctly initialize the modules"
             )
-    # torch's deprecations, with torch's warnings (where the installed torch has them).
-    if broadcast_buffers is not None and BROADCAST_BUFFERS_DEPRECATED:
-        if forward_sync_buffers is not None:
-            warnings.warn(
-                "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
-                "`broadcast_buffers` is deprecated and its value is ignored when "
-                "`forward_sync_buffers` is provided.",
-                FutureWarning,
-                stacklevel=2,
-            )
-        else:
-            warnings.warn(
-                "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
-                "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
-                "syncs buffers at init.",
-                FutureWarning,
-                stacklevel=2,
-            )
-    if check_reduction:
-        warnings.warn(
-            "The `check_reduction` argument in `DistributedDataParallel` module is deprecated. "
-            "Please avoid using it.",
-            FutureWarning,
-            stacklevel=2,
-        )
-    return ignore, module_params, device_type, multi_device, device_ids_, output_device_
+    return ignore
