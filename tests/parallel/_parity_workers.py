@@ -873,3 +873,114 @@ def wrapper_deleted(rank, world, init_file):
     for p, m_ in zip(module.parameters(), mean):
         torch.testing.assert_close(p.grad, m_, rtol=1e-6, atol=1e-7)
     _finish()
+
+
+# ------------------------------------------------------------------ 7. hook + statistics, bitwise
+def _bits(t: Tensor) -> Tensor:
+    return t.detach().reshape(-1).view(torch.int32)  # fp32: NaN compared by its bits
+
+
+def hooks_and_statistics_bitwise(rank, world, init_file):
+    """fastamp's statistics composed with a comm hook (none, torch's allreduce_hook and
+    fp16_compress_hook, a user's own), against torch's DDP with the same hook followed by
+    torch's unscale_ and clip_grad_norm_: the reduced grads are torch's bit for bit; the
+    statistics the scaler reuses are ``grad_stats`` over each bucket's reduced grads (summed in
+    bucket order) bit for bit, with an inf and then a NaN in one rank's grads of one bucket only;
+    the scaler skips exactly where torch's does, reading no grad itself."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as H
+
+    from fastamp.scaler import _ops as scaler_ops
+
+    _init(rank, world, init_file)
+    data = _data(rank, 4, n=8)
+    base = _WideNet()
+
+    def user_hook(state, bucket):  # a user's average: scale, all-reduce, divide on completion
+        buf = bucket.buffer()
+        buf.mul_(0.5)
+        fut = dist.all_reduce(buf, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0] * (2.0 / world))
+
+    poison = {1: math.inf, 2: math.nan}  # step -> value put in rank 0's b.weight grad
+
+    def inject(step):
+        def hook(p):
+            if rank == 0 and step[0] in poison:
+                p.grad[0, 0] = poison[step[0]]
+
+        return hook
+
+    calls = []
+    real = scaler_ops.grad_stats
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    scaler_ops.grad_stats = counting
+    try:
+        for name, hook in (
+            ("none", None),
+            ("allreduce", H.allreduce_hook),
+            ("fp16", H.fp16_compress_hook),
+            ("user", user_hook),
+        ):
+            for view in (False, True):
+                what = f"hook {name} view={view}"
+                step = [0]
+                t = TDDP(copy.deepcopy(base), gradient_as_bucket_view=view, bucket_cap_mb=0.003)
+                f = FDDP(copy.deepcopy(base), gradient_as_bucket_view=view, bucket_cap_mb=0.003)
+                if hook is not None:
+                    t.register_comm_hook(None, hook)
+                    f.register_comm_hook(None, hook)
+                for m in (t, f):
+                    m.module.b.weight.register_post_accumulate_grad_hook(inject(step))
+                ts = torch.amp.GradScaler("cpu", init_scale=256.0)
+                fs = fastamp.GradScaler("cpu", init_scale=256.0)
+                f.register_grad_scaler(fs)
+                topt = torch.optim.SGD(t.parameters(), lr=0.1)
+                fopt = torch.optim.SGD(f.parameters(), lr=0.1)
+                for i, (x, y) in enumerate(data):
+                    step[0] = i
+                    for m, s, opt in ((t, ts, topt), (f, fs, fopt)):
+                        opt.zero_grad()
+                        s.scale(nn.functional.mse_loss(m(x), y)).backward()
+                    for (n, p), q in zip(f.module.named_parameters(), t.module.parameters()):
+                        assert torch.equal(_bits(p.grad), _bits(q.grad)), f"{what} step {i}: {n}"
+                    # the statistics: grad_stats over each bucket's reduced grads, bucket order
+                    layout = f.bucket_layout()
+                    params = [p for p in f.module.parameters() if p.requires_grad]
+                    inv = fs.current_scale().reciprocal()
+                    ref_found = ref_sq = None
+                    start = 0
+                    for size in layout["bucket_sizes"]:
+                        grads = [params[j].grad for j in layout["order"][start : start + size]]
+                        start += size
+                        rf, rq, _ = real(grads, inv, 2.0)
+                        ref_found = rf if ref_found is None else ref_found + rf
+                        ref_sq = rq if ref_sq is None else ref_sq + rq
+                    found, sq = f.grad_stats()
+                    assert torch.equal(found, ref_found), (what, i, found, ref_found)
+                    assert torch.equal(_bits(sq), _bits(ref_sq)), (what, i, sq, ref_sq)
+                    assert (float(found) == 1.0) == (i in poison), (what, i, found)
+                    # torch: unscale_ + clip; fastamp: clip_grad_norm_ reusing the statistics
+                    calls.clear()
+                    ts.unscale_(topt)
+                    tnorm = torch.nn.utils.clip_grad_norm_(list(t.parameters()), 1.0)
+                    fnorm = fs.clip_grad_norm_(fopt, 1.0)
+                    assert not calls, f"{what} step {i}: the scaler read the grads again"
+                    if math.isfinite(float(tnorm)):
+                        assert math.isclose(float(fnorm), float(tnorm), rel_tol=1e-5), (
+                            what, i, float(fnorm), float(tnorm),
+                        )  # fmt: skip
+                    else:
+                        assert not math.isfinite(float(fnorm)), (what, i, fnorm)
+                    for s, opt in ((ts, topt), (fs, fopt)):
+                        s.step(opt)
+                        s.update()
+                    assert ts.get_scale() == fs.get_scale(), (what, i)
+                    _same_state(f.module, t.module, f"{what} step {i}")
+                assert ts.get_scale() == 256.0 / 4  # both poisoned steps were skipped
+    finally:
+        scaler_ops.grad_stats = real
+    _finish()

@@ -90,3 +90,8 @@ def test_user_grad_hooks_run_before_the_reducer_like_torch(world, tmp_path):
 
 def test_deleting_the_wrapper_removes_its_hooks(tmp_path):
     _spawn(W.wrapper_deleted, 2, tmp_path)
+
+
+@WORLDS
+def test_comm_hooks_compose_with_the_statistics_bit_for_bit(world, tmp_path):
+    _spawn(W.hooks_and_statistics_bitwise, world, tmp_path)
