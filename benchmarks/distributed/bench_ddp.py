@@ -19,7 +19,7 @@ backward (which includes the bucket all-reduces and their wait) = "fwd+bwd", and
 step + scale update = "step"; the table reports medians on rank 0 and checks the ranks agree.
 
 Memory (CPU has no allocator statistics to diff, so it is counted): the communication buffers
-DDP keeps (fastamp: its bucket buffers; torch: the reducer's bucket sizes from
+DDP keeps (a Python reducer baseline's bucket buffers by address; torch's reducer, fastamp's since it runs on it: the bucket sizes from
 _get_ddp_logging_data()["rebuilt_bucket_sizes"]), the grads' own storage, and the buffer bytes that are
 *not* the grads' storage ("extra beyond grads"). With bucket views that is 0 only when verified:
 every p.grad lies inside a bucket buffer (fastamp: by address; torch: the grads' distinct storages
@@ -193,10 +193,8 @@ def memory(kind, ddp):
         s = p.grad.untyped_storage()
         storages[s.data_ptr()] = s.nbytes()
     held = sum(storages.values())  # what the grads actually keep alive
-    if kind in ("fastamp", "today"):
-        buckets = (
-            ddp._sync.layout.buckets if hasattr(ddp, "_sync") else ddp._buckets
-        )  # an older baseline's
+    if hasattr(ddp, "_sync") or hasattr(ddp, "_buckets"):  # a baseline's Python reducer
+        buckets = ddp._sync.layout.buckets if hasattr(ddp, "_sync") else ddp._buckets
         bufs = [(b.buffer.data_ptr(), b.buffer.numel() * b.buffer.element_size()) for b in buckets]
         comm = sum(n for _, n in bufs)
 
@@ -216,8 +214,8 @@ def memory(kind, ddp):
             extra = comm - shared
             note = "grads have their own storage; buckets are separate"
         return comm, grad_bytes, held, extra, note, len(bufs)
-    # torch keeps its buckets in the C++ reducer; its logging data lists their bytes (the rebuilt
-    # ones once the buckets were rebuilt after the first iteration).
+    # torch's C++ reducer (torch's DDP, and fastamp's since it runs on it) keeps the buckets; its
+    # logging data lists their bytes (the rebuilt ones once the buckets were rebuilt).
     data = ddp._get_ddp_logging_data()
     sizes = (
         data.get("rebuilt_bucket_sizes")

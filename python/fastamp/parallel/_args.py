@@ -62,22 +62,23 @@ def check_arguments(
     if delay_all_reduce_named_params is not None:
         raise refuse(
             "delay_all_reduce_named_params / param_to_hook_all_reduce",
-            "fastamp launches each bucket's all-reduce as soon as its grads are ready and has "
-            "no delayed group (torch uses it to compose DDP with tensor parallelism). Leave "
-            "them unset, or use torch.nn.parallel.DistributedDataParallel for that model.",
+            "the delayed group's grads are all-reduced by torch's own hooks, outside the comm "
+            "hook that measures them for fastamp.GradScaler (torch uses it to compose DDP with "
+            "tensor parallelism). Leave them unset, or use "
+            "torch.nn.parallel.DistributedDataParallel for that model.",
         )
     if lazy_bucket_allocation:
         raise refuse(
             "lazy_bucket_allocation=True",
-            "fastamp keeps its bucket buffers for the life of the wrapper (with "
-            "gradient_as_bucket_view they are the grads' storage, and the unpack measures the "
-            "grads in them). Leave it False (torch's default)",
+            "fastamp's comm hook measures each reduced bucket buffer and divides it in place, "
+            "which is not tested with buffers torch allocates and frees per backward. Leave it "
+            "False (torch's default)",
         )
     if mixed_precision is not None:
         raise refuse(
             "mixed_precision",
             "torch's experimental _MixedPrecision keeps low-precision parameter copies inside "
-            "DDP. With fastamp use torch.autocast + fastamp.GradScaler (and, to halve the "
+            "DDP, whose grads the scaler's statistics would not describe. With fastamp use torch.autocast + fastamp.GradScaler (and, to halve the "
             "all-reduce bytes, register_comm_hook(None, fp16_compress_hook)).",
         )
     if process_group is not None and device_mesh is not None:
@@ -89,8 +90,9 @@ def check_arguments(
         if device_mesh._get_root_mesh() != device_mesh:
             raise refuse(
                 "device_mesh (a mesh sliced from a larger one)",
-                "DDP composed with tensor parallelism (DTensor parameters) needs torch's "
-                "reducer; pass a 1-D mesh of the data-parallel ranks, or use torch's DDP.",
+                "DDP composed with tensor parallelism (DTensor parameters) is not covered by "
+                "fastamp's statistics hook; pass a 1-D mesh of the data-parallel ranks, or use "
+                "torch's DDP.",
             )
     if bucket_cap_mb is not None and (
         isinstance(bucket_cap_mb, bool)
@@ -148,7 +150,8 @@ def check_arguments(
         ):
             raise refuse(
                 f"sparse gradients ({name or 'module'} is an {type(sub).__name__} with sparse=True)",
-                "the gradient buckets are dense; construct it with sparse=False, or use torch's DDP",
+                "fastamp's statistics hook measures dense buckets; construct it with sparse=False, "
+                "or use torch's DDP",
             )
     for p in module_params:
         if isinstance(p, nn.parameter.UninitializedParameter):

@@ -63,6 +63,11 @@ class _Bucket:
     members: list[int]
 
 
+def _is_view(t: Tensor | None) -> bool:
+    # private-ok: Tensor._is_view has no public spelling (autograd's view tracking).
+    return t is not None and t._is_view()
+
+
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -251,9 +256,7 @@ class BucketStats:
         which grads are their bucket views now (see :attr:`aliased`). The reducer makes every
         grad a view of its bucket (at construction, at its rebuild, after each backward); a grad
         that is not a view was assigned or accumulated out of place since."""
-        self.aliased = {
-            i for i, p in enumerate(self.params) if p.grad is not None and p.grad._is_view()
-        }
+        self.aliased = {i for i, p in enumerate(self.params) if _is_view(p.grad)}
 
     def task_in_flight(self) -> bool:
         """A backward has started reducing buckets and not finished."""

@@ -105,6 +105,20 @@ class DistributedDataParallel(_TorchDDP):
     ``self._bucket_stats`` (a :class:`fastamp.parallel._comm.BucketStats`) is the state of the
     comm hook registered on ``self.reducer``: the user's hook, the measurements, the layout."""
 
+    # set by torch's constructor (super().__init__), read here
+    module: nn.Module
+    reducer: Any  # torch's C++ reducer (torch._C._distributed_c10d.Reducer)
+    logger: Any  # torch's C++ DDP logger
+    process_group: Any
+    device: torch.device
+    parameters_to_ignore: set[str]
+    find_unused_parameters: bool
+    gradient_as_bucket_view: bool
+    static_graph: bool
+    require_backward_grad_sync: bool
+    bucket_bytes_cap: int
+    _comm_hooks: list[tuple[Callable, object]]  # torch's record of register_comm_hook calls
+
     def __init__(
         self,
         module: nn.Module,
@@ -224,6 +238,7 @@ class DistributedDataParallel(_TorchDDP):
         """End of a synchronised backward: every bucket was reduced, or raise now, naming the
         parameters that got no grad (torch's reducer would raise at the next forward)."""
         try:
+            # private-ok: torch's DDP exposes this check as its own _check_reducer_finalized.
             self.reducer._check_reducer_finalized()
         except RuntimeError as e:
             names = dict((id(p), n) for n, p in self.module.named_parameters())
@@ -301,6 +316,7 @@ class DistributedDataParallel(_TorchDDP):
                 "register_comm_hook: communication hook can only be registered before the first backward"
             )
         if self.logger is not None:
+            # private-ok: torch's register_comm_hook records the hook's name this way.
             self.logger._set_comm_hook_name(hook.__qualname__)
         self._comm_hooks.append((hook, state))
         stats.user = (hook, state)
@@ -358,6 +374,7 @@ class DistributedDataParallel(_TorchDDP):
         # private-ok: torch's DDP asks its reducer for the buckets the same way (join).
         return [
             [index[id(p)] for p in b.parameters()]
+            # private-ok: torch's DDP asks its reducer for the buckets the same way (join).
             for b in self.reducer._get_zeros_like_grad_buckets()
         ]
 
@@ -430,6 +447,7 @@ class DistributedDataParallel(_TorchDDP):
         # (buckets in backward order); handing it the reversed layout gives the layout.
         # private-ok: torch's DDP builds its reducer this way; there is no public spelling.
         assign = dist._compute_bucket_assignment_by_size
+        # private-ok: torch's reducer methods, called as torch's DDP calls them.
         self.reducer._remove_autograd_hooks()
         dist._compute_bucket_assignment_by_size = lambda *a, **k: (  # type: ignore[assignment]
             [list(b) for b in reversed(buckets)],
@@ -440,8 +458,10 @@ class DistributedDataParallel(_TorchDDP):
         finally:
             dist._compute_bucket_assignment_by_size = assign  # type: ignore[assignment]
         if self.static_graph:
+            # private-ok: torch's _set_static_graph does the same on a new reducer.
             self.reducer._set_static_graph()
             if self.logger is not None:
+                # private-ok: torch's _set_static_graph does the same on a new reducer.
                 self.logger._set_static_graph()
         dist._register_comm_hook(self.reducer, self._bucket_stats, fastamp_comm_hook)
         self._has_rebuilt_buckets = bool(layout_rebuilt)
