@@ -78,7 +78,8 @@ def check_arguments(
         raise refuse(
             "mixed_precision",
             "torch's experimental _MixedPrecision keeps low-precision parameter copies inside "
-            "DDP, whose grads the scaler's statistics would not describe. With fastamp use torch.autocast + fastamp.GradScaler (and, to halve the "
+            "DDP, whose grads the scaler's statistics would not describe. With fastamp use "
+            "torch.autocast + fastamp.GradScaler (and, to halve the "
             "all-reduce bytes, register_comm_hook(None, fp16_compress_hook)).",
         )
     if process_group is not None and device_mesh is not None:

@@ -372,11 +372,8 @@ class DistributedDataParallel(_TorchDDP):
         # No backward yet: ask the reducer (zero-filled copies of its buckets, freed on return).
         index = stats.index
         # private-ok: torch's DDP asks its reducer for the buckets the same way (join).
-        return [
-            [index[id(p)] for p in b.parameters()]
-            # private-ok: torch's DDP asks its reducer for the buckets the same way (join).
-            for b in self.reducer._get_zeros_like_grad_buckets()
-        ]
+        buckets = self.reducer._get_zeros_like_grad_buckets()
+        return [[index[id(p)] for p in b.parameters()] for b in buckets]
 
     def bucket_layout(self) -> dict[str, Any]:
         """The reducer's bucket layout as plain data: which parameter (by index in the order the
