@@ -20,7 +20,8 @@ step + scale update = "step"; the table reports medians on rank 0 and checks the
 
 Memory (CPU has no allocator statistics to diff, so it is counted): the communication buffers
 DDP keeps (a Python reducer baseline's bucket buffers by address; torch's reducer, which fastamp's
-DDP now runs on too: the bucket sizes from _get_ddp_logging_data()["rebuilt_bucket_sizes"]), the grads' own storage, and the buffer bytes that are
+DDP now runs on too: the bucket sizes from _get_ddp_logging_data()["rebuilt_bucket_sizes"]), the
+grads' own storage, and the buffer bytes that are
 *not* the grads' storage ("extra beyond grads"). With bucket views that is 0 only when verified:
 every p.grad lies inside a bucket buffer (fastamp: by address; torch: the grads' distinct storages
 are exactly as many and as large as the reducer's buckets).
