@@ -31,7 +31,15 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["AmpFusedOptimizer", "AmpStep", "GradStats", "GradStatsConsumer", "handing", "take"]
+__all__ = [
+    "AmpFusedOptimizer",
+    "AmpStep",
+    "FlatGrads",
+    "GradStats",
+    "GradStatsConsumer",
+    "handing",
+    "take",
+]
 
 
 # ---------------------------------------------------------------------------- scaler -> optimizer
@@ -53,6 +61,20 @@ class AmpStep:
     clip_coef: Tensor | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class FlatGrads:
+    """An optimizer's grads as a few flat tensors (``flat_buffers=True``): ``grads[k]`` is one
+    (dtype, device) grad buffer whose views are the grads of the params ``param_ids[k]`` (at
+    ``places[k]``, (group, index)); ``counts[k]`` (int64, on the buffer's device) is
+    ``[len(param_ids[k])]``, to give each of those params the buffer's inf/NaN flag. The gaps
+    between the views are zeros."""
+
+    grads: tuple[Tensor, ...]
+    param_ids: tuple[list[int], ...]
+    places: tuple[list[tuple[int, int]], ...]
+    counts: tuple[Tensor, ...]
+
+
 class AmpFusedOptimizer:
     """Marker base of optimizers whose ``step()`` unscales, clips and skips inside its own kernel.
 
@@ -67,6 +89,12 @@ class AmpFusedOptimizer:
     #: calling: set just before that call and cleared when it returns or raises (:func:`handing`),
     #: taken by the step (:func:`take`); None at any other time.
     amp_step: AmpStep | None = None
+
+    def amp_flat_grads(self) -> FlatGrads | None:
+        """The grads as flat buffers, for :class:`fastamp.GradScaler` to measure (and, for
+        ``unscale_``, write) in a few launches; None when they are not all views of the
+        optimizer's flat grad buffers this step (the scaler then collects them per parameter)."""
+        return None
 
 
 @contextlib.contextmanager
