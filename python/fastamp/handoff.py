@@ -65,14 +65,13 @@ class AmpStep:
 class FlatGrads:
     """An optimizer's grads as a few flat tensors (``flat_buffers=True``): ``grads[k]`` is one
     (dtype, device) grad buffer whose views are the grads of the params ``param_ids[k]`` (at
-    ``places[k]``, (group, index)); ``counts[k]`` (int64, on the buffer's device) is
-    ``[len(param_ids[k])]``, to give each of those params the buffer's inf/NaN flag. The gaps
-    between the views are zeros."""
+    ``places[k]``, (group, index)); ``counts[k]`` is ``len(param_ids[k])`` (the buffer's inf/NaN
+    flag stands for each of those params). The gaps between the views are zeros."""
 
     grads: tuple[Tensor, ...]
     param_ids: tuple[list[int], ...]
     places: tuple[list[tuple[int, int]], ...]
-    counts: tuple[Tensor, ...]
+    counts: tuple[int, ...]
 
 
 class AmpFusedOptimizer:

@@ -230,7 +230,10 @@ def test_overflow_skips_the_step():
     ref_clip, _, _ = _run("torch", hook=poison, clip=1.0)
     _assert_params(flat, ref_clip, exact=False)
     assert all(float(opt.state[p]["step"]) == STEPS - 1 for p in flat.parameters())
-    assert scaler.overflow_report().update is not None
+    report = scaler.overflow_report(flat)
+    # The stats are per buffer: the report names every param of the buffer that overflowed.
+    assert report.update is not None
+    assert report.parameters == [n for n, _ in flat.named_parameters()]
 
 
 def test_frozen_params_stay_outside_and_are_skipped():

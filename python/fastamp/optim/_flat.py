@@ -7,10 +7,12 @@ apex's ``contiguous_param_buffer`` / ``contiguous_grad_buffer``, DeepSpeed ZeRO'
 :class:`FlatBuffers` is the layout and what it was built from; the optimizer asks it every step:
 
 * :meth:`FlatBuffers.holds`: the param groups, their params (ids), their structural options,
-  each param's storage (``data_ptr``: ``p.data = ...``, ``model.to(...)``) and the state (every
-  state dict and value by identity: ``load_state_dict``, a moment replaced) are what the layout
-  was built from. When not, the optimizer builds a new layout from the params and state as they
-  are now (values kept, state copied in).
+  each param's storage (``data_ptr``: ``p.data = ...``, ``model.to(...)``) and the state mapping
+  and its per-param dicts (by identity: ``load_state_dict``, ``opt.state[p] = {...}``) are what
+  the layout was built from. A value replaced inside a state dict is not looked for (that would
+  cost a comparison per state tensor per step): ``state[p]`` holds views of the flat state, so
+  write into them (``copy_``) or load a state_dict. When the layout does not hold, the optimizer
+  builds a new one from the params and state as they are now (values kept, state copied in).
 * :meth:`FlatBuffers.sync_grads`: every grad is its view (same object, same storage). A grad that
   is not (``p.grad = t``, a grad autograd made after ``model.zero_grad()``) is copied into its view
   and the view put back as ``p.grad``; a grad that is a view of another tensor's memory (DDP's
@@ -281,10 +283,8 @@ class FlatBuffers:
     def snapshot(self, state: Mapping[Tensor, dict[str, Any]]) -> None:
         """Records the state mapping as it is now (what :meth:`holds` compares against)."""
         self.state = state
-        self.state_dicts = list(state.values())
-        self.state_values = list(chain.from_iterable(map(dict.values, self.state_dicts)))
+        self.state_dicts = list(state.values())  # kept, so no id is reused
         self.state_ids = list(map(id, self.state_dicts))
-        self.value_ids = list(map(id, self.state_values))
 
     # ---------------------------------------------------------------- per step
     def holds(self, groups: list[dict[str, Any]], state: Mapping[Tensor, Any]) -> bool:
@@ -297,14 +297,7 @@ class FlatBuffers:
             return False
         if list(map(_data_ptr, self.inside)) != self.ptrs:
             return False
-        dicts = list(state.values())
-        if list(map(id, dicts)) != self.state_ids:
-            return False
-        try:
-            values = chain.from_iterable(map(dict.values, dicts))
-            return list(map(id, values)) == self.value_ids
-        except TypeError:  # a state entry that is not a dict
-            return False
+        return list(map(id, state.values())) == self.state_ids
 
     @property
     def usable(self) -> bool:

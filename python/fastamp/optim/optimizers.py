@@ -456,10 +456,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 tuple(flat.grad_buffers),
                 tuple(members),
                 tuple([pos[i] for i in ids] for ids in members),
-                tuple(
-                    torch.tensor([len(ids)], dtype=torch.int64, device=b.device)
-                    for ids, b in zip(members, flat.grad_buffers)
-                ),
+                tuple(len(ids) for ids in members),
             )
         return flat
 

@@ -26,8 +26,8 @@ class DeviceGrads(NamedTuple):
     places: list[tuple[int, int]]
     shard: ShardGroup | None = None
     #: With flat buffers (one grad per buffer, several params each): how many params each grad
-    #: holds (int64 on the grads' device), to repeat its inf/NaN flag for each. None: one each.
-    counts: Tensor | None = None
+    #: holds (its inf/NaN flag stands for each of them). None: one each.
+    counts: list[int] | None = None
 
 
 _dtype = attrgetter("dtype")
@@ -115,12 +115,12 @@ def flat_device_grads(flat: FlatGrads, allow_fp16: bool) -> dict[torch.device, D
             return None
         entry = per_device.get(g.device)
         if entry is None:
-            per_device[g.device] = DeviceGrads([g], list(ids), list(places), None, counts)
+            per_device[g.device] = DeviceGrads([g], list(ids), list(places), None, [counts])
         else:
             entry.grads.append(g)
             entry.param_ids.extend(ids)
             entry.places.extend(places)
-            per_device[g.device] = entry._replace(counts=torch.cat([entry.counts, counts]))
+            entry.counts.append(counts)  # type: ignore[union-attr]
     return per_device
 
 

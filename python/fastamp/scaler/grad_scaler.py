@@ -566,16 +566,19 @@ class GradScaler(torch.amp.GradScaler):
             if not entries or not state["found_inf_per_device"]:
                 continue
             dev = update_count.device
-            flags = [
-                to_device(f if entry.counts is None else f.repeat_interleave(entry.counts), dev)
-                for entry, f in entries
-            ]
+            flags = [to_device(f, dev) for _, f in entries]
+            repeats = None
+            if any(entry.counts is not None for entry, _ in entries):
+                repeats = [
+                    n for entry, _ in entries for n in entry.counts or [1] * len(entry.grads)
+                ]
             diagnostics.record(
                 self._diag, opt_id,
                 ids=[entry.param_ids for entry, _ in entries],
                 places=[entry.places for entry, _ in entries],
                 flags=flags[0] if len(flags) == 1 else torch.cat(flags),
                 overflowed=self._overflowed(opt_id, state), update_count=update_count,
+                repeats=repeats,
             )  # fmt: skip
 
     # ------------------------------------------------------------------ state
