@@ -14,6 +14,8 @@ Every arrow is one of the objects below, passed through a public method; no clas
 another's private attributes (``tests/test_architecture.py`` checks the sources).
 
 * :class:`GradStats` -- DDP to the scaler, through :meth:`GradStatsConsumer.note_grad_stats`.
+* :class:`FlatGrads` -- an optimizer with flat buffers to the scaler, through
+  :meth:`AmpFusedOptimizer.amp_flat_grads`: its grads as a few flat tensors to measure.
 * :class:`AmpStep` -- the scaler to a :class:`AmpFusedOptimizer`, for exactly one ``step()`` call:
   :func:`handing` sets it as the optimizer's ``amp_step`` attribute while the scaler calls
   ``optimizer.step()`` (the public entry point, so LR schedulers and wrappers see the step), as

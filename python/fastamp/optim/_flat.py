@@ -23,6 +23,7 @@ Per-parameter state stays per parameter: ``state[p]`` holds views of the segment
 and ``state[p]["step"]`` a 0-dim view of the segment's step buffer (one element per param, so a
 torch optimizer loading the state_dict has one step tensor per param, as its own). The flat
 kernel advances the segment's own step tensor, copied into the step buffer after each launch.
+Each (param group, dtype, device) is a :class:`FlatSegment` of its buffer: one launch.
 A per-parameter step that skipped some of a segment's params (a None grad) leaves their counts
 apart: that segment's layout is then ``diverged`` and the optimizer steps per parameter until a
 new layout finds the counts equal again (never: Adam's bias correction is per param).
@@ -330,6 +331,7 @@ class FlatBuffers:
                     "p.grad = tensor to replace a grad (it is copied into the buffer), or "
                     "flat_buffers=False"
                 )
+            # private-ok: Tensor._base (the tensor a view was made from) has no public spelling.
             if g._base is not None or g.layout is not torch.strided or is_dtensor(g):
                 raise RuntimeError(
                     f"{where}: the grad of a flat param (param {k} of the trainable params) is "
