@@ -11,6 +11,8 @@ launches. One thread, one process, the recipes interleaved in a balanced order, 
                     with fastamp.GradScaler + fastamp.optim.AdamW
   plain    torch:   scaler.step(opt); scaler.update()          (torch.optim.AdamW(fused=True))
            fastamp: the same with fastamp.GradScaler + fastamp.optim.AdamW
+  flat     (a third column with --flat): fastamp's recipe with fastamp.optim.AdamW(...,
+           flat_buffers=True), params and grads as views of one buffer each
 
 The grads stay the same tensors from step to step (``zero_grad(set_to_none=False)``-style
 training); ``--fresh-grads`` gives every step new grad tensors instead (``set_to_none=True``),
@@ -37,7 +39,7 @@ import fastamp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import balanced_order, device_name  # noqa: E402
 
-VARIANTS = ("torch", "fastamp")
+VARIANTS: tuple[str, ...] = ("torch", "fastamp")
 
 
 def _make(variant: str, n: int, numel: int, fresh: bool):
@@ -52,7 +54,9 @@ def _make(variant: str, n: int, numel: int, fresh: bool):
         opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10**9)
     else:
-        opt = fastamp.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+        opt = fastamp.optim.AdamW(
+            params, lr=1e-4, weight_decay=0.01, flat_buffers=variant == "flat"
+        )
         scaler = fastamp.GradScaler("cpu", init_scale=2.0**16, growth_interval=10**9)
     scaler.scale(torch.ones(()))  # the scale's lazy init
     spare = [g.clone() for g in grads] if fresh else None
@@ -102,6 +106,10 @@ def verify(n: int, numel: int, mode: str) -> None:
     for v in VARIANTS[1:]:
         for a, b in zip(setups[v][0], setups["torch"][0]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        if v == "flat":  # flat buffers: the per-parameter path's bits (unclipped)
+            for a, b in zip(setups[v][0], setups["fastamp"][0]):
+                if mode == "plain":
+                    assert torch.equal(a, b)
 
 
 def bench(n: int, numel: int, mode: str, runs: int, steps: int, warmup: int, fresh: bool):
@@ -137,8 +145,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fresh-grads", action="store_true")
+    ap.add_argument("--flat", action="store_true", help="add fastamp with flat_buffers=True")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    global VARIANTS
+    if args.flat:
+        VARIANTS = ("torch", "fastamp", "flat")
     torch.set_num_threads(args.threads)
     print(
         f"# bench_host: {device_name('cpu')}, torch {torch.__version__}, {args.threads} thread(s), "
@@ -146,7 +158,10 @@ def main(argv=None) -> int:
         f"{'fresh' if args.fresh_grads else 'persistent'} grads; us per tensor per step, "
         f"median of {args.runs} [min-max]"
     )
-    print(f"{'size':>9} {'mode':>8} {'torch':>20} {'fastamp':>20} {'fastamp/torch':>14}")
+    head = f"{'size':>9} {'mode':>8} {'torch':>20} {'fastamp':>20} {'fastamp/torch':>14}"
+    if args.flat:
+        head += f"  {'flat':>20} {'flat/torch':>11}"
+    print(head)
     results = []
     for size in args.sizes:
         n, numel = (int(x) for x in size.split("x"))
@@ -156,13 +171,18 @@ def main(argv=None) -> int:
             r = bench(n, numel, mode, args.runs, steps, args.warmup, args.fresh_grads)
             ratio = statistics.median(r["fastamp"]) / statistics.median(r["torch"])
             spread = [a / b for a, b in zip(r["fastamp"], r["torch"])]
-            print(
+            line = (
                 f"{size:>9} {mode:>8} {_fmt(r['torch']):>20} {_fmt(r['fastamp']):>20} "
                 f"{ratio:13.3f}x  (per run {min(spread):.3f}-{max(spread):.3f})"
             )
-            results.append(
-                {"size": size, "mode": mode, "steps": steps, "us_per_tensor": r, "ratio": ratio}
-            )
+            entry = {"size": size, "mode": mode, "steps": steps, "us_per_tensor": r, "ratio": ratio}
+            if args.flat:
+                fr = statistics.median(r["flat"]) / statistics.median(r["torch"])
+                fs = [a / b for a, b in zip(r["flat"], r["torch"])]
+                line += f"  {_fmt(r['flat']):>20} {fr:10.3f}x (per run {min(fs):.3f}-{max(fs):.3f})"
+                entry["flat_ratio"] = fr
+            print(line)
+            results.append(entry)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name("cpu"), "torch": torch.__version__,

@@ -14,6 +14,8 @@ Every arrow is one of the objects below, passed through a public method; no clas
 another's private attributes (``tests/test_architecture.py`` checks the sources).
 
 * :class:`GradStats` -- DDP to the scaler, through :meth:`GradStatsConsumer.note_grad_stats`.
+* :class:`FlatGrads` -- an optimizer with flat buffers to the scaler, through
+  :meth:`AmpFusedOptimizer.amp_flat_grads`: its grads as a few flat tensors to measure.
 * :class:`AmpStep` -- the scaler to a :class:`AmpFusedOptimizer`, for exactly one ``step()`` call:
   :func:`handing` sets it as the optimizer's ``amp_step`` attribute while the scaler calls
   ``optimizer.step()`` (the public entry point, so LR schedulers and wrappers see the step), as
@@ -31,7 +33,15 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["AmpFusedOptimizer", "AmpStep", "GradStats", "GradStatsConsumer", "handing", "take"]
+__all__ = [
+    "AmpFusedOptimizer",
+    "AmpStep",
+    "FlatGrads",
+    "GradStats",
+    "GradStatsConsumer",
+    "handing",
+    "take",
+]
 
 
 # ---------------------------------------------------------------------------- scaler -> optimizer
@@ -53,6 +63,19 @@ class AmpStep:
     clip_coef: Tensor | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class FlatGrads:
+    """An optimizer's grads as a few flat tensors (``flat_buffers=True``): ``grads[k]`` is one
+    (dtype, device) grad buffer whose views are the grads of the params ``param_ids[k]`` (at
+    ``places[k]``, (group, index)); ``counts[k]`` is ``len(param_ids[k])`` (the buffer's inf/NaN
+    flag stands for each of those params). The gaps between the views are zeros."""
+
+    grads: tuple[Tensor, ...]
+    param_ids: tuple[list[int], ...]
+    places: tuple[list[tuple[int, int]], ...]
+    counts: tuple[int, ...]
+
+
 class AmpFusedOptimizer:
     """Marker base of optimizers whose ``step()`` unscales, clips and skips inside its own kernel.
 
@@ -67,6 +90,12 @@ class AmpFusedOptimizer:
     #: calling: set just before that call and cleared when it returns or raises (:func:`handing`),
     #: taken by the step (:func:`take`); None at any other time.
     amp_step: AmpStep | None = None
+
+    def amp_flat_grads(self) -> FlatGrads | None:
+        """The grads as flat buffers, for :class:`fastamp.GradScaler` to measure (and, for
+        ``unscale_``, write) in a few launches; None when they are not all views of the
+        optimizer's flat grad buffers this step (the scaler then collects them per parameter)."""
+        return None
 
 
 @contextlib.contextmanager

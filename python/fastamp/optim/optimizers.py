@@ -36,10 +36,11 @@ from torch import Tensor
 
 from fastamp._devices import to_device
 from fastamp._sharding import is_dtensor, local, local_param, local_state, wrap_like
-from fastamp.handoff import AmpFusedOptimizer, AmpStep, take
+from fastamp.handoff import AmpFusedOptimizer, AmpStep, FlatGrads, take
 from fastamp.optim import _family as family
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
+from fastamp.optim._flat import FlatBuffers, FlatSegment
 from fastamp.optim._layout import grad_like, kernel_view
 from fastamp.optim._plan import PlannedLaunch, StepPlan
 from fastamp.optim._state_dict import StateDictChecks
@@ -123,30 +124,55 @@ class _FusedOptimizer(AmpFusedOptimizer):
     stepped: Tensor | None
     # The steady state's launches (fastamp.optim._plan), or None: the next step is a full one.
     _plan: StepPlan | None
+    # flat_buffers=True (Adam/AdamW): the params' flat layout (fastamp.optim._flat), made by the
+    # constructor and remade when it no longer holds; None when not asked for (or unpickled).
+    _flat_buffers: bool
+    _flat: FlatBuffers | None
+    _flat_handoff: FlatGrads | None
 
-    def _fastamp_setup(self, master_weights: bool, state_dtype: Any, state_seed: Any) -> None:
+    def _fastamp_setup(
+        self, master_weights: bool, state_dtype: Any, state_seed: Any, flat_buffers: Any = False
+    ) -> None:
         """Before PyTorch's constructor, which makes the param groups with add_param_group."""
         name = type(self).__name__
+        if not isinstance(flat_buffers, bool):
+            raise TypeError(
+                f"fastamp.optim.{name}: flat_buffers must be True or False, got {flat_buffers!r}"
+            )
+        self._flat_buffers = flat_buffers
+        self._flat = None
+        self._flat_handoff = None
         self._master_weights = bool(master_weights)
         self._default_format = lowbit.resolve(
             state_dtype, f"fastamp.optim.{name}", self._FAMILY.moments
         )
         self._default_seed = lowbit.check_seed(state_seed, f"fastamp.optim.{name}")
+        if flat_buffers and self._default_format.lowbit:
+            raise ValueError(
+                f"fastamp.optim.{name}: flat_buffers=True keeps float32 moments; got "
+                f"state_dtype={self._default_format.name}. Expected state_dtype=torch.float32 "
+                "with flat_buffers=True, or flat_buffers=False for low-precision state"
+            )
         self._step_checks = StepChecks(name, self._FAMILY, self._master_weights)
         self._load_checks = StateDictChecks(name, self._FAMILY, self._master_weights)
         self.stepped = None
         self._plan = None
 
     def _fastamp_defaults(self) -> None:
-        """After PyTorch's constructor: a low-precision default is in ``defaults`` as well."""
+        """After PyTorch's constructor: a low-precision default is in ``defaults`` as well; with
+        ``flat_buffers=True`` the params become views of the flat buffers."""
         if self._default_format.lowbit:
             self.defaults["state_dtype"] = self._default_format.name
             self.defaults["state_seed"] = self._default_seed
+        if self._flat_buffers:
+            self._flat_layout()
 
     def __getstate__(self) -> dict[str, Any]:
         # PyTorch keeps defaults, state and param_groups; fastamp's options go along.
         state = super().__getstate__()  # type: ignore[misc]
         state.pop("_plan", None)  # rebuilt by the first step
+        state.pop("_flat", None)  # remade from the params by the first step
+        state.pop("_flat_handoff", None)
         state.update(
             _master_weights=self._master_weights,
             _default_format=self._default_format,
@@ -161,7 +187,10 @@ class _FusedOptimizer(AmpFusedOptimizer):
         self.__dict__.setdefault("_default_format", FLOAT32)
         self.__dict__.setdefault("_default_seed", 0)
         self.__dict__.setdefault("stepped", None)
+        self.__dict__.setdefault("_flat_buffers", False)
         self._plan = None
+        self._flat = None
+        self._flat_handoff = None
         name = type(self).__name__
         self._step_checks = StepChecks(name, self._FAMILY, self._master_weights)
         self._load_checks = StateDictChecks(name, self._FAMILY, self._master_weights)
@@ -175,6 +204,10 @@ class _FusedOptimizer(AmpFusedOptimizer):
         ``torch._foreach_zero_`` per device and dtype, as torch does for its fused and foreach
         optimizers (a fastamp optimizer is fused, but its ``defaults`` keep torch's
         ``fused=None``, which would make torch's method zero them one by one)."""
+        if self._flat_buffers and not torch.compiler.is_compiling():
+            # The views stay: set_to_none would make autograd allocate new grads.
+            self._flat_layout().zero_grad()
+            return
         if set_to_none:
             super().zero_grad(set_to_none=True)
             return
@@ -215,8 +248,15 @@ class _FusedOptimizer(AmpFusedOptimizer):
                     f"differentiable=True; use torch.optim.{type(self).__name__}"
                 )
             self._FAMILY.check_group_options(where, options, fmt)
+            if fmt.lowbit and self._flat_buffers:
+                raise ValueError(
+                    f"{where}: flat_buffers=True keeps float32 moments; got state_dtype="
+                    f"{fmt.name}. Expected a float32 group, or flat_buffers=False"
+                )
         super().add_param_group(param_group)  # type: ignore[misc]
         self._plan = None
+        if self._flat is not None:  # the new params become views before their first backward
+            self._flat_layout()
         if isinstance(param_group, dict) and (fmt.lowbit or given):
             param_group["state_dtype"] = fmt.name
             param_group["state_seed"] = seed
@@ -266,6 +306,8 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 state.pop(key, None)
             state.update(final)
         self._after_load()
+        if self._flat_buffers:
+            self._flat_layout()
 
     def state_dict(self) -> dict[str, Any]:
         """PyTorch's ``state_dict``; the 8-bit state of a DTensor (sharded) param is given as its
@@ -353,6 +395,14 @@ class _FusedOptimizer(AmpFusedOptimizer):
     def _fastamp_step(
         self, inv_scale: Tensor | None, found_inf: Tensor | None, clip_coef: Tensor | None
     ) -> None:
+        if self._flat_buffers and not torch.compiler.is_compiling():
+            self._flat_fastamp_step(inv_scale, found_inf, clip_coef)
+            return
+        self._per_param_step(inv_scale, found_inf, clip_coef)
+
+    def _per_param_step(
+        self, inv_scale: Tensor | None, found_inf: Tensor | None, clip_coef: Tensor | None
+    ) -> None:
         plan = self._plan
         if plan is not None and not torch.compiler.is_compiling():
             grads = plan.grads(self.param_groups, self.state)
@@ -390,6 +440,90 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 raise self._step_checks.kernel_error(e, launch.g, launch.places, first=False) from e
         self.stepped = self._stepped(found_inf, plan.launches[0].device)
         return True
+
+    # ------------------------------------------------------------------ flat buffers
+    def _flat_layout(self) -> FlatBuffers:
+        """The flat layout, made anew (values and state copied in) when it no longer holds."""
+        flat = self._flat
+        if flat is None or not flat.holds(self.param_groups, self.state):
+            flat = self._flat = FlatBuffers(type(self).__name__, self.param_groups, self.state)
+            self._plan = None  # its held tensors may be the old buffers' views
+            pos = {id(p): (g, i) for g, grp in enumerate(self.param_groups)
+                   for i, p in enumerate(grp["params"])}  # fmt: skip
+            members = [[id(flat.inside[m]) for s in flat.segments if s.buffer == b
+                        for m in s.members] for b in range(len(flat.grad_buffers))]  # fmt: skip
+            self._flat_handoff = FlatGrads(
+                tuple(flat.grad_buffers),
+                tuple(members),
+                tuple([pos[i] for i in ids] for ids in members),
+                tuple(len(ids) for ids in members),
+            )
+        return flat
+
+    def amp_flat_grads(self) -> FlatGrads | None:
+        """With ``flat_buffers=True``: the flat grad buffers, once every grad is its view (a grad
+        that is another tensor is copied in first); None when this step is per parameter."""
+        if not self._flat_buffers or torch.compiler.is_compiling():
+            return None
+        flat = self._flat_layout()
+        if not flat.usable or not flat.sync_grads(f"fastamp.optim.{type(self).__name__}"):
+            return None
+        return self._flat_handoff
+
+    def _flat_fastamp_step(
+        self, inv_scale: Tensor | None, found_inf: Tensor | None, clip_coef: Tensor | None
+    ) -> None:
+        """The step over the flat buffers: one launch per segment; a per-parameter step when
+        a grad is None or a segment's step counts diverged."""
+        flat = self._flat_layout()
+        if not flat.usable or not flat.sync_grads(f"fastamp.optim.{type(self).__name__}"):
+            had_grad = [p.grad is not None for p in flat.inside]
+            self._per_param_step(inv_scale, found_inf, clip_coef)
+            flat.after_per_tensor(had_grad)
+            return
+        amps: dict[torch.device, AmpStep] = {}
+        adopted = False
+        for seg in flat.segments:
+            dev = seg.param.device
+            amp = amps.get(dev)
+            if amp is None:
+                amp = amps[dev] = AmpStep(
+                    to_device(inv_scale, dev), to_device(found_inf, dev), to_device(clip_coef, dev)
+                )
+            if seg.call is None and self._flat_first_launch(flat, seg, amp):
+                adopted = True  # it ran: its state is new
+                continue
+            seg.call(seg.grads, seg.group, amp)
+            seg.steps.copy_(seg.state["step"])  # type: ignore[index, union-attr]
+        if adopted:
+            flat.snapshot(self.state)
+        # The params are views made with .data: their own write counters are bumped here (what
+        # autograd checks when a graph saved one of them).
+        torch.autograd.graph.increment_version(flat.inside)
+        self.stepped = self._stepped(found_inf, flat.segments[0].param.device if flat.segments
+                                     else torch.device("cpu"))  # fmt: skip
+
+    def _flat_first_launch(self, flat: FlatBuffers, seg: FlatSegment, amp: AmpStep) -> bool:
+        """A segment's launch as the full step makes it: with no state yet, it runs once and its
+        new state becomes the segment's (True); with state, only the held call is made."""
+        fresh = seg.state is None
+        launch = self._launch(
+            FLOAT32, seg.g, seg.group, [seg.param], seg.places,
+            states=[seg.state or {}], grads=[seg.grad],
+        )  # fmt: skip
+        if fresh:
+            try:
+                launch.run(amp)
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise self._step_checks.kernel_error(e, seg.g, seg.places, first=True) from e
+            flat.adopt(seg, launch.news[0], self.state)
+            launch = self._launch(
+                FLOAT32, seg.g, seg.group, [seg.param], seg.places,
+                states=[seg.state], grads=[seg.grad],
+            )  # fmt: skip
+        seg.call = partial(launch.held_call, _ops.HeldTensors(launch.lists))
+        seg.grads = [seg.grad]
+        return fresh
 
     @staticmethod
     def _stepped(found_inf: Tensor | None, dev: torch.device) -> Tensor:
@@ -506,18 +640,21 @@ class _AdamBase(_FusedOptimizer):
     _FAMILY = family.ADAM
     _decoupled: bool
 
-    def _launch(self, fmt, g, group, params, places) -> _Launch:
+    def _launch(self, fmt, g, group, params, places, states=None, grads=None) -> _Launch:
+        """``states`` / ``grads`` (flat buffers) stand for ``self.state[p]`` / ``p.grad``."""
         moments = self._FAMILY.moments
+        given_states, given_grads = states, grads
         amsgrad = bool(group["amsgrad"]) and not fmt.lowbit
         kparams, grads, steps, masters = [], [], [], []
         currents: list[dict[str, Any]] = []
         max_sqs: list[Tensor] = []
         news: list[dict[str, Any]] = []
         staged: list[tuple[Tensor, Tensor]] = []
-        for p in params:
+        for k, p in enumerate(params):
             # .get: no entry is created before the kernel ran. A DTensor param (FSDP2) steps as
             # its local shard, with its state's local shards.
-            lp, state = local_param(p, self.state.get(p) or {})
+            st = self.state.get(p) if given_states is None else given_states[k]
+            lp, state = local_param(p, st or {})
             new: dict[str, Any] = {}
             kp = kernel_view(lp)
             if kp is not lp:
@@ -534,7 +671,8 @@ class _AdamBase(_FusedOptimizer):
                 max_sqs.append(mx)
             steps.append(self._step_tensor(lp, state, new))
             kparams.append(kp)
-            grads.append(grad_like(p.grad if lp is p else local(p.grad), kp))
+            grad = p.grad if given_grads is None else given_grads[k]
+            grads.append(grad_like(grad if lp is p else local(grad), kp))
             if master is not None:
                 masters.append(master)
             news.append(new)
@@ -590,15 +728,16 @@ class _AdamBase(_FusedOptimizer):
 
 class Adam(_AdamBase, torch.optim.Adam):
     """Fused :class:`torch.optim.Adam` (see the module docstring); ``master_weights``,
-    ``state_dtype`` and ``state_seed`` are extra."""
+    ``state_dtype``, ``state_seed`` and ``flat_buffers`` are extra."""
 
     _decoupled = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, decoupled_weight_decay=False,
-                 master_weights=False, state_dtype=torch.float32, state_seed=0) -> None:  # fmt: skip
-        self._fastamp_setup(master_weights, state_dtype, state_seed)
+                 master_weights=False, state_dtype=torch.float32, state_seed=0,
+                 flat_buffers=False) -> None:  # fmt: skip
+        self._fastamp_setup(master_weights, state_dtype, state_seed, flat_buffers)
         torch.optim.Adam.__init__(
             self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=capturable,
@@ -610,15 +749,15 @@ class Adam(_AdamBase, torch.optim.Adam):
 
 class AdamW(_AdamBase, torch.optim.AdamW):
     """Fused :class:`torch.optim.AdamW` (see the module docstring); ``master_weights``,
-    ``state_dtype`` and ``state_seed`` are extra."""
+    ``state_dtype``, ``state_seed`` and ``flat_buffers`` are extra."""
 
     _decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
                  amsgrad=False, *, maximize=False, foreach=None, capturable=False,
                  differentiable=False, fused=None, master_weights=False, state_dtype=torch.float32,
-                 state_seed=0) -> None:  # fmt: skip
-        self._fastamp_setup(master_weights, state_dtype, state_seed)
+                 state_seed=0, flat_buffers=False) -> None:  # fmt: skip
+        self._fastamp_setup(master_weights, state_dtype, state_seed, flat_buffers)
         torch.optim.AdamW.__init__(
             self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
             maximize=maximize, foreach=foreach, capturable=capturable,

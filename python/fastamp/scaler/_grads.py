@@ -14,6 +14,7 @@ from torch import Tensor
 
 from fastamp._plans import same_params
 from fastamp._sharding import ShardGroup, local, shard_group
+from fastamp.handoff import FlatGrads
 
 
 class DeviceGrads(NamedTuple):
@@ -24,6 +25,9 @@ class DeviceGrads(NamedTuple):
     param_ids: list[int]
     places: list[tuple[int, int]]
     shard: ShardGroup | None = None
+    #: With flat buffers (one grad per buffer, several params each): how many params each grad
+    #: holds (its inf/NaN flag stands for each of them). None: one each.
+    counts: list[int] | None = None
 
 
 _dtype = attrgetter("dtype")
@@ -100,6 +104,24 @@ class GradPlan:
             dev: DeviceGrads([live[k] for k in where], ids, places)
             for dev, where, ids, places in self.entries
         }
+
+
+def flat_device_grads(flat: FlatGrads, allow_fp16: bool) -> dict[torch.device, DeviceGrads] | None:
+    """:class:`FlatGrads` grouped by device as the scaler's ops take them; None where the
+    per-parameter collection must run (it raises for fp16 grads that may not be unscaled)."""
+    per_device: dict[torch.device, DeviceGrads] = {}
+    for g, ids, places, counts in zip(flat.grads, flat.param_ids, flat.places, flat.counts):
+        if g.dtype is torch.float16 and not allow_fp16:
+            return None
+        entry = per_device.get(g.device)
+        if entry is None:
+            per_device[g.device] = DeviceGrads([g], list(ids), list(places), None, [counts])
+        else:
+            entry.grads.append(g)
+            entry.param_ids.extend(ids)
+            entry.places.extend(places)
+            entry.counts.append(counts)  # type: ignore[union-attr]
+    return per_device
 
 
 def collect_grads(

@@ -69,6 +69,7 @@ def pickled(state: dict[str, Any], enabled: bool, hysteresis_tracker: int | None
     state["_iterations"] = {}
     state["_transaction"] = None
     state.pop("_grad_plans", None)  # weak references; rebuilt by the next step
+    state["_flat_grads"] = None
     return state
 
 
@@ -88,6 +89,7 @@ def unpickled(state: dict[str, Any]) -> dict[str, Any]:
         "_iterations": {},
         "_transaction": None,
         "_grad_plans": weakref.WeakKeyDictionary(),
+        "_flat_grads": None,
     }
     for k, v in defaults.items():
         state.setdefault(k, v)

@@ -52,7 +52,7 @@ class OverflowRecord:
     per-device id lists ``keys`` was made from (a step that hands the same list objects again,
     as a grad plan does, skips rebuilding and comparing ``keys``)."""
 
-    __slots__ = ("keys", "places", "flags", "update", "sources")
+    __slots__ = ("keys", "places", "flags", "update", "sources", "repeats")
 
     def __init__(
         self, keys: tuple[int, ...], places: list[tuple[int, int]], flags: Tensor, update: Tensor
@@ -62,6 +62,8 @@ class OverflowRecord:
         self.flags = flags
         self.update = update
         self.sources: list[list[int]] = []
+        # With flat buffers: how many params (of keys, in order) each flag stands for.
+        self.repeats: list[int] | None = None
 
 
 def record(
@@ -72,11 +74,12 @@ def record(
     flags: Tensor,
     overflowed: Tensor,
     update_count: Tensor,
+    repeats: list[int] | None = None,
 ) -> None:
     """Keeps ``flags`` (one per parameter, on ``update_count``'s device) as optimizer
     ``opt_id``'s record when ``overflowed`` (a device bool): device ops only. ``ids`` and
     ``places`` are the parameter ids and (group, index) of each device's grads, in the order of
-    ``flags``."""
+    ``flags``; with flat buffers a flag stands for ``repeats[k]`` params (None: one each)."""
     rec = records.get(opt_id)
     if rec is None or len(rec.sources) != len(ids) or not all(map(is_, rec.sources, ids)):
         keys = tuple(chain.from_iterable(ids))
@@ -89,6 +92,7 @@ def record(
             )
             records[opt_id] = rec
         rec.sources = list(ids)
+        rec.repeats = repeats
     rec.flags = torch.where(overflowed, flags, rec.flags)
     rec.update = torch.where(overflowed, update_count, rec.update)
 
@@ -106,6 +110,8 @@ def report(
         if upd < 0:
             continue
         bad = rec.flags.tolist()
+        if rec.repeats is not None:
+            bad = [b for b, n in zip(bad, rec.repeats) for _ in range(n)]
         params = [
             names.get(k, f"param_groups[{g}][{i}]")
             for k, (g, i), b in zip(rec.keys, rec.places, bad)

@@ -39,7 +39,7 @@ from fastamp._devices import to_device
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, handing
 from fastamp.scaler import _ops, _state, diagnostics
 from fastamp.scaler._clip import check_clip_arguments, clip_coefficient, grad_norm, unscale_and_clip
-from fastamp.scaler._grads import DeviceGrads, GradPlan, collect_grads
+from fastamp.scaler._grads import DeviceGrads, GradPlan, collect_grads, flat_device_grads
 from fastamp.scaler._transaction import ClipStep, OptimizerIteration, Transaction
 from fastamp.scaler._validation import (
     FLOAT32_MAX,
@@ -153,6 +153,8 @@ class GradScaler(torch.amp.GradScaler):
         # Each optimizer's grads as the last step found them (GradPlan), to collect them again
         # with no per-grad checks while nothing they depend on changed.
         self._grad_plans: weakref.WeakKeyDictionary[Any, GradPlan] = weakref.WeakKeyDictionary()
+        # The last flat-buffer grads handed over, grouped by device (FlatGrads, allow_fp16, ...).
+        self._flat_grads: tuple[Any, bool, dict[torch.device, DeviceGrads]] | None = None
 
     # ------------------------------------------------------------------ lazy state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -259,6 +261,16 @@ class GradScaler(torch.amp.GradScaler):
         while torch.compile traces: the plan is host-side bookkeeping a graph need not repeat)."""
         if torch.compiler.is_compiling():
             return collect_grads(optimizer, allow_fp16, caller)
+        if isinstance(optimizer, AmpFusedOptimizer):
+            flat = optimizer.amp_flat_grads()
+            if flat is not None:
+                cached = self._flat_grads
+                if cached is not None and cached[0] is flat and cached[1] == allow_fp16:
+                    return cached[2]
+                per_device = flat_device_grads(flat, allow_fp16)
+                if per_device is not None:
+                    self._flat_grads = (flat, allow_fp16, per_device)
+                    return per_device
         try:
             plan = self._grad_plans.get(optimizer)
         except TypeError:  # an optimizer that takes no weak reference: no plan
@@ -555,12 +567,18 @@ class GradScaler(torch.amp.GradScaler):
                 continue
             dev = update_count.device
             flags = [to_device(f, dev) for _, f in entries]
+            repeats = None
+            if any(entry.counts is not None for entry, _ in entries):
+                repeats = [
+                    n for entry, _ in entries for n in entry.counts or [1] * len(entry.grads)
+                ]
             diagnostics.record(
                 self._diag, opt_id,
                 ids=[entry.param_ids for entry, _ in entries],
                 places=[entry.places for entry, _ in entries],
                 flags=flags[0] if len(flags) == 1 else torch.cat(flags),
                 overflowed=self._overflowed(opt_id, state), update_count=update_count,
+                repeats=repeats,
             )  # fmt: skip
 
     # ------------------------------------------------------------------ state
