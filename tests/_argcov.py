@@ -64,6 +64,7 @@ SCALAR_CLASSES: dict[tuple[str, str], dict[str, Callable[[Any], bool]]] = {
     ("sgd_step_held_", "dampening"): _ZERO_OR_NOT,
     ("sgd_lowbit_step_held_", "dampening"): _ZERO_OR_NOT,
     ("bucket_pack_", "scale"): {"1": lambda v: v == 1.0, "!=1": lambda v: v != 1.0},
+    ("bucket_divide_stats_", "divisor"): {"1": lambda v: v == 1.0, "!=1": lambda v: v != 1.0},
     ("update_scale_", "hysteresis"): {"1": lambda v: v == 1, ">1": lambda v: v > 1},
     ("update_scale_", "min_scale"): _ZERO_OR_NOT,
     ("update_scale_", "max_scale"): {"inf": math.isinf, "finite": math.isfinite},
@@ -96,6 +97,7 @@ DECLARED_DTYPES = {
     ("sgd_lowbit_step_", "params"): HALF_AND_FLOAT,
     ("bucket_pack_", "grads"): HALF_AND_FLOAT,
     ("bucket_unpack_", "grads"): HALF_AND_FLOAT,
+    ("bucket_divide_stats_", "bucket"): HALF_AND_FLOAT,
 }
 
 # (backend, op) -> argument -> classes seen

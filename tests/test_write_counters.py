@@ -139,6 +139,8 @@ def _writing_calls():
         "bucket_pack_": (lambda: ops.bucket_pack_(bucket, grads, [0, 5, 10], 0.5), [bucket]),
         "bucket_unpack_": (lambda: ops.bucket_unpack_(bucket, grads, [0, 5, 10], torch.tensor(2.0)),
                            grads),
+        "bucket_divide_stats_": (lambda: ops.bucket_divide_stats_(bucket, [bucket.numel()], 2.0,
+                                 torch.tensor(2.0)), [bucket]),
         "non_finite_check_and_unscale_": (lambda: ops.non_finite_check_and_unscale_(
             fg, found, torch.tensor(0.5), flags), fg + [found, flags]),
         "update_scale_": (lambda: ops.update_scale_(scale, gt, hy, torch.zeros(()), 2.0, 0.5, 2000,

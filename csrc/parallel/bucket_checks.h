@@ -6,6 +6,7 @@
 
 #include "common/tensor_list.h"
 
+#include <cmath>
 #include <vector>
 
 namespace fastamp {
@@ -88,6 +89,45 @@ inline std::vector<Slot> check_bucket_unpack(const Tensor& bucket, TensorList gr
   check_scalar_tensor(inv_scale, op, "inv_scale", bucket.device(), kFloat);
   check_disjoint(op, {{"grads", &grads}});
   return slots;
+}
+
+/// The spans of bucket_divide_stats_: a contiguous 1-D float32/16/bf16 bucket cut into consecutive
+/// spans of `lengths` elements that cover it exactly; a finite, positive divisor; inv_scale a
+/// one-element float32 tensor on the bucket's device.
+inline std::vector<Slot> check_bucket_spans(const Tensor& bucket_tensor, IntList lengths,
+                                            double divisor, const Tensor& inv_scale) {
+  constexpr const char* op = "fastamp::bucket_divide_stats_";
+  const TensorMeta bucket = meta_of(bucket_tensor);
+  FASTAMP_CHECK(
+      bucket.defined && bucket.layout == kStrided && bucket.dim == 1 && bucket.contiguous(), op,
+      ": bucket must be a contiguous 1-D tensor, got shape ", bucket.sizes());
+  const auto dt = bucket.dtype;
+  FASTAMP_CHECK_TYPE(dt == kFloat || dt == kHalf || dt == kBFloat16, op, ": bucket has dtype ", dt,
+                     "; expected float32, float16 or bfloat16");
+  FASTAMP_CHECK_VALUE(std::isfinite(divisor) && divisor > 0.0, op,
+                      ": divisor must be a finite, "
+                      "positive number (the world size, or 1 to only measure), got ",
+                      divisor);
+  check_scalar_tensor(inv_scale, op, "inv_scale", bucket.device(), kFloat);
+  std::vector<Slot> spans;
+  spans.reserve(lengths.size());
+  char* base = static_cast<char*>(bucket.data);
+  const auto item = static_cast<int64_t>(bucket.element_size());
+  int64_t offset = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    // lengths[i] <= numel - offset, not offset + lengths[i] <= numel: no int64 overflow.
+    FASTAMP_CHECK_VALUE(lengths[i] >= 0 && lengths[i] <= bucket.numel - offset, op, ": lengths[", i,
+                        "] is ", lengths[i], " but only ", bucket.numel - offset,
+                        " elements of the bucket are left; expected non-negative lengths that sum "
+                        "to the bucket's ",
+                        bucket.numel, " elements");
+    spans.push_back(Slot{base + offset * item, offset, lengths[i]});
+    offset += lengths[i];
+  }
+  FASTAMP_CHECK_VALUE(offset == bucket.numel, op, ": lengths sum to ", offset,
+                      " elements but the bucket has ", bucket.numel,
+                      "; expected one length per grad, covering the bucket");
+  return spans;
 }
 
 }  // namespace parallel

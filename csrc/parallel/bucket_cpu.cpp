@@ -95,6 +95,46 @@ std::tuple<Tensor, Tensor> bucket_unpack_cpu(const Tensor& bucket, TensorList gr
   return {full({}, any ? 1.0 : 0.0, kFloat, dev), full({}, total, kFloat, dev)};
 }
 
+// The division and the scaler's own stats kernel per chunk of 65536 elements: the chunk is divided
+// in place, then measured while it is still in cache (one trip to memory), with grad_stats' chunks
+// and per-chunk kernel over the divided values: the statistics are grad_stats' over the spans after
+// the division, bit for bit.
+std::tuple<Tensor, Tensor> bucket_divide_stats_cpu(Tensor& bucket, IntList lengths, double divisor,
+                                                   const Tensor& inv_scale) {
+  const auto spans = check_bucket_spans(bucket, lengths, divisor, inv_scale);
+  const auto chunks = slot_chunks(spans);
+  std::vector<float> partial(chunks.size(), 0.0f);
+  std::vector<uint8_t> bad(chunks.size(), 0);
+  const float inv = *inv_scale.mutable_data_ptr<float>();
+  const float s = static_cast<float>(1.0 / divisor);  // x * (1 / divisor), as torch's mul_
+  const bool divide = divisor != 1.0;
+  const auto dtype = bucket.scalar_type();
+  const scaler::CpuKernels& k = scaler::cpu_kernels();
+  constexpr auto kL2 = static_cast<int32_t>(scaler::NormKind::kL2);
+  dispatch_bucket_dtype(dtype, [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    cpu_for_each_chunk(chunks, [&](int64_t c, const Chunk& ch) {
+      scalar_t* x = static_cast<scalar_t*>(spans[static_cast<size_t>(ch.item)].grad) + ch.start;
+      if (divide) {
+        for (int64_t i = 0; i < ch.len; ++i) {
+          x[i] = static_cast<scalar_t>(static_cast<float>(x[i]) * s);
+        }
+      }
+      bool nonfinite = false;
+      k.stats(dtype, kL2, x, ch.len, inv, 2.0f, &partial[static_cast<size_t>(c)], &nonfinite);
+      bad[static_cast<size_t>(c)] = nonfinite ? 1 : 0;
+    });
+  });
+  float total = 0.0f;
+  bool any = false;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    total = scaler::norm_combine<scaler::NormKind::kL2>(total, partial[c]);
+    any = any || bad[c];
+  }
+  const Device dev = bucket.device();
+  return {full({}, any ? 1.0 : 0.0, kFloat, dev), full({}, total, kFloat, dev)};
+}
+
 }  // namespace
 }  // namespace parallel
 }  // namespace fastamp
@@ -102,4 +142,5 @@ std::tuple<Tensor, Tensor> bucket_unpack_cpu(const Tensor& bucket, TensorList gr
 STABLE_TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
   m.impl("bucket_pack_", TORCH_BOX(&fastamp::parallel::bucket_pack_cpu));
   m.impl("bucket_unpack_", TORCH_BOX(&fastamp::parallel::bucket_unpack_cpu));
+  m.impl("bucket_divide_stats_", TORCH_BOX(&fastamp::parallel::bucket_divide_stats_cpu));
 }

@@ -74,6 +74,35 @@ struct UnpackOp {
   }
 };
 
+// list 0: the bucket's spans, divided in place (scale != 1) and measured as they are stored, in
+// grad_stats' chunks and per-thread order: bit for bit grad_stats over the divided spans.
+struct DivideStatsOp {
+  float scale;
+  bool divide;
+  const float* inv_scale;
+  float* partials;  // one slot per chunk of the spans
+  float* found_inf;
+
+  template <typename T>
+  __device__ void apply(const MtaBlock<1>& blk) const {
+    scaler::StatsAcc<NormKind::kL2, T> st(*inv_scale, 2.0f);
+    if (divide) {
+      const float s = scale;
+      mta_transform(blk.ptr<T>(0), blk.ptr<T>(0), blk.len, [&](T x) {
+        const T y = static_cast<T>(static_cast<float>(x) * s);
+        st.add(y);
+        return y;
+      });
+    } else {
+      mta_read(blk.ptr<T>(0), blk.len, [&](T x) { st.add(x); });
+    }
+    if (st.nonfinite()) *found_inf = 1.0f;  // benign race: every writer stores 1
+    const float total =
+        mta_block_reduce<kMtaThreads>(st.acc, scaler::CombineFn<NormKind::kL2>{}, 0.0f);
+    if (threadIdx.x == 0) partials[blk.chunk_id] = total;
+  }
+};
+
 void bucket_pack_cuda(Tensor& bucket, TensorList grads, IntList offsets, double scale) {
   gpu::check_device(bucket.device(), "fastamp::bucket_pack_", "bucket");
   const auto slots = check_bucket("fastamp::bucket_pack_", bucket, grads, offsets);
@@ -105,6 +134,34 @@ std::tuple<Tensor, Tensor> bucket_unpack_cuda(const Tensor& bucket, TensorList g
   return {found, pow_sum};
 }
 
+std::tuple<Tensor, Tensor> bucket_divide_stats_cuda(Tensor& bucket, IntList lengths, double divisor,
+                                                    const Tensor& inv_scale) {
+  gpu::check_device(bucket.device(), "fastamp::bucket_divide_stats_", "bucket");
+  const auto spans = check_bucket_spans(bucket, lengths, divisor, inv_scale);
+  gpu::DeviceGuard guard(bucket.device());
+  const Device dev = bucket.device();
+  Tensor found = zeros({}, kFloat, dev);
+  Tensor pow_sum = zeros({}, kFloat, dev);
+  std::vector<FlatTensor> items;
+  const auto dt = bucket.scalar_type();
+  for (size_t i = 0; i < spans.size(); ++i) {
+    if (spans[i].numel == 0) continue;
+    items.push_back(FlatTensor{spans[i].grad, spans[i].numel, dt, static_cast<int64_t>(i)});
+  }
+  const int64_t n = scaler::count_chunks(items);
+  if (n == 0) return {found, pow_sum};
+  // Every slot is written by exactly one block before the combining kernel reads it.
+  Tensor partials = empty({n}, kFloat, dev);
+  cuda_multi_tensor_apply(
+      items, dev,
+      DivideStatsOp{static_cast<float>(1.0 / divisor), divisor != 1.0,
+                    inv_scale.mutable_data_ptr<float>(), partials.mutable_data_ptr<float>(),
+                    found.mutable_data_ptr<float>()});
+  scaler::launch_combine<NormKind::kL2>(partials.mutable_data_ptr<float>(), n,
+                                        pow_sum.mutable_data_ptr<float>(), dev);
+  return {found, pow_sum};
+}
+
 }  // namespace
 }  // namespace parallel
 }  // namespace fastamp
@@ -112,4 +169,5 @@ std::tuple<Tensor, Tensor> bucket_unpack_cuda(const Tensor& bucket, TensorList g
 FASTAMP_CUDA_KERNELS(m) {
   m.impl("bucket_pack_", TORCH_BOX(&fastamp::parallel::bucket_pack_cuda));
   m.impl("bucket_unpack_", TORCH_BOX(&fastamp::parallel::bucket_unpack_cuda));
+  m.impl("bucket_divide_stats_", TORCH_BOX(&fastamp::parallel::bucket_divide_stats_cuda));
 }

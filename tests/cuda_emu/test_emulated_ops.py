@@ -539,6 +539,53 @@ def test_bucket_unpack_many_chunks():
     run_case("bucket_unpack_", build, reductions=(1,), orders=("ascending", "random"))
 
 
+def _divide_build(dtype, sizes, divisor, inv, inject=None):
+    def build(mem):
+        n = sum(sizes)
+        bucket = mem.tensor(n, dtype, 3.0, offset=1)
+        bucket.copy_(mem.randn(n, F32).mul_(10.0).to(dtype))
+        for j, v in inject or ():
+            bucket[j] = v
+        return bucket, list(sizes), divisor, torch.tensor(inv)
+
+    return build
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("divisor", [1.0, 2.0, 3.0])
+@pytest.mark.parametrize("inject", [None, [(5, math.nan)], [(CHUNK + 2, -math.inf)]])
+def test_bucket_divide_stats(dtype, divisor, inject):
+    """DDP's comm-hook pass: the bucket divided in place bit for bit as the CPU kernel does, the
+    statistics against float64 and finite exactly where the CPU kernel's are."""
+    build = _divide_build(dtype, BUCKET_SIZES, divisor, 0.125, inject)
+
+    def ref(args):
+        bucket, lengths, d, inv = args
+        u = (
+            (bucket.double() * float(inv))
+            if d == 1.0
+            else bucket.mul(1.0 / d).double() * float(inv)
+        )
+        return [float(u.square().sum())] if torch.isfinite(u).all() else [math.nan]
+
+    run_case("bucket_divide_stats_", build, reductions=(1,), reduction_ref=ref, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulated-cuda"])
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_bucket_divide_stats_is_grad_stats_bit_for_bit(backend, dtype):
+    # What the DDP hook hands the scaler is grad_stats over the divided spans, bit for bit.
+    ns = torch.ops.fastamp if backend == "cpu" else None
+    sizes = [5, CHUNK * 2 + 9, 0, 300, 17]
+    bucket, lengths, divisor, inv = _divide_build(dtype, sizes, 2.0, 0.25)(Mem(3))
+    op = ns.bucket_divide_stats_ if ns else emu.op("bucket_divide_stats_")
+    stats = ns.grad_stats if ns else emu.op("grad_stats")
+    found, pow_sum = op(bucket, lengths, divisor, inv)
+    s_found, s_pow, _ = stats(list(bucket.split(lengths)), inv, 2.0)
+    assert float(found) == float(s_found) == 0.0
+    assert bits(pow_sum).item() == bits(s_pow).item(), (float(pow_sum), float(s_pow))
+
+
 # --- tensor digest ----------------------------------------------------------------------------
 
 

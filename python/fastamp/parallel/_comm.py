@@ -5,13 +5,16 @@ reuses instead of reading the grads again.
 torch's reducer packs each bucket and calls the registered hook with a
 :class:`torch.distributed.GradBucket`; the hook returns a future of the reduced flat buffer, which
 the reducer copies into the grads (or, with ``gradient_as_bucket_view``, which *is* the grads).
-With any hook registered the reducer does not divide by the world size, so this hook does it
-first, exactly as the reducer would without one (a copied grad times ``1 / world_size``, a grad
-already in its bucket view divided in place: on the CPU the two round differently), then starts
-the all-reduce; a user's hook (which averages itself) runs instead of that. When the future
-completes, :func:`fastamp.scaler.ops.grad_stats` measures the reduced bucket, one span per grad
-(so the result is bit for bit ``grad_stats`` over that bucket's grads), times the scaler's
-inverse scale.
+With any hook registered the reducer does not divide by the world size, so this hook does: for a
+float32/bfloat16 bucket and a world size that is a power of two, after the all-reduce, in the same
+pass that measures the bucket (``fastamp::bucket_divide_stats_``: one read and one write of the
+bucket; dividing a sum by a power of two rounds as dividing its terms, but below float32's normal
+range); otherwise before the all-reduce, exactly as the reducer would without a hook (a copied
+grad times ``1 / world_size``, a grad already in its bucket view divided in place: on the CPU the
+two round differently with 3 ranks). A user's hook (which averages itself) runs instead of the
+all-reduce. When the future completes, ``bucket_divide_stats_`` measures the reduced bucket, one
+span per grad (so the result is bit for bit ``grad_stats`` over that bucket's grads), times the
+scaler's inverse scale.
 
 At the end of the backward (after the reducer has copied the buckets out), :class:`BucketStats`
 adds the buckets' measurements in bucket order and hands them to the registered scaler as a
@@ -31,11 +34,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fastamp.handoff import GradStats, GradStatsConsumer
+from fastamp.parallel import _ops as parallel_ops
 from fastamp.parallel._args import collective_error
 from fastamp.scaler import ops as scaler_ops
 
 # Bound once: the statistics pass is the hook's own, not a pass of the scaler's.
 _grad_stats = scaler_ops.grad_stats
+_divide_stats = parallel_ops.bucket_divide_stats_
+_BUCKET_OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Divided after the all-reduce by a power of two (see BucketStats._divide); float16's normal range
+# ends at 6e-5, where grads are common: divided before, as torch's reducer does.
+_POST_DIVIDED = (torch.float32, torch.bfloat16)
 
 
 def _graph_task() -> int:
@@ -126,17 +135,18 @@ class BucketStats:
         buffer = bucket.buffer()
         if measuring:
             self._seen[idx] = self._layout_of(idx, buffer, bucket).members
+        post = 1  # the divisor left for the statistics pass (after the all-reduce)
         if self.user is not None:
             hook, state = self.user
             fut = hook(state, bucket)
         else:
             if measuring:
-                self._divide(bucket, buffer)
+                post = self._divide(bucket, buffer)
             fut = dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future()
         if not measuring:
             return fut.then(_first) if self.user is None else fut
         inv = self._inv
-        return fut.then(lambda f: self._measure(idx, self._result(idx, f), inv))
+        return fut.then(lambda f: self._measure(idx, self._result(idx, f), inv, post))
 
     def _result(self, idx: int, fut: torch.futures.Future) -> Any:
         try:
@@ -161,19 +171,26 @@ class BucketStats:
         # after the reducer's.
         queue_callback(lambda: queue_callback(self._finish))
 
-    def _divide(self, bucket: dist.GradBucket, buffer: Tensor) -> None:
-        """What torch's reducer does without a hook: the bucket divided by the world size (join's
-        count of active ranks with ``divide_by_initial_world_size=False``)."""
+    def _divide(self, bucket: dist.GradBucket, buffer: Tensor) -> int:
+        """What torch's reducer does without a hook: the grads divided by the world size (join's
+        count of active ranks with ``divide_by_initial_world_size=False``). Returns the divisor
+        left for the pass after the all-reduce, which divides and measures in one read: a power
+        of two for float32/bfloat16 buckets (then sum-and-scale equals scale-and-sum bit for bit,
+        but for sums below float32's normal range, 2^-126 times the divisor, or above its
+        maximum). Otherwise the bucket is divided here, before the all-reduce, as the reducer
+        divides it, and 1 is returned."""
         divisor = self.world_size
         if self.join_count is not None and not self.divide_by_initial_world_size:
             work, flags = self.join_count
             work.wait()
             divisor = int(flags.item())
         if divisor == 1:
-            return
-        if self.aliased is None or _power_of_two(divisor):
+            return 1
+        if _power_of_two(divisor) and buffer.dtype in _POST_DIVIDED:
+            return divisor
+        if self.aliased is None:
             buffer.mul_(1.0 / divisor)  # = mul_out(view, grad, 1/divisor) of every grad
-            return
+            return 1
         aliased = self.aliased
         laid = self._layout_of(bucket.index(), buffer, bucket)
         for i, span in zip(laid.members, laid.views):
@@ -181,6 +198,7 @@ class BucketStats:
                 span.div_(divisor)
             else:
                 span.mul_(1.0 / divisor)
+        return 1
 
     def _layout_of(self, idx: int, buffer: Tensor, bucket: dist.GradBucket) -> _Bucket:
         """Bucket ``idx`` as the reducer laid it out (cached while its buffer is the same: the
@@ -198,26 +216,28 @@ class BucketStats:
             self._spans[idx] = cached
         return cached
 
-    def _measure(self, idx: int, value: Any, inv: Tensor | None) -> Tensor:
-        """The reduced bucket's statistics (runs when its future completes); returns the bucket."""
+    def _measure(self, idx: int, value: Any, inv: Tensor | None, divisor: int) -> Tensor:
+        """The reduced bucket divided by ``divisor`` and measured, in one pass (runs when its
+        future completes, before the reducer copies it out); returns the bucket."""
         out = _first_tensor(value)
         laid = self._spans.get(idx)
-        if laid is not None and laid.addr == out.data_ptr() and laid.numel == out.numel():
-            views = laid.views  # the bucket's own buffer (the all-reduce is in place)
-        else:  # a hook's own tensor (e.g. decompressed): the same spans
-            flat = out.reshape(-1)
-            lengths = laid.lengths if laid is not None else [flat.numel()]
-            if sum(lengths) != flat.numel():
-                raise RuntimeError(
-                    "fastamp.parallel.DistributedDataParallel: the comm hook's future for bucket "
-                    f"{idx} must hold {sum(lengths)} elements (the reduced bucket.buffer()), got "
-                    f"{tuple(out.shape)}"
-                )
-            views = flat.split(lengths)
+        flat = out.view(-1) if out.is_contiguous() else out.reshape(-1)
+        lengths = laid.lengths if laid is not None else [flat.numel()]
+        if sum(lengths) != flat.numel():
+            raise RuntimeError(
+                "fastamp.parallel.DistributedDataParallel: the comm hook's future for bucket "
+                f"{idx} must hold {sum(lengths)} elements (the reduced bucket.buffer()), got "
+                f"{tuple(out.shape)}"
+            )
         if inv is None or inv.device != out.device:
             inv = torch.ones((), dtype=torch.float32, device=out.device)
         with torch.no_grad():
-            found, sq, _ = _grad_stats(list(views), inv, 2.0)
+            if flat.dtype in _BUCKET_OP_DTYPES:
+                found, sq = _divide_stats(flat, lengths, float(divisor), inv)
+            else:  # float64 grads: the scaler's stats op takes them
+                if divisor != 1:
+                    flat.mul_(1.0 / divisor)
+                found, sq, _ = _grad_stats(list(flat.split(lengths)), inv, 2.0)
         self._measured[idx] = (found, sq)
         return out
 

@@ -13,7 +13,7 @@ from fastamp._library import (  # (importing it loads the operator library)
     check_fake_devices,
 )
 
-__all__ = ["bucket_pack_", "bucket_unpack_"]
+__all__ = ["bucket_divide_stats_", "bucket_pack_", "bucket_unpack_"]
 
 _raw = StableOps("fastamp")  # the raw ops; this module is their typed layer
 
@@ -33,6 +33,25 @@ def bucket_unpack_(
     (g * inv_scale)^2)``, computed with the scaler's stats kernel over the same chunks (so equal
     bit for bit to ``fastamp::grad_stats`` over the grads)."""
     return _raw.bucket_unpack_(bucket, grads, list(offsets), inv_scale)
+
+
+def bucket_divide_stats_(
+    bucket: Tensor, lengths: Sequence[int], divisor: float, inv_scale: Tensor
+) -> tuple[Tensor, Tensor]:
+    """What DistributedDataParallel's comm hook does to a reduced bucket, in one pass: divides it in
+    place (``bucket * (1 / divisor)``, skipped for 1) and returns ``(found_inf, sum of (x *
+    inv_scale)^2)`` over its consecutive spans of ``lengths`` elements, bit for bit
+    ``fastamp::grad_stats`` over those spans after the division."""
+    return _raw.bucket_divide_stats_(bucket, list(lengths), float(divisor), inv_scale)
+
+
+@torch.library.register_fake("fastamp::bucket_divide_stats_")
+def _bucket_divide_stats_fake(bucket, lengths, divisor, inv_scale):
+    check_fake_devices(
+        "bucket_divide_stats_", bucket.device, [], {"inv_scale": inv_scale},
+        anchor="the bucket's device",
+    )  # fmt: skip
+    return (bucket.new_empty((), dtype=torch.float32), bucket.new_empty((), dtype=torch.float32))
 
 
 @torch.library.register_fake("fastamp::bucket_pack_")
