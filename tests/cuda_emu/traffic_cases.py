@@ -184,6 +184,13 @@ def _bucket(dtype: torch.dtype, unpack: bool):
     return args
 
 
+def _divide_stats(dtype: torch.dtype):
+    def args():
+        return (_rand(ELEMENTS, dtype, 300.0), list(SIZES), 2.0, torch.tensor(0.25))
+
+    return args
+
+
 def _sized(dtype: torch.dtype) -> float:
     return torch.empty(0, dtype=dtype).element_size()
 
@@ -207,6 +214,9 @@ def cases() -> list[Case]:
                  reads=(1,), writes=(0,)),
             Case(f"bucket_unpack_ {name}", "bucket_unpack_", _bucket(dt, True), Budget(s, s),
                  reads=(0,), writes=(1,)),
+            # DDP's comm-hook pass: the bucket read once and divided in place (written once).
+            Case(f"bucket_divide_stats_ {name}", "bucket_divide_stats_", _divide_stats(dt),
+                 Budget(s, s), reads=(0,), writes=(0,)),
             Case(f"tensor_digest {name}", "tensor_digest", lambda dt=dt: (_lists(dt),),
                  Budget(s, 0), reads=(0,), writes=()),
         ]  # fmt: skip
