@@ -882,7 +882,8 @@ def _bits(t: Tensor) -> Tensor:
 
 def hooks_and_statistics_bitwise(rank, world, init_file):
     """fastamp's statistics composed with a comm hook (none, torch's allreduce_hook and
-    fp16_compress_hook, a user's own), against torch's DDP with the same hook followed by
+    fp16_compress_hook, a user's own; PowerSGD is not here: torch's own DDP with powerSGD_hook
+    hangs in its first compressed step on gloo, torch 2.13 CPU), against torch's DDP with the same hook followed by
     torch's unscale_ and clip_grad_norm_: the reduced grads are torch's bit for bit; the
     statistics the scaler reuses are ``grad_stats`` over each bucket's reduced grads (summed in
     bucket order) bit for bit, with an inf and then a NaN in one rank's grads of one bucket only;
@@ -919,11 +920,11 @@ def hooks_and_statistics_bitwise(rank, world, init_file):
 
     scaler_ops.grad_stats = counting
     try:
-        for name, hook in (
-            ("none", None),
-            ("allreduce", H.allreduce_hook),
-            ("fp16", H.fp16_compress_hook),
-            ("user", user_hook),
+        for name, hook, state_of in (
+            ("none", None, None),
+            ("allreduce", H.allreduce_hook, lambda: None),
+            ("fp16", H.fp16_compress_hook, lambda: None),
+            ("user", user_hook, lambda: None),
         ):
             for view in (False, True):
                 what = f"hook {name} view={view}"
@@ -931,8 +932,8 @@ def hooks_and_statistics_bitwise(rank, world, init_file):
                 t = TDDP(copy.deepcopy(base), gradient_as_bucket_view=view, bucket_cap_mb=0.003)
                 f = FDDP(copy.deepcopy(base), gradient_as_bucket_view=view, bucket_cap_mb=0.003)
                 if hook is not None:
-                    t.register_comm_hook(None, hook)
-                    f.register_comm_hook(None, hook)
+                    t.register_comm_hook(state_of(), hook)
+                    f.register_comm_hook(state_of(), hook)
                 for m in (t, f):
                     m.module.b.weight.register_post_accumulate_grad_hook(inject(step))
                 ts = torch.amp.GradScaler("cpu", init_scale=256.0)
