@@ -17,10 +17,20 @@ import functools
 import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    _Fake = TypeVar("_Fake", bound=Callable[..., Any])
+
+    # torch.library.register_fake itself, as the op layers call it (a decorator of a fake
+    # kernel): torch leaves its return type unannotated, which would make each fake untyped.
+    def register_fake(op: str, /) -> Callable[[_Fake], _Fake]: ...
+
+else:
+    register_fake = torch.library.register_fake
 
 _REBUILD = (
     "Install a torch it supports, or rebuild fastamp for this one:\n"
@@ -61,7 +71,7 @@ _info = _load_build_info()
 check_torch_version(_info.TORCH_TARGET, torch.__version__)
 
 try:
-    from fastamp import _C  # noqa: F401  (importing runs the operator registrations)
+    from fastamp import _C  # type: ignore[attr-defined]  # noqa: F401  (compiled, no stub; importing runs the registrations)
 except ImportError as exc:  # pragma: no cover - exercised only with broken builds
     raise ImportError(
         f"fastamp's operator library failed to load: {exc}\n"
@@ -101,7 +111,9 @@ def _written_arguments(op: Any) -> list[tuple[int, str]]:
     ]
 
 
-def _written_tensors(written: list[tuple[int, str]], args: tuple, kwargs: dict) -> list[Tensor]:
+def _written_tensors(
+    written: list[tuple[int, str]], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[Tensor]:
     out: list[Tensor] = []
     for i, name in written:
         v = args[i] if i < len(args) else kwargs.get(name)

@@ -15,7 +15,7 @@ import os
 import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ class ShardedState:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str) -> ShardedState:
-        keys = ("directory", "model_shapes", "optimizer_groups", "optimizer_other")
+        keys: tuple[str, ...] = ("directory", "model_shapes", "optimizer_groups", "optimizer_other")
         keys += ("optimizer_tensors", "files")
         missing = [k for k in keys if k not in d]
         if missing:
@@ -205,8 +205,9 @@ def _empty_like_shard(p: Tensor, dtype: torch.dtype) -> Tensor:
     from torch.distributed.tensor import DTensor
 
     shard = torch.empty(local(p).shape, dtype=dtype, device=local(p).device)
+    d = cast(DTensor, p)  # a DTensor param: its state entry was saved sharded
     return DTensor.from_local(
-        shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+        shard, d.device_mesh, d.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,8 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeIs
 
 __all__ = [
     "ShardGroup",
@@ -36,12 +38,12 @@ __all__ = [
 ]
 
 
-def _dtensor_class() -> Any:
+def _dtensor_class() -> type[DTensor] | None:
     # No tensor is a DTensor until torch.distributed.tensor is imported (fully_shard and
     # distribute_tensor import it): looked up, never imported here, so `import fastamp` does not
     # pay for DTensor's import (about half a second).
     module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+    return cast("type[DTensor] | None", getattr(module, "DTensor", None))
 
 
 # The types almost every tensor a step sees has: answered without the module lookup (a step over
@@ -49,7 +51,7 @@ def _dtensor_class() -> Any:
 _PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: object) -> TypeIs[DTensor]:
     if type(t) in _PLAIN_TYPES:
         return False
     cls = _dtensor_class()
@@ -92,7 +94,7 @@ def misplaced_state(p: Tensor, state: Mapping[str, Any]) -> tuple[str, str] | No
             continue
         if not is_dtensor(v):
             return key, "a plain tensor"
-        if tuple(v.placements) != tuple(p.placements):
+        if tuple(v.placements) != tuple(cast("DTensor", p).placements):
             return key, f"a DTensor laid out as {tuple(v.placements)}"
     return None
 
@@ -157,6 +159,6 @@ def wrap_like(p: Tensor, t: Tensor) -> Tensor:
     otherwise, and for tensors of another shape (step counters, block scales)."""
     if not is_dtensor(p) or t.shape != local(p).shape:
         return t
-    return _dtensor_class().from_local(
+    return cast("type[DTensor]", _dtensor_class()).from_local(
         t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )

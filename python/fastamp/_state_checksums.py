@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -103,7 +103,7 @@ def _tensor_digests(tensors: list[Tensor]) -> list[int]:
         if t is not None:
             by_device.setdefault(t.device, []).append(i)
     for idx in by_device.values():
-        digests = checkpoint_ops.tensor_digest([dense[i] for i in idx]).tolist()
+        digests = checkpoint_ops.tensor_digest([cast(Tensor, dense[i]) for i in idx]).tolist()
         for i, d in zip(idx, digests):
             out[i] = d & _MASK
     return out
@@ -169,7 +169,7 @@ def verify(obj: Mapping[str, Any], path: str) -> None:
 def _layout(folder: str) -> dict[str, list[tuple[str, int, int]]]:
     """File name -> its entries ``(name, offset, length)`` by offset, from the ``.metadata`` file
     of the torch.distributed.checkpoint directory ``folder``."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     metadata = FileSystemReader(folder).read_metadata()
     files: dict[str, list[tuple[str, int, int]]] = {}

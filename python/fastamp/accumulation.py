@@ -20,7 +20,7 @@ import contextlib
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -99,7 +99,7 @@ class _Micro:
         (scaler.scale(loss) if scaler is not None else loss).backward()
         self._backward_done = True
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> Literal[False]:
         assert self._stack is not None
         self._inside = False
         self._stack.close()

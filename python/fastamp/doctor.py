@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 
 class _Report:
@@ -167,10 +168,10 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
     shapes = [(300,), (70000,), (7, 9)]
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
 
-    def close(a, b, rtol):
+    def close(a: Tensor, b: Tensor, rtol: float) -> None:
         torch.testing.assert_close(a.detach().double().cpu(), b.double(), rtol=rtol, atol=1e-6)
 
-    def grad_stats():
+    def grad_stats() -> None:
         g = make_grads(shapes, dtypes, device, seed=1, scale=10.0)
         g[0][3] = math.nan
         found, pow_sum, flags = ops.grad_stats(g, torch.tensor(0.5, device=device))
@@ -180,7 +181,7 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         _, pow_sum, _ = ops.grad_stats(g, torch.tensor(0.5, device=device))
         assert math.isclose(float(pow_sum), grad_stats_ref(g, 0.5)[1], rel_tol=1e-5)
 
-    def unscale():
+    def unscale() -> None:
         g = make_grads(shapes, dtypes, device, seed=2, scale=100.0)
         exp = unscale_ref(g, 0.25)
         found = torch.zeros((), device=device)
@@ -189,7 +190,7 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         for a, b in zip(g, exp):
             close(a, b, 1e-2)
 
-    def clip():
+    def clip() -> None:
         g = make_grads(shapes, torch.float32, device, seed=3, scale=100.0)
         exp = clip_unscale_ref(g, 0.5, 3.0, 1.0)
         ops.clip_unscale_(
@@ -198,7 +199,7 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         for a, b in zip(g, exp):
             close(a, b, 1e-6)
 
-    def update_scale():
+    def update_scale() -> None:
         s = torch.tensor(1024.0, device=device)
         gt = torch.zeros((), dtype=torch.int32, device=device)
         ht = torch.ones((), dtype=torch.int32, device=device)
@@ -213,11 +214,11 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         1e-2, None, 0.9, 0.999, 0.01, 1e-8, decoupled_weight_decay=True, maximize=False
     )
 
-    def adamw_expected(p, g, m, v):
-        kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    def adamw_expected(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        kw: dict[str, float] = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
         return adam_ref(p, g, m, v, None, 1, **kw, amsgrad=False, decoupled=True, maximize=False)
 
-    def adam():
+    def adam() -> None:
         p, g = (
             make_grads([(999,)], torch.float32, device, seed=4),
             make_grads([(999,)], torch.float32, device, seed=5),
@@ -227,7 +228,7 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         optim_ops.adam_step_(p, g, m, v, [], [torch.zeros((), device=device)], [], ADAMW)
         close(p[0], exp[0], 1e-5)
 
-    def adam_lowbit():
+    def adam_lowbit() -> None:
         from fastamp.optim import lowbit
 
         for fmt in ("int8", "bfloat16"):
@@ -244,7 +245,7 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
             )
             close(p, exp[0], 1e-5)
 
-    def sgd():
+    def sgd() -> None:
         p, g = (
             make_grads([(999,)], torch.float32, device, seed=6),
             make_grads([(999,)], torch.float32, device, seed=7),
@@ -268,7 +269,7 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         optim_ops.sgd_step_(p, g, b, [torch.zeros((), device=device)], [], hyper)
         close(p[0], exp[0], 1e-6)
 
-    def digest_and_rng():
+    def digest_and_rng() -> None:
         x = torch.randn(1001, device=device)
         y = x.clone()
         y.view(torch.int32)[5] ^= 1
@@ -279,7 +280,7 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         ck.rng_set_state(st)
         assert torch.equal(a, torch.rand(4, device=device))
 
-    def buckets():
+    def buckets() -> None:
         g = make_grads([(10,), (70000,)], torch.float32, device, seed=8)
         bucket = torch.zeros(70010, device=device)
         parallel_ops.bucket_pack_(bucket, g, [0, 10], 0.5)

@@ -134,9 +134,9 @@ class GradStats:
     found_inf: Tensor
     sum_sq: Tensor
     params: tuple[Tensor, ...]
-    grads: tuple[weakref.ref, ...]
+    grads: tuple[weakref.ref[Tensor], ...]
     versions: tuple[int, ...]
-    scale: weakref.ref | None
+    scale: weakref.ref[Tensor] | None
     scale_version: int
 
     @classmethod

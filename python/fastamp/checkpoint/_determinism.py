@@ -28,7 +28,7 @@ _NONDETERMINISTIC_BY_DESIGN = (
 
 def _digests(out: Any) -> list[tuple[int, Tensor]]:
     tensors = [t for t in tree_leaves(out) if isinstance(t, Tensor)]
-    result = []
+    result: list[tuple[int, Tensor]] = []
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.layout == torch.strided and t.device.type != "meta":
@@ -42,17 +42,24 @@ def _digests(out: Any) -> list[tuple[int, Tensor]]:
 class _DigestMode(TorchDispatchMode):
     """Forward: records (op, output digests) per op. Recompute: compares them as ops run."""
 
-    def __init__(self, log: list[tuple[str, list[tuple[int, Tensor]]]], compare: bool):
-        super().__init__()
+    def __init__(self, log: list[tuple[str, list[tuple[int, Tensor]]]], compare: bool) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's TorchDispatchMode is unannotated
         self.log = log
         self.compare = compare
         self.k = 0
 
-    def __enter__(self):
+    def __enter__(self) -> _DigestMode:
         self.k = 0  # every recompute (retain_graph, several backwards) starts from the first op
-        return super().__enter__()
+        mode: _DigestMode = super().__enter__()  # type: ignore[no-untyped-call]  # as __init__
+        return mode
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         # Aliases (detach, views) compute nothing, and the recompute detaches its inputs where the
         # forward did not; uninitialised factories legitimately differ.
@@ -90,17 +97,17 @@ class _DigestMode(TorchDispatchMode):
 class _Both:
     """Enters two context managers as one (the user's context_fn and the bitwise check)."""
 
-    def __init__(self, outer: Any, inner: Any):
+    def __init__(self, outer: Any, inner: Any) -> None:
         self.outer, self.inner = outer, inner
         self.stack: contextlib.ExitStack | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> _Both:
         self.stack = contextlib.ExitStack()
         self.stack.enter_context(self.outer)
         self.stack.enter_context(self.inner)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> bool | None:
         assert self.stack is not None
         return self.stack.__exit__(*exc)
 
@@ -109,8 +116,8 @@ def checked_context_fn(context_fn: Callable[[], Any]) -> Callable[[], tuple[Any,
     """context_fn, with its result checked before the forward runs (PyTorch unpacks it and says
     only "cannot unpack non-iterable ...")."""
 
-    def checked():
-        out = context_fn()
+    def checked() -> tuple[Any, Any]:
+        out: tuple[Any, Any] = context_fn()
         ok = (
             isinstance(out, tuple)
             and len(out) == 2
@@ -133,10 +140,12 @@ def checked_context_fn(context_fn: Callable[[], Any]) -> Callable[[], tuple[Any,
     return checked
 
 
-def bitwise_context_fn(user_context_fn: Callable[[], tuple[Any, Any]]):
-    def context_fn():
+def bitwise_context_fn(
+    user_context_fn: Callable[[], tuple[Any, Any]],
+) -> Callable[[], tuple[_Both, _Both]]:
+    def context_fn() -> tuple[_Both, _Both]:
         fwd, rec = user_context_fn()
-        log: list = []
+        log: list[tuple[str, list[tuple[int, Tensor]]]] = []
         return _Both(fwd, _DigestMode(log, compare=False)), _Both(
             rec, _DigestMode(log, compare=True)
         )

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import dense_list
-from fastamp._library import StableOps  # (importing it loads the operator library)
+from fastamp._library import StableOps, register_fake  # (importing it loads the operator library)
 
 __all__ = ["rng_get_state", "rng_set_state", "tensor_digest"]
 
@@ -110,19 +110,20 @@ def tensor_digest(tensors: Sequence[Tensor]) -> Tensor:
     tensors = dense_list(tensors, "tensor_digest", "tensors")
     if not tensors:
         return torch.empty(0, dtype=torch.int64)
-    return _raw.tensor_digest(tensors)
+    digests: Tensor = _raw.tensor_digest(tensors)
+    return digests
 
 
-@torch.library.register_fake("fastamp::rng_get_state")
-def _rng_get_state_fake():
+@register_fake("fastamp::rng_get_state")
+def _rng_get_state_fake() -> list[Tensor]:
     sizes = [torch.get_rng_state().numel()]
     if torch.cuda.is_available():
         sizes += [16 if torch.cuda.is_initialized() else 0] * torch.cuda.device_count()
     return [torch.empty(n, dtype=torch.uint8) for n in sizes]
 
 
-@torch.library.register_fake("fastamp::rng_set_state")
-def _rng_set_state_fake(states):
+@register_fake("fastamp::rng_set_state")
+def _rng_set_state_fake(states: Sequence[Tensor]) -> None:
     # Generator states are CPU tensors; a meta one reaches this fake kernel, which must not make
     # the restore a silent no-op.
     for i, s in enumerate(states):
@@ -134,8 +135,8 @@ def _rng_set_state_fake(states):
     return None
 
 
-@torch.library.register_fake("fastamp::tensor_digest")
-def _tensor_digest_fake(tensors):
+@register_fake("fastamp::tensor_digest")
+def _tensor_digest_fake(tensors: Sequence[Tensor]) -> Tensor:
     # A meta tensor among CPU ones dispatches here: raise as the real kernel does, rather than
     # return an uninitialised "digest" on the CPU.
     if not tensors:

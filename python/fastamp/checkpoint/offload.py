@@ -52,11 +52,19 @@ class _Offloaded:
 
     __slots__ = ("buf", "dtype", "shape", "device", "event", "pool", "last_read")
 
-    def __init__(self, buf, dtype, shape, device, event, pool):
+    def __init__(
+        self,
+        buf: Tensor,
+        dtype: torch.dtype,
+        shape: torch.Size,
+        device: torch.device,
+        event: Any,
+        pool: Any,
+    ) -> None:
         self.buf, self.dtype, self.shape, self.device = buf, dtype, shape, device
         self.event, self.pool, self.last_read = event, pool, None
 
-    def __del__(self):
+    def __del__(self) -> None:
         self.pool.give(self.buf, self.last_read)
 
 
@@ -98,10 +106,10 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         self.min_bytes = min_bytes
         self.pool = pool or PinnedPool()
         self.device_types = tuple(device_types)
-        self._stream = None
+        self._stream: torch.cuda.Stream | None = None
         super().__init__(self._pack, self._unpack)
 
-    def _side_stream(self, device: torch.device):
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=device)
         return self._stream

@@ -78,7 +78,7 @@ def selective(
             "selective([torch.ops.aten.mm.default]) or selective(save_compute_intensive)"
         )
 
-    def context_fn():
+    def context_fn() -> tuple[Any, Any]:
         caching, cached = create_selective_checkpoint_contexts(policy)
         # The outputs the policy saves live in this cache, not in autograd's saved tensors; let
         # fastamp's activation accounting (count_saved_bytes, the planner) see them.

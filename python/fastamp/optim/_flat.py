@@ -210,7 +210,8 @@ class FlatBuffers:
         them; a segment whose params' state differs in keys or step counts is ``diverged``."""
         for seg in self.segments:
             params = [self.inside[k] for k in seg.members]
-            sts = [state.get(p) for p in params]
+            # {} for a param with no state yet: as falsy as the None .get gives.
+            sts = [state.get(p) or {} for p in params]
             if not any(sts):
                 continue
             names = list(sts[0]) if sts[0] else []
@@ -257,9 +258,7 @@ class FlatBuffers:
             seg.state = flat
             seg.steps = steps
             for j, p in enumerate(params):
-                state[p].update(  # type: ignore[index]
-                    {k: (steps[j] if k == "step" else views[k][j]) for k in names}
-                )
+                state[p].update({k: (steps[j] if k == "step" else views[k][j]) for k in names})
             seg.call = None
 
     def adopt(self, seg: FlatSegment, new: dict[str, Any], state: Any) -> None:

@@ -26,6 +26,7 @@ from fastamp._library import (  # (importing it loads the operator library)
     StableOps,
     bump_versions,
     check_fake_devices,
+    register_fake,
 )
 from fastamp.handoff import AmpStep
 
@@ -77,7 +78,12 @@ class AdamHyper:
 
     def schema_args(self, with_amsgrad: bool) -> tuple[Any, ...]:
         """The hyper-parameters in the schema's order (``amsgrad`` only in adam_step_'s)."""
-        head = (float(self.lr), self.lr_tensor, float(self.beta1), float(self.beta2))
+        head: tuple[Any, ...] = (
+            float(self.lr),
+            self.lr_tensor,
+            float(self.beta1),
+            float(self.beta2),
+        )
         head += (float(self.weight_decay), float(self.eps))
         ams = (bool(self.amsgrad),) if with_amsgrad else ()
         return head + ams + (bool(self.decoupled_weight_decay), bool(self.maximize))
@@ -294,7 +300,7 @@ def _register_step_fake(name: str) -> None:
         if a.type.isSubtypeOf(torch._C.OptionalType.ofTensor()) and a.name not in lists
     ]
 
-    def fake(*values, **kwargs):
+    def fake(*values: Any, **kwargs: Any) -> None:
         bound = {**dict(zip(names, values)), **kwargs}
         params = bound["params"]
         if params:
@@ -307,7 +313,7 @@ def _register_step_fake(name: str) -> None:
             )
         return None
 
-    torch.library.register_fake(f"fastamp::{name}")(fake)
+    register_fake(f"fastamp::{name}")(fake)
 
 
 for _name in ("adam_step_", "sgd_step_", "adam_lowbit_step_", "sgd_lowbit_step_"):

@@ -7,10 +7,13 @@ as they were (a retry then steps every group once)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 from fastamp._checks import is_real
 from fastamp._sharding import is_dtensor, local, local_param, misplaced_state
@@ -155,7 +158,9 @@ class StepChecks:
         moments = self.family.moments_of(group)
         others = tuple(k for k in self.family.elementwise_of(group) if k not in moments)
         for q, i in zip(params, places):
-            state = states.get(q)  # .get: reading must not create an entry
+            state: Mapping[str, Any] | None = states.get(
+                q
+            )  # .get: reading must not create an entry
             if not state:
                 continue
             # A DTensor param's state is checked as the kernel takes it: the local shards.
@@ -209,7 +214,7 @@ class StepChecks:
             raise RuntimeError(
                 f"fastamp.optim.{self.name}: state[{bad[0]!r}] of {where_in_groups(g, i)} "
                 f"is {bad[1]}, but the parameter is a DTensor laid out as "
-                f"{tuple(p.placements)}; expected its state sharded as it is (load a "
+                f"{tuple(cast('DTensor', p).placements)}; expected its state sharded as it is (load a "
                 "sharded model's optimizer state with "
                 "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)"
             )

@@ -36,7 +36,7 @@ import abc
 import copy
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor
@@ -72,6 +72,8 @@ MIN_LOWBIT_NUMEL = 4096
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 SGD_MOMENTS = ("momentum_buffer",)
+# exp_avgs, exp_avg_sqs, exp_avg_absmax, exp_avg_sq_absmax: the moment lists of adam_lowbit_step_.
+_AdamLists: TypeAlias = tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]
 
 
 class StateFormat(abc.ABC):
@@ -161,7 +163,7 @@ class StateFormat(abc.ABC):
     def nbytes(self, like: Tensor, moments: Sequence[str]) -> int:
         """Bytes the moments of a param laid out as ``like`` take in this format."""
 
-    def adam_lists(self, states: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], ...]:
+    def adam_lists(self, states: Sequence[Mapping[str, Any]]) -> _AdamLists:
         """The four moment lists of ``fastamp::adam_lowbit_step_`` (exp_avgs, exp_avg_sqs,
         exp_avg_absmax, exp_avg_sq_absmax; the scales empty but for 8-bit) for these states."""
         return [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [], []
@@ -292,11 +294,12 @@ class _Int8(StateFormat):
     def nbytes(self, like: Tensor, moments: Sequence[str]) -> int:
         return (like.numel() + 4 * nblocks(like)) * len(moments)  # codes + a float32 per block
 
-    def adam_lists(self, states: Sequence[Mapping[str, Any]]) -> tuple[list[Tensor], ...]:
-        return tuple(
+    def adam_lists(self, states: Sequence[Mapping[str, Any]]) -> _AdamLists:
+        a, b, c, d = (
             [s[k] for s in states]
             for k in ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax")
         )
+        return a, b, c, d
 
 
 FLOAT32: StateFormat = _Float32()

@@ -11,6 +11,7 @@ from torch import Tensor
 from fastamp._library import (  # (importing it loads the operator library)
     StableOps,
     check_fake_devices,
+    register_fake,
 )
 
 __all__ = ["bucket_divide_stats_", "bucket_pack_", "bucket_unpack_"]
@@ -32,7 +33,8 @@ def bucket_unpack_(
     """Copies each grad's span of the reduced ``bucket`` into it; returns ``(found_inf, sum of
     (g * inv_scale)^2)``, computed with the scaler's stats kernel over the same chunks (so equal
     bit for bit to ``fastamp::grad_stats`` over the grads)."""
-    return _raw.bucket_unpack_(bucket, grads, list(offsets), inv_scale)
+    stats: tuple[Tensor, Tensor] = _raw.bucket_unpack_(bucket, grads, list(offsets), inv_scale)
+    return stats
 
 
 def bucket_divide_stats_(
@@ -42,11 +44,16 @@ def bucket_divide_stats_(
     place (``bucket * (1 / divisor)``, skipped for 1) and returns ``(found_inf, sum of (x *
     inv_scale)^2)`` over its consecutive spans of ``lengths`` elements, bit for bit
     ``fastamp::grad_stats`` over those spans after the division."""
-    return _raw.bucket_divide_stats_(bucket, list(lengths), float(divisor), inv_scale)
+    stats: tuple[Tensor, Tensor] = _raw.bucket_divide_stats_(
+        bucket, list(lengths), float(divisor), inv_scale
+    )
+    return stats
 
 
-@torch.library.register_fake("fastamp::bucket_divide_stats_")
-def _bucket_divide_stats_fake(bucket, lengths, divisor, inv_scale):
+@register_fake("fastamp::bucket_divide_stats_")
+def _bucket_divide_stats_fake(
+    bucket: Tensor, lengths: Sequence[int], divisor: float, inv_scale: Tensor
+) -> tuple[Tensor, Tensor]:
     check_fake_devices(
         "bucket_divide_stats_", bucket.device, [], {"inv_scale": inv_scale},
         anchor="the bucket's device",
@@ -54,16 +61,20 @@ def _bucket_divide_stats_fake(bucket, lengths, divisor, inv_scale):
     return (bucket.new_empty((), dtype=torch.float32), bucket.new_empty((), dtype=torch.float32))
 
 
-@torch.library.register_fake("fastamp::bucket_pack_")
-def _bucket_pack_fake(bucket, grads, offsets, scale):
+@register_fake("fastamp::bucket_pack_")
+def _bucket_pack_fake(
+    bucket: Tensor, grads: Sequence[Tensor], offsets: Sequence[int], scale: float
+) -> None:
     check_fake_devices(
         "bucket_pack_", bucket.device, [("grads", grads)], anchor="the bucket's device"
     )
     return None
 
 
-@torch.library.register_fake("fastamp::bucket_unpack_")
-def _bucket_unpack_fake(bucket, grads, offsets, inv_scale):
+@register_fake("fastamp::bucket_unpack_")
+def _bucket_unpack_fake(
+    bucket: Tensor, grads: Sequence[Tensor], offsets: Sequence[int], inv_scale: Tensor
+) -> tuple[Tensor, Tensor]:
     check_fake_devices(
         "bucket_unpack_",
         bucket.device,

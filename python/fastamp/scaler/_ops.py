@@ -17,6 +17,7 @@ from fastamp._checks import dense_list
 from fastamp._library import (  # (importing it loads the operator library)
     StableOps,
     check_fake_devices,
+    register_fake,
 )
 
 __all__ = [
@@ -52,7 +53,10 @@ def grad_stats(
     ``tensor_found_inf`` a bool tensor flagging which grads held inf/NaN. Nothing is written into
     ``grads``, and nothing syncs with the host. Grads may mix float32, float16, bfloat16 and float64.
     """
-    return _on_dense("grad_stats", grads, inv_scale, float(norm_type))
+    stats: tuple[Tensor, Tensor, Tensor] = _on_dense(
+        "grad_stats", grads, inv_scale, float(norm_type)
+    )
+    return stats
 
 
 def non_finite_check_and_unscale_(
@@ -111,8 +115,10 @@ def update_scale_(
 # --- fake kernels (shapes/dtypes/devices only) ---------------------------------------------------
 
 
-@torch.library.register_fake("fastamp::grad_stats")
-def _grad_stats_fake(grads, inv_scale, norm_type=2.0):
+@register_fake("fastamp::grad_stats")
+def _grad_stats_fake(
+    grads: Sequence[Tensor], inv_scale: Tensor, norm_type: float = 2.0
+) -> tuple[Tensor, Tensor, Tensor]:
     check_fake_devices(
         "grad_stats", inv_scale.device, [("grads", grads)], anchor="the device of inv_scale"
     )
@@ -124,8 +130,10 @@ def _grad_stats_fake(grads, inv_scale, norm_type=2.0):
     )
 
 
-@torch.library.register_fake("fastamp::non_finite_check_and_unscale_")
-def _unscale_fake(grads, found_inf, inv_scale, tensor_found_inf):
+@register_fake("fastamp::non_finite_check_and_unscale_")
+def _unscale_fake(
+    grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor, tensor_found_inf: Tensor
+) -> None:
     check_fake_devices(
         "non_finite_check_and_unscale_",
         inv_scale.device,
@@ -136,8 +144,10 @@ def _unscale_fake(grads, found_inf, inv_scale, tensor_found_inf):
     return None
 
 
-@torch.library.register_fake("fastamp::clip_unscale_")
-def _clip_unscale_fake(grads, inv_scale, total_norm, max_norm):
+@register_fake("fastamp::clip_unscale_")
+def _clip_unscale_fake(
+    grads: Sequence[Tensor], inv_scale: Tensor, total_norm: Tensor, max_norm: float
+) -> None:
     check_fake_devices(
         "clip_unscale_",
         inv_scale.device,
@@ -148,19 +158,19 @@ def _clip_unscale_fake(grads, inv_scale, total_norm, max_norm):
     return None
 
 
-@torch.library.register_fake("fastamp::update_scale_")
+@register_fake("fastamp::update_scale_")
 def _update_scale_fake(
-    scale,
-    growth_tracker,
-    hysteresis_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-    min_scale,
-    max_scale,
-):
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float,
+    max_scale: float,
+) -> None:
     check_fake_devices(
         "update_scale_",
         scale.device,

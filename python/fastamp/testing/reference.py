@@ -139,7 +139,10 @@ def update_scale_ref(
     max_scale: float = math.inf,
 ) -> tuple[float, int, int]:
     """Python transcription of the documented update rule (PyTorch's when hysteresis=1, no bounds)."""
-    f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
+
+    def f32(x: float) -> float:
+        return float(torch.tensor(x, dtype=torch.float32))
+
     if found_inf:
         growth_tracker = 0
         hysteresis_tracker -= 1
@@ -163,24 +166,24 @@ def update_scale_ref(
 
 
 def adam_ref(
-    p,
-    g,
-    m,
-    v,
-    vmax,
-    step,
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    vmax: Tensor | None,
+    step: int,
     *,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    amsgrad,
-    decoupled,
-    maximize,
-    inv_scale=1.0,
-    clip_coef=1.0,
-):
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    amsgrad: bool,
+    decoupled: bool,
+    maximize: bool,
+    inv_scale: float = 1.0,
+    clip_coef: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """One Adam/AdamW step in float64 (the textbook rule); returns new (p, m, v, vmax)."""
     p, g, m, v = (t.detach().double().cpu() for t in (p, g, m, v))
     vmax = vmax.detach().double().cpu() if vmax is not None else None
@@ -197,6 +200,7 @@ def adam_ref(
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     vhat = v
     if amsgrad:
+        assert vmax is not None, "amsgrad needs vmax"
         vmax = torch.maximum(vmax, v)
         vhat = vmax
     p = p - lr / bc1 * m / (vhat.sqrt() / math.sqrt(bc2) + eps)
@@ -204,20 +208,20 @@ def adam_ref(
 
 
 def sgd_ref(
-    p,
-    g,
-    buf,
-    first,
+    p: Tensor,
+    g: Tensor,
+    buf: Tensor | None,
+    first: bool,
     *,
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
-    maximize,
-    inv_scale=1.0,
-    clip_coef=1.0,
-):
+    lr: float,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+    inv_scale: float = 1.0,
+    clip_coef: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
     """One SGD step in float64; returns new (p, buf)."""
     p, g = p.detach().double().cpu(), g.detach().double().cpu() * inv_scale * clip_coef
     if maximize:
@@ -225,7 +229,12 @@ def sgd_ref(
     if weight_decay:
         g = g + weight_decay * p
     if momentum:
-        buf = g.clone() if first else momentum * buf.detach().double().cpu() + (1 - dampening) * g
+        assert first or buf is not None, "a later momentum step needs buf"
+        buf = (
+            g.clone()
+            if first or buf is None
+            else momentum * buf.detach().double().cpu() + (1 - dampening) * g
+        )
         g = g + momentum * buf if nesterov else buf
     return p - lr * g, buf
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 from fastamp.scaler.grad_scaler import GradScaler as _GradScaler
 
@@ -23,7 +24,7 @@ class GradScaler(_GradScaler):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
         enabled: bool = True,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         warnings.warn(
             "`fastamp.cuda.amp.GradScaler(args...)` is deprecated. "
