@@ -6,7 +6,7 @@ apex's ``contiguous_param_buffer`` / ``contiguous_grad_buffer``, DeepSpeed ZeRO'
 
 :class:`FlatBuffers` is the layout and what it was built from; the optimizer asks it every step:
 
-* :meth:`FlatBuffers.holds`: the param groups, their params (ids), their structural options,
+* :meth:`FlatBuffers.holds`: the param groups, their params (by identity), their structural options,
   each param's storage (``data_ptr``: ``p.data = ...``, ``model.to(...)``) and the state mapping
   and its per-param dicts (by identity: ``load_state_dict``, ``opt.state[p] = {...}``) are what
   the layout was built from. A value replaced inside a state dict is not looked for (that would
@@ -37,13 +37,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from fastamp._plans import same_params
 from fastamp._sharding import is_dtensor
 from fastamp.optim import _ops
 from fastamp.optim._plan import Structure
@@ -186,13 +185,12 @@ class FlatBuffers:
         self.group_dicts = list(groups)
         self.structure = [Structure(grp) for grp in groups]
         params = list(chain.from_iterable(grp["params"] for grp in groups))
-        self.ids = list(map(id, params))
+        self.params = params  # compared by identity (operator.is_) at each step
         self.inside = inside
         inside_ids = {id(p) for p in inside}
         self.outside = [p for p in params if id(p) not in inside_ids]
         self.ptrs = list(map(_data_ptr, inside))
         self.views = gviews
-        self.view_ids = list(map(id, gviews))
         self.view_ptrs = list(map(_data_ptr, gviews))
         self.segments = [
             FlatSegment(
@@ -283,21 +281,25 @@ class FlatBuffers:
     def snapshot(self, state: Mapping[Tensor, dict[str, Any]]) -> None:
         """Records the state mapping as it is now (what :meth:`holds` compares against)."""
         self.state = state
-        self.state_dicts = list(state.values())  # kept, so no id is reused
-        self.state_ids = list(map(id, self.state_dicts))
+        self.state_dicts = list(state.values())  # compared by identity at each step
 
     # ---------------------------------------------------------------- per step
     def holds(self, groups: list[dict[str, Any]], state: Mapping[Tensor, Any]) -> bool:
         """Whether the layout still describes the optimizer (see the module docstring)."""
         if groups is not self.groups or state is not self.state:
             return False
-        if same_params(groups, self.group_dicts, self.ids) is None:
+        if len(groups) != len(self.group_dicts) or not all(map(is_, groups, self.group_dicts)):
+            return False
+        params = list(chain.from_iterable(grp["params"] for grp in groups))
+        if len(params) != len(self.params) or not all(map(is_, params, self.params)):
             return False
         if not all(st.holds(grp) for grp, st in zip(groups, self.structure)):
             return False
         if list(map(_data_ptr, self.inside)) != self.ptrs:
             return False
-        return list(map(id, state.values())) == self.state_ids
+        return len(state) == len(self.state_dicts) and all(
+            map(is_, state.values(), self.state_dicts)
+        )
 
     @property
     def usable(self) -> bool:
@@ -310,7 +312,7 @@ class FlatBuffers:
         a view of another tensor's memory."""
         grads = list(map(_GRAD, self.inside))
         if (
-            list(map(id, grads)) == self.view_ids
+            all(map(is_, grads, self.views))
             and list(map(_data_ptr, grads)) == self.view_ptrs
             and not any(p.grad is not None for p in self.outside)
         ):
@@ -350,7 +352,7 @@ class FlatBuffers:
     def zero_grad(self) -> None:
         """Zeroes the grad buffers (one op each) and puts every view back as its param's grad."""
         torch._foreach_zero_(self.grad_buffers)
-        if list(map(id, map(_GRAD, self.inside))) != self.view_ids:
+        if not all(map(is_, map(_GRAD, self.inside), self.views)):
             for p, v in zip(self.inside, self.views):
                 if p.grad is not v:
                     p.grad = v
