@@ -338,3 +338,49 @@ def accumulation_collectives(rank, world, init_file):
     n_buckets = len(hooked) // 3
     assert len(hooked) == 3 * n_buckets and n_buckets >= 1, len(hooked)
     _finish()
+
+
+def flat_buffers_under_ddp(rank, world, init_file):
+    """fastamp.optim.AdamW(flat_buffers=True) under fastamp's DDP (torch's reducer copies each
+    reduced bucket into the grads, which are views of the flat grad buffer): the same parameters
+    as torch's DDP + GradScaler + AdamW(fused=True), the DDP's statistics reused by the scaler;
+    with gradient_as_bucket_view=True the grads are the reducer's bucket views, and the flat
+    optimizer refuses them naming the argument, before stepping anything."""
+
+    _init(rank, world, init_file)
+    _, mine = _batches(rank, world, 4, torch.float32)
+    base = Net(bn=False)
+    t = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    f = FDDP(copy.deepcopy(base))
+    topt = torch.optim.AdamW(t.parameters(), lr=1e-2, fused=True)
+    fopt = fastamp.optim.AdamW(f.parameters(), lr=1e-2, flat_buffers=True)
+    ts = torch.amp.GradScaler("cpu", init_scale=256.0)
+    fs = fastamp.GradScaler("cpu", init_scale=256.0)
+    f.register_grad_scaler(fs)
+    for x, y in mine:
+        for m, s, opt in ((t, ts, topt), (f, fs, fopt)):
+            opt.zero_grad()
+            s.scale(nn.functional.mse_loss(m(x), y)).backward()
+            if s is ts:
+                s.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(list(m.parameters()), 0.5)
+            else:
+                s.clip_grad_norm_(opt, 0.5)
+            s.step(opt)
+            s.update()
+    _close(f.module, t.module, rtol=1e-5, atol=1e-6)
+    v = FDDP(copy.deepcopy(base), gradient_as_bucket_view=True)
+    vopt = fastamp.optim.AdamW(v.parameters(), lr=1e-2, flat_buffers=True)
+    x, y = mine[0]
+    for _ in range(2):  # the reducer makes the grads its bucket views after the first backward
+        vopt.zero_grad()
+        nn.functional.mse_loss(v(x), y).backward()
+    before = [p.detach().clone() for p in v.parameters()]
+    try:
+        vopt.step()
+    except RuntimeError as e:
+        assert "gradient_as_bucket_view" in str(e), str(e)
+    else:
+        raise AssertionError("flat buffers stepped grads that are DDP's bucket views")
+    assert all(torch.equal(a, b) for a, b in zip(before, v.parameters()))
+    _finish()

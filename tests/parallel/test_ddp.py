@@ -45,3 +45,7 @@ def test_dead_rank_raises_instead_of_hanging(tmp_path):
 
 def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
     _spawn(_workers.accumulation_collectives, 2, tmp_path)
+
+
+def test_flat_buffers_under_ddp(tmp_path):
+    _spawn(_workers.flat_buffers_under_ddp, 2, tmp_path)
