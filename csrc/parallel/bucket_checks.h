@@ -19,10 +19,8 @@ struct Slot {
   int64_t numel;
 };
 
-/// Validates a bucket (1-D, contiguous, float32/16/bf16), its grads (same dtype and device,
-/// contiguous) and their offsets (in bounds, not overlapping), and returns the slots.
-inline std::vector<Slot> check_bucket(const char* op, const Tensor& bucket_tensor,
-                                      const MetaList& grads, IntList offsets) {
+/// A bucket: a defined, contiguous 1-D float32/float16/bfloat16 tensor. Returns its metadata.
+inline TensorMeta check_bucket_tensor(const char* op, const Tensor& bucket_tensor) {
   const TensorMeta bucket = meta_of(bucket_tensor);
   FASTAMP_CHECK(
       bucket.defined && bucket.layout == kStrided && bucket.dim == 1 && bucket.contiguous(), op,
@@ -30,6 +28,15 @@ inline std::vector<Slot> check_bucket(const char* op, const Tensor& bucket_tenso
   const auto dt = bucket.dtype;
   FASTAMP_CHECK_TYPE(dt == kFloat || dt == kHalf || dt == kBFloat16, op, ": bucket has dtype ", dt,
                      "; expected float32, float16 or bfloat16");
+  return bucket;
+}
+
+/// Validates a bucket (1-D, contiguous, float32/16/bf16), its grads (same dtype and device,
+/// contiguous) and their offsets (in bounds, not overlapping), and returns the slots.
+inline std::vector<Slot> check_bucket(const char* op, const Tensor& bucket_tensor,
+                                      const MetaList& grads, IntList offsets) {
+  const TensorMeta bucket = check_bucket_tensor(op, bucket_tensor);
+  const auto dt = bucket.dtype;
   FASTAMP_CHECK_VALUE(offsets.size() == grads.size(), op, ": ", grads.size(), " grads but ",
                       offsets.size(), " offsets; expected one offset per grad");
   const Device dev = bucket.device();
@@ -97,13 +104,7 @@ inline std::vector<Slot> check_bucket_unpack(const Tensor& bucket, TensorList gr
 inline std::vector<Slot> check_bucket_spans(const Tensor& bucket_tensor, IntList lengths,
                                             double divisor, const Tensor& inv_scale) {
   constexpr const char* op = "fastamp::bucket_divide_stats_";
-  const TensorMeta bucket = meta_of(bucket_tensor);
-  FASTAMP_CHECK(
-      bucket.defined && bucket.layout == kStrided && bucket.dim == 1 && bucket.contiguous(), op,
-      ": bucket must be a contiguous 1-D tensor, got shape ", bucket.sizes());
-  const auto dt = bucket.dtype;
-  FASTAMP_CHECK_TYPE(dt == kFloat || dt == kHalf || dt == kBFloat16, op, ": bucket has dtype ", dt,
-                     "; expected float32, float16 or bfloat16");
+  const TensorMeta bucket = check_bucket_tensor(op, bucket_tensor);
   FASTAMP_CHECK_VALUE(std::isfinite(divisor) && divisor > 0.0, op,
                       ": divisor must be a finite, "
                       "positive number (the world size, or 1 to only measure), got ",

@@ -41,6 +41,25 @@ std::vector<Chunk> slot_chunks(const std::vector<Slot>& slots) {
   return plan_chunks(flat);
 }
 
+// The per-chunk L2 partials and inf/NaN flags of a statistics pass, combined in chunk order as
+// grad_stats combines its own: (found_inf, norm_pow_sum) as float32 [] tensors on `dev`.
+struct ChunkStats {
+  std::vector<float> partial;
+  std::vector<uint8_t> bad;
+
+  explicit ChunkStats(size_t chunks) : partial(chunks, 0.0f), bad(chunks, 0) {}
+
+  std::tuple<Tensor, Tensor> result(const Device& dev) const {
+    float total = 0.0f;
+    bool any = false;
+    for (size_t c = 0; c < partial.size(); ++c) {
+      total = scaler::norm_combine<scaler::NormKind::kL2>(total, partial[c]);
+      any = any || bad[c];
+    }
+    return {full({}, any ? 1.0 : 0.0, kFloat, dev), full({}, total, kFloat, dev)};
+  }
+};
+
 void bucket_pack_cpu(Tensor& bucket, TensorList grads, IntList offsets, double scale) {
   const auto slots = check_bucket("fastamp::bucket_pack_", bucket, grads, offsets);
   const auto chunks = slot_chunks(slots);
@@ -67,8 +86,7 @@ std::tuple<Tensor, Tensor> bucket_unpack_cpu(const Tensor& bucket, TensorList gr
                                              IntList offsets, const Tensor& inv_scale) {
   const auto slots = check_bucket_unpack(bucket, grads, offsets, inv_scale);
   const auto chunks = slot_chunks(slots);
-  std::vector<float> partial(chunks.size(), 0.0f);
-  std::vector<uint8_t> bad(chunks.size(), 0);
+  ChunkStats st(chunks.size());
   const float inv = *inv_scale.mutable_data_ptr<float>();
   const auto dtype = bucket.scalar_type();
   const scaler::CpuKernels& k = scaler::cpu_kernels();
@@ -81,18 +99,11 @@ std::tuple<Tensor, Tensor> bucket_unpack_cpu(const Tensor& bucket, TensorList gr
       scalar_t* g = static_cast<scalar_t*>(sl.grad) + ch.start;
       bool nonfinite = false;
       k.copy_stats(dtype, kL2, b + sl.offset + ch.start, g, ch.len, inv, 2.0f,
-                   &partial[static_cast<size_t>(c)], &nonfinite);
-      bad[static_cast<size_t>(c)] = nonfinite ? 1 : 0;
+                   &st.partial[static_cast<size_t>(c)], &nonfinite);
+      st.bad[static_cast<size_t>(c)] = nonfinite ? 1 : 0;
     });
   });
-  float total = 0.0f;
-  bool any = false;
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    total = scaler::norm_combine<scaler::NormKind::kL2>(total, partial[c]);
-    any = any || bad[c];
-  }
-  const Device dev = bucket.device();
-  return {full({}, any ? 1.0 : 0.0, kFloat, dev), full({}, total, kFloat, dev)};
+  return st.result(bucket.device());
 }
 
 // The division and the scaler's own stats kernel per chunk of 65536 elements: the chunk is divided
@@ -103,8 +114,7 @@ std::tuple<Tensor, Tensor> bucket_divide_stats_cpu(Tensor& bucket, IntList lengt
                                                    const Tensor& inv_scale) {
   const auto spans = check_bucket_spans(bucket, lengths, divisor, inv_scale);
   const auto chunks = slot_chunks(spans);
-  std::vector<float> partial(chunks.size(), 0.0f);
-  std::vector<uint8_t> bad(chunks.size(), 0);
+  ChunkStats st(chunks.size());
   const float inv = *inv_scale.mutable_data_ptr<float>();
   const float s = static_cast<float>(1.0 / divisor);  // x * (1 / divisor), as torch's mul_
   const bool divide = divisor != 1.0;
@@ -121,18 +131,11 @@ std::tuple<Tensor, Tensor> bucket_divide_stats_cpu(Tensor& bucket, IntList lengt
         }
       }
       bool nonfinite = false;
-      k.stats(dtype, kL2, x, ch.len, inv, 2.0f, &partial[static_cast<size_t>(c)], &nonfinite);
-      bad[static_cast<size_t>(c)] = nonfinite ? 1 : 0;
+      k.stats(dtype, kL2, x, ch.len, inv, 2.0f, &st.partial[static_cast<size_t>(c)], &nonfinite);
+      st.bad[static_cast<size_t>(c)] = nonfinite ? 1 : 0;
     });
   });
-  float total = 0.0f;
-  bool any = false;
-  for (size_t c = 0; c < chunks.size(); ++c) {
-    total = scaler::norm_combine<scaler::NormKind::kL2>(total, partial[c]);
-    any = any || bad[c];
-  }
-  const Device dev = bucket.device();
-  return {full({}, any ? 1.0 : 0.0, kFloat, dev), full({}, total, kFloat, dev)};
+  return st.result(bucket.device());
 }
 
 }  // namespace

@@ -54,6 +54,17 @@ struct PackOp {
   }
 };
 
+// The end of a block's statistics: its inf/NaN flag (a benign race: every writer stores 1) and its
+// chunk's L2 partial, reduced over the block as grad_stats reduces it, in the chunk's own slot.
+template <typename T>
+__device__ __forceinline__ void finish_stats(const scaler::StatsAcc<NormKind::kL2, T>& st,
+                                             int64_t chunk_id, float* partials, float* found_inf) {
+  if (st.nonfinite()) *found_inf = 1.0f;
+  const float total =
+      mta_block_reduce<kMtaThreads>(st.acc, scaler::CombineFn<NormKind::kL2>{}, 0.0f);
+  if (threadIdx.x == 0) partials[chunk_id] = total;
+}
+
 // list 0: the grads (written), list 1: the bucket's slices.
 struct UnpackOp {
   const float* inv_scale;
@@ -67,10 +78,7 @@ struct UnpackOp {
       st.add(x);
       return x;
     });
-    if (st.nonfinite()) *found_inf = 1.0f;  // benign race: every writer stores 1
-    const float total =
-        mta_block_reduce<kMtaThreads>(st.acc, scaler::CombineFn<NormKind::kL2>{}, 0.0f);
-    if (threadIdx.x == 0) partials[blk.chunk_id] = total;
+    finish_stats(st, blk.chunk_id, partials, found_inf);
   }
 };
 
@@ -96,10 +104,7 @@ struct DivideStatsOp {
     } else {
       mta_read(blk.ptr<T>(0), blk.len, [&](T x) { st.add(x); });
     }
-    if (st.nonfinite()) *found_inf = 1.0f;  // benign race: every writer stores 1
-    const float total =
-        mta_block_reduce<kMtaThreads>(st.acc, scaler::CombineFn<NormKind::kL2>{}, 0.0f);
-    if (threadIdx.x == 0) partials[blk.chunk_id] = total;
+    finish_stats(st, blk.chunk_id, partials, found_inf);
   }
 };
 

@@ -7,6 +7,7 @@ after the same steps, and the same exception class where torch raises."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -56,6 +57,26 @@ def _same_everywhere(model: nn.Module, what: str):
     assert all(torch.equal(everyone[0], f) for f in everyone), (
         f"{what}: replicas differ across ranks"
     )
+
+
+@contextlib.contextmanager
+def _counted_grad_stats():
+    """Counts the calls of fastamp's ``grad_stats`` wrapper (the scaler's own measuring pass)
+    inside the block: yields ``(calls, the real function)``; the wrapper is restored after."""
+    from fastamp.scaler import _ops as scaler_ops
+
+    calls: list[int] = []
+    real = scaler_ops.grad_stats
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    scaler_ops.grad_stats = counting
+    try:
+        yield calls, real
+    finally:
+        scaler_ops.grad_stats = real
 
 
 def _raises(fn):
@@ -349,19 +370,10 @@ def stale_statistics(rank, world, init_file):
     """ddp.register_grad_scaler(scaler): the unpack's norm and inf flag are reused only while the
     grads are exactly the ones measured. Reference: torch DDP + torch.amp.GradScaler with the
     same edits to the grads, unscale_ and torch.nn.utils.clip_grad_norm_."""
-    from fastamp.scaler import _ops as scaler_ops
 
     _init(rank, world, init_file)
     data = _data(rank, 2)
     base = FaultNet()
-    calls = []
-    real = scaler_ops.grad_stats
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    scaler_ops.grad_stats = counting
 
     def edit_mul(m):
         for p in m.parameters():
@@ -377,7 +389,7 @@ def stale_statistics(rank, world, init_file):
     def edit_none(m):
         pass
 
-    try:
+    with _counted_grad_stats() as (calls, real):
         for edit, overflow in (
             (edit_none, False),
             (edit_mul, False),
@@ -420,8 +432,6 @@ def stale_statistics(rank, world, init_file):
                 _same_state(f.module, t.module, what)
                 reused = not calls
                 assert reused == (edit is edit_none), f"{what}: stats reused={reused}"
-    finally:
-        scaler_ops.grad_stats = real
     _finish()
 
 
@@ -890,8 +900,6 @@ def hooks_and_statistics_bitwise(rank, world, init_file):
     the scaler skips exactly where torch's does, reading no grad itself."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as H
 
-    from fastamp.scaler import _ops as scaler_ops
-
     _init(rank, world, init_file)
     data = _data(rank, 4, n=8)
     base = _WideNet()
@@ -911,15 +919,7 @@ def hooks_and_statistics_bitwise(rank, world, init_file):
 
         return hook
 
-    calls = []
-    real = scaler_ops.grad_stats
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    scaler_ops.grad_stats = counting
-    try:
+    with _counted_grad_stats() as (calls, real):
         for name, hook, state_of in (
             ("none", None, None),
             ("allreduce", H.allreduce_hook, lambda: None),
@@ -982,6 +982,4 @@ def hooks_and_statistics_bitwise(rank, world, init_file):
                     assert ts.get_scale() == fs.get_scale(), (what, i)
                     _same_state(f.module, t.module, f"{what} step {i}")
                 assert ts.get_scale() == 256.0 / 4  # both poisoned steps were skipped
-    finally:
-        scaler_ops.grad_stats = real
     _finish()
