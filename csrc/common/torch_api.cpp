@@ -157,6 +157,52 @@ TensorMeta meta_of(const Tensor& t) {
   return m;
 }
 
+void* strided_data_ptr(const Tensor& t) {
+  AtenTensorHandle h = t.get();
+  bool defined = false;
+  shim(aoti_torch_is_defined(h, &defined), "is_defined");
+  if (!defined) return nullptr;
+  int32_t layout = 0;
+  shim(aoti_torch_get_layout(h, &layout), "get_layout");
+  if (layout_of_code(layout) != Layout::Strided) return nullptr;
+  void* data = nullptr;
+  shim(aoti_torch_get_data_ptr(h, &data), "get_data_ptr");
+  return data;
+}
+
+bool meta_still(const Tensor& t, TensorMeta& m, const std::vector<int64_t>& sizes,
+                const std::vector<int64_t>& strides) {
+  if (!m.defined || m.layout != Layout::Strided) return false;  // read those in full
+  AtenTensorHandle h = t.get();
+  void* data = nullptr;
+  int64_t dim = 0, offset = 0;
+  int32_t dtype = 0, device_type = 0, device_index = 0;
+  shim(aoti_torch_get_data_ptr(h, &data), "get_data_ptr");
+  shim(aoti_torch_get_dim(h, &dim), "get_dim");
+  shim(aoti_torch_get_storage_offset(h, &offset), "get_storage_offset");
+  shim(aoti_torch_get_dtype(h, &dtype), "get_dtype");
+  shim(aoti_torch_get_device_type(h, &device_type), "get_device_type");
+  shim(aoti_torch_get_device_index(h, &device_index), "get_device_index");
+  if (data != m.data || dim != m.dim || offset != m.storage_offset ||
+      dtype_of_code(dtype) != m.dtype || device_type_of_code(device_type) != m.device_type ||
+      static_cast<int8_t>(device_index) != m.device_index) {
+    return false;
+  }
+  int64_t* size_data = nullptr;
+  int64_t* stride_data = nullptr;
+  shim(aoti_torch_get_sizes(h, &size_data), "get_sizes");
+  shim(aoti_torch_get_strides(h, &stride_data), "get_strides");
+  const auto n = static_cast<size_t>(dim);
+  if (sizes.size() != n || strides.size() != n ||
+      !std::equal(sizes.begin(), sizes.end(), size_data) ||
+      !std::equal(strides.begin(), strides.end(), stride_data)) {
+    return false;
+  }
+  m.size_data = size_data;
+  m.stride_data = stride_data;
+  return true;
+}
+
 bool TensorMeta::dense() const {
   if (numel == 0 || dim == 0) return true;
   return stride_data != nullptr && dense_layout(dim, size_data, stride_data);

@@ -163,6 +163,16 @@ struct TensorMeta {
 /// `t`'s TensorMeta (only `defined` is set for an undefined tensor).
 TensorMeta meta_of(const Tensor& t);
 
+/// `t`'s data pointer, or null for an undefined or non-strided tensor (3 calls into torch).
+void* strided_data_ptr(const Tensor& t);
+
+/// Whether `t` still has the TensorMeta `m` that meta_of(t) gave earlier (`sizes`/`strides`: copies
+/// of its values then), reading 8 of meta_of's 12 properties: what set_data (`p.data = ...`),
+/// resize_ or set_ may change on a tensor whose layout they cannot change. When it does, `m`'s
+/// size and stride pointers are updated to the tensor's (their values are the same).
+bool meta_still(const Tensor& t, TensorMeta& m, const std::vector<int64_t>& sizes,
+                const std::vector<int64_t>& strides);
+
 /// The start of `t`'s storage (data_ptr less the storage offset): equal for two views of one
 /// storage.
 const void* storage_base(const TensorMeta& m);

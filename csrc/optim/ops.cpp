@@ -92,6 +92,10 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastamp, m) {
   // once, so that each step boxes only its grads (common/held_tensors.h).
   m.def("hold_tensors(Tensor[] tensors, int[] lengths) -> int");
   m.def("release_tensors(int held) -> ()");
+  // The position (over all its lists, in order) of the first tensor of `held` whose data pointer
+  // is not the one it had when held, or -1; reads no data. What flat buffers check every step
+  // (their params and grads still views of the buffers) at one C call per tensor.
+  m.def("held_moved(int held) -> int");
 
   // The step ops with every list but the grads held: `held` (from hold_tensors) holds the lists
   // of the op of the same name without `_held`, in its schema's order (adam_step_: params,
@@ -125,6 +129,7 @@ STABLE_TORCH_LIBRARY_IMPL(fastamp, CompositeExplicitAutograd, m) {
   m.impl("sgd_lowbit_step_", TORCH_BOX(&o::sgd_lowbit_step_op<o::no_kernel<o::SgdLowbitArgs>>));
   m.impl("hold_tensors", TORCH_BOX(&fastamp::hold_tensors));
   m.impl("release_tensors", TORCH_BOX(&fastamp::release_tensors));
+  m.impl("held_moved", TORCH_BOX(&fastamp::held_moved));
   m.impl("adam_step_held_", TORCH_BOX(&o::adam_step_held_op<o::no_kernel<o::AdamArgs>>));
   m.impl("sgd_step_held_", TORCH_BOX(&o::sgd_step_held_op<o::no_kernel<o::SgdArgs>>));
   m.impl("adam_lowbit_step_held_",

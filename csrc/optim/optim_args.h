@@ -60,6 +60,8 @@ struct AdamArgs {
   TensorList params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, master_params;
   AdamOptions opt;
   StepTensors tensors;
+  /// The handle of a `*_held_` op's lists (all but the grads), or null.
+  const HeldLists* held = nullptr;
 };
 
 /// fastamp::adam_lowbit_step_'s arguments.
@@ -78,6 +80,8 @@ struct SgdArgs {
   TensorList params, grads, momentum_buffers, state_steps, master_params;
   SgdOptions opt;
   StepTensors tensors;
+  /// The handle of a `*_held_` op's lists (all but the grads), or null.
+  const HeldLists* held = nullptr;
 };
 
 /// fastamp::sgd_lowbit_step_'s arguments.
@@ -176,9 +180,17 @@ void adam_step_held_op(int64_t held, TensorList grads, double lr, const OptTenso
                        bool decoupled_weight_decay, bool maximize, const OptTensor& inv_scale,
                        const OptTensor& found_inf, const OptTensor& clip_coef) {
   const auto h = held_lists(held, 6, "fastamp::adam_step_held_");
-  adam_step_op<Kernel>(h->list(0), grads, h->list(1), h->list(2), h->list(3), h->list(4),
-                       h->list(5), lr, lr_tensor, beta1, beta2, weight_decay, eps, amsgrad,
-                       decoupled_weight_decay, maximize, inv_scale, found_inf, clip_coef);
+  const auto lock = h->guard();
+  Kernel(AdamArgs{h->list(0),
+                  grads,
+                  h->list(1),
+                  h->list(2),
+                  h->list(3),
+                  h->list(4),
+                  h->list(5),
+                  {lr, beta1, beta2, weight_decay, eps, amsgrad, decoupled_weight_decay, maximize},
+                  {lr_tensor, inv_scale, found_inf, clip_coef},
+                  h.get()});
 }
 
 template <void (*Kernel)(const AdamLowbitArgs&)>
@@ -200,9 +212,15 @@ void sgd_step_held_op(int64_t held, TensorList grads, double lr, const OptTensor
                       bool maximize, const OptTensor& inv_scale, const OptTensor& found_inf,
                       const OptTensor& clip_coef) {
   const auto h = held_lists(held, 4, "fastamp::sgd_step_held_");
-  sgd_step_op<Kernel>(h->list(0), grads, h->list(1), h->list(2), h->list(3), lr, lr_tensor,
-                      weight_decay, momentum, dampening, nesterov, maximize, inv_scale, found_inf,
-                      clip_coef);
+  const auto lock = h->guard();
+  Kernel(SgdArgs{h->list(0),
+                 grads,
+                 h->list(1),
+                 h->list(2),
+                 h->list(3),
+                 {lr, weight_decay, momentum, dampening, nesterov, maximize},
+                 {lr_tensor, inv_scale, found_inf, clip_coef},
+                 h.get()});
 }
 
 template <void (*Kernel)(const SgdLowbitArgs&)>

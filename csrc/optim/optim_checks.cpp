@@ -29,9 +29,10 @@ bool check_lengths(const char* op, TensorList params, TensorList grads,
   return has_master;
 }
 
+// `held`: the handle the lists but the grads come from (a `*_held_` op), or null.
 StepPlan check_step(const char* op, TensorList params, TensorList grads,
                     const std::vector<std::pair<const char*, TensorList>>& state,
-                    TensorList state_steps, TensorList master_params) {
+                    TensorList state_steps, TensorList master_params, const HeldLists* held) {
   const size_t n = params.size();
   const bool has_master = check_lengths(op, params, grads, state, state_steps, master_params);
   StepPlan plan;
@@ -39,11 +40,13 @@ StepPlan check_step(const char* op, TensorList params, TensorList grads,
   if (n == 0) return plan;
   const Device dev = params[0].device();
   plan.device = dev;
-  // Each list's tensors read from torch once, for every check below.
-  const MetaList P = MetaList::read(params), G = MetaList::read(grads);
-  const MetaList ST = MetaList::read(state_steps), MP = MetaList::read(master_params);
+  // Each list's tensors read from torch once, for every check below (held ones through the
+  // handle's cache, which re-reads what can change).
+  const auto read = [held](TensorList l) { return held ? held->read(l) : MetaList::read(l); };
+  const MetaList P = read(params), G = MetaList::read(grads);
+  const MetaList ST = read(state_steps), MP = read(master_params);
   std::vector<MetaList> S;
-  for (const auto& named : state) S.push_back(MetaList::read(named.second));
+  for (const auto& named : state) S.push_back(read(named.second));
   for (size_t i = 0; i < n; ++i) {
     const TensorMeta& p = P[i];
     const TensorMeta& g = G[i];
@@ -81,12 +84,15 @@ StepPlan check_step(const char* op, TensorList params, TensorList grads,
     }
   }
   // Everything written, across lists: a param passed again as a state tensor (or twice) would be
-  // updated twice.
-  std::vector<std::pair<const char*, const MetaList*>> written = {{"params", &P},
-                                                                  {"state_steps", &ST}};
-  for (size_t k = 0; k < state.size(); ++k) written.emplace_back(state[k].first, &S[k]);
-  if (has_master) written.emplace_back("master_params", &MP);
-  check_disjoint(op, written);
+  // updated twice. Every written list is held in a `*_held_` op: when none of their tensors
+  // changed since a call whose checks passed, they are still disjoint.
+  if (held == nullptr || !held->unchanged()) {
+    std::vector<std::pair<const char*, const MetaList*>> written = {{"params", &P},
+                                                                    {"state_steps", &ST}};
+    for (size_t k = 0; k < state.size(); ++k) written.emplace_back(state[k].first, &S[k]);
+    if (has_master) written.emplace_back("master_params", &MP);
+    check_disjoint(op, written);
+  }
   const std::initializer_list<c10::ScalarType> dtypes = {kFloat, kHalf, kBFloat16};
   plan.params = FlatTensorList::prepare(P, op, "params", dev, true, dtypes);
   plan.grads = FlatTensorList::prepare(G, op, "grads", dev, false, dtypes);
@@ -96,6 +102,7 @@ StepPlan check_step(const char* op, TensorList params, TensorList grads,
   if (has_master) {
     plan.master = FlatTensorList::prepare(MP, op, "master_params", dev, true, {kFloat});
   }
+  if (held != nullptr) held->mark_checked();
   return plan;
 }
 
@@ -120,7 +127,7 @@ StepPlan check_args(const AdamArgs& a) {
   std::vector<std::pair<const char*, TensorList>> state = {{"exp_avgs", a.exp_avgs},
                                                            {"exp_avg_sqs", a.exp_avg_sqs}};
   if (a.opt.amsgrad) state.emplace_back("max_exp_avg_sqs", a.max_exp_avg_sqs);
-  StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params);
+  StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params, a.held);
   if (!plan.empty()) plan.scalars = check_scalars(op, plan.device, a.tensors);
   return plan;
 }
@@ -132,7 +139,7 @@ StepPlan check_args(const SgdArgs& a) {
                 ": momentum_buffers must be empty when momentum == 0");
   std::vector<std::pair<const char*, TensorList>> state;
   if (momentum) state.emplace_back("momentum_buffers", a.momentum_buffers);
-  StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params);
+  StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params, a.held);
   if (!plan.empty()) plan.scalars = check_scalars(op, plan.device, a.tensors);
   return plan;
 }

@@ -689,6 +689,6 @@ def test_every_held_variant_runs_with_its_list_ops_cases():
     for op, held in HELD.items():
         assert held_variant(op) == held
     emu.load()
-    for name in ("hold_tensors", "release_tensors"):
+    for name in ("hold_tensors", "release_tensors", "held_moved"):
         qualname = f"fastamp_emu::{name}"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CompositeExplicitAutograd")

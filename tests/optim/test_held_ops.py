@@ -135,3 +135,105 @@ def test_held_tensors_are_released_with_their_holder():
     del held
     with pytest.raises(RuntimeError, match="no tensors are held under handle"):
         ops.release_tensors(handle)
+
+
+def _shared_with_p0(p, m, v):
+    p[1].data = p[0].data  # two written params on one storage
+
+
+def _state_shares_a_param(p, m, v):
+    m[2].set_(p[2].untyped_storage(), 0, (5,), (1,))  # exp_avgs[2] is params[2]'s memory
+
+
+def _zero_stride_in_place(p, m, v):
+    v[0].as_strided_((5,), (0,))  # same data pointer, every element one
+
+
+def _shrunk_in_place(p, m, v):
+    p[1].resize_(4)  # same data pointer, another shape
+
+
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (_shared_with_p0, "share memory"),
+        (_state_shares_a_param, "share memory"),
+        (_zero_stride_in_place, r"exp_avg_sqs\[0\] must have the shape \[5\] and strides \[1\]"),
+        (_shrunk_in_place, r"exp_avgs\[1\] must have the shape \[4\]"),
+    ],
+)
+def test_held_call_sees_a_change_made_after_it_checked_the_tensors(change, error):
+    """The held op caches what it read of each held tensor and skips the memory-sharing check
+    while nothing changed: a change made after checked calls (new storage, memory shared across
+    written lists, strides or a shape changed in place with the same data pointer) is seen and
+    refused with nothing written, as the list-taking op refuses it."""
+    p, m, v, s, held = _adam_hold()
+    grads = [torch.ones(5) for _ in range(3)]
+    for _ in range(2):  # checked twice: the second call is the cached one
+        ops.adam_step_held_(held.handle, grads, *_adam_args())
+    change(p, m, v)
+    saved = [t.clone() for t in p + m + v + s]
+    gs = [torch.ones(t.shape) for t in p]
+    with pytest.raises(RuntimeError, match=error):
+        ops.adam_step_held_(held.handle, gs, *_adam_args())
+    for a, b in zip(p + m + v + s, saved):
+        assert_bitwise_equal(a.contiguous(), b)  # (a zero-stride view compared by its values)
+    # The list-taking op refuses the same lists with the same words.
+    with pytest.raises(RuntimeError, match=error):
+        ops.adam_step_(p, gs, m, v, [], s, [], *_adam_args())
+
+
+def test_held_call_after_a_refusal_and_a_repair_steps_as_the_list_op():
+    p, m, v, s, held = _adam_hold()
+    grads = [torch.ones(5) for _ in range(3)]
+    ops.adam_step_held_(held.handle, grads, *_adam_args())
+    saved = p[1].data
+    p[1].data = p[0].data
+    with pytest.raises(RuntimeError, match="share memory"):
+        ops.adam_step_held_(held.handle, grads, *_adam_args())
+    p[1].data = saved
+    copies = [[t.clone() for t in ts] for ts in (p, m, v, s)]
+    ops.adam_step_held_(held.handle, grads, *_adam_args())
+    ops.adam_step_(copies[0], grads, copies[1], copies[2], [], copies[3], [], *_adam_args())
+    for a, b in zip(p + m + v + s, [t for ts in copies for t in ts]):
+        assert_bitwise_equal(a, b)
+
+
+def test_held_call_sees_a_consistent_in_place_resize():
+    """A param and its state shrunk in place together (same data pointers, the storage keeps its
+    old bytes beyond the new end) are stepped over their new size only, as the list-taking op
+    steps them: the cached element counts are not reused."""
+    p, m, v, s, held = _adam_hold()
+    grads = [torch.ones(5) for _ in range(3)]
+    for _ in range(2):
+        ops.adam_step_held_(held.handle, grads, *_adam_args())
+    copies = [[t.clone() for t in ts] for ts in (p, m, v, s)]
+    for ts in (p, m, v, copies[0], copies[1], copies[2]):
+        ts[1].resize_(3)
+    gs = [torch.ones(t.shape) for t in p]
+    ops.adam_step_held_(held.handle, gs, *_adam_args())
+    ops.adam_step_(copies[0], gs, copies[1], copies[2], [], copies[3], [], *_adam_args())
+    for a, b in zip(p + m + v + s, [t for ts in copies for t in ts]):
+        assert_bitwise_equal(a, b)
+        # the bytes past the new end are untouched in both
+        assert bytes(a.untyped_storage()) == bytes(b.untyped_storage())
+
+
+def test_held_moved_names_the_first_tensor_whose_address_changed():
+    """``fastamp::held_moved``: -1 while every held tensor has the data pointer it had when held;
+    else the first one's position over the lists (what flat buffers check every step)."""
+    a = [torch.zeros(4) for _ in range(3)]
+    b = [torch.zeros(2) for _ in range(2)]
+    held = _ops.HeldTensors((a, b))
+    assert held.moved() == -1
+    a[2].add_(1.0)  # in place: same address
+    b[0].resize_(2)
+    assert held.moved() == -1
+    b[1].data = torch.ones(2)  # position 3 + 1
+    assert held.moved() == 4
+    a[1].set_(torch.empty(4))  # position 1, now the first
+    assert held.moved() == 1
+    handle = held.handle
+    held.release()
+    with pytest.raises(ValueError, match="holds no tensors"):
+        _ops._raw.held_moved(handle)  # (the raw op, with no tensor argument, raises RuntimeError)
