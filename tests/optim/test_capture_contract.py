@@ -126,3 +126,55 @@ def test_a_remade_state_tensor_is_seen():
 
     problems = _steady_state_violations(model, opt, scaler, remaking_step)
     assert any("moved or were re-made" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("as_view", [True, False], ids=["bucket_view", "grad_copy"])
+def test_ddp_steady_state_step_is_capture_safe(as_view):
+    """The same contract for the step after fastamp's DDP backward (one gloo rank, in process):
+    with ``gradient_as_bucket_view=True`` the grads are views of the reducer's buckets, and the
+    step keeps them, the params, the state and the scale where they are, reading nothing on the
+    host. The backward runs outside the mode: it is torch's reducer's, not the step."""
+    import torch.distributed as dist
+
+    from fastamp.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(30, 26), nn.LayerNorm(26), nn.Linear(26, 5))
+        model = DistributedDataParallel(net, gradient_as_bucket_view=as_view)
+        opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)
+        scaler = fastamp.GradScaler("cpu", init_scale=2.0**8, growth_interval=3)
+        model.register_grad_scaler(scaler)  # the clip reuses the buckets' statistics
+        x = torch.randn(8, 30, generator=torch.Generator().manual_seed(1))
+
+        def backward() -> None:
+            scaler.scale(model(x).square().mean()).backward()
+
+        def step() -> None:
+            scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+
+        for _ in range(3):
+            backward()
+            step()
+        lived = _lived(net, opt, scaler)
+        addresses = [t.untyped_storage().data_ptr() for t in lived]
+        problems: list[str] = []
+        for _ in range(3):
+            backward()  # grads accumulate into the same tensors (no zero_grad): as captured
+            ops = _Ops()
+            with ops:
+                step()
+            problems += [f"host read: {n}" for n in ops.names if n in HOST_READS]
+        after = _lived(net, opt, scaler)
+        moved = sum(
+            a is not b or a.untyped_storage().data_ptr() != addr
+            for a, b, addr in zip(after, lived, addresses)
+        )
+        assert problems == [] and moved == 0, (problems, moved)
+        if as_view:  # the grads are the buckets' views throughout
+            assert all(p.grad._base is not None for p in net.parameters())
+    finally:
+        dist.destroy_process_group()

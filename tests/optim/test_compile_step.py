@@ -77,3 +77,30 @@ def test_whole_step_compiles_through_aot_autograd():
     assert s_comp.get_scale() == s_eager.get_scale()
     for a, b in zip(m_eager.parameters(), m_comp.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("warm", [0, 3], ids=["cold", "after_eager_steps"])
+def test_dynamo_explain_reports_one_graph_and_no_break(warm):
+    """``torch._dynamo.explain`` of the whole step (the issue's check), from a fresh scaler and
+    after eager steps (whose direct kernel calls leave no op wrapper for a trace to build)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = fastamp.GradScaler("cpu")
+
+    def backward() -> None:
+        scaler.scale(model(torch.randn(2, 8)).square().sum()).backward()
+
+    def step() -> None:
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+    for _ in range(warm):
+        backward()
+        step()
+    backward()
+    explained = torch._dynamo.explain(step)()
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    assert explained.graph_count == 1

@@ -25,6 +25,7 @@ from torch import Tensor
 from fastamp._library import (  # (importing it loads the operator library)
     StableOps,
     bump_versions,
+    call_direct,
     check_fake_devices,
     register_fake,
 )
@@ -212,12 +213,25 @@ class HeldTensors:
     def release(self) -> None:
         self._release()
 
+    def moved(self) -> int:
+        """The position (over the lists, in order) of the first held tensor whose data pointer
+        is not the one it had when held (``p.data = ...``, ``set_``), or -1."""
+        moved: int = _raw.held_moved(self.handle)
+        return moved
+
 
 def _release_held(handle: int) -> None:
     _raw.release_tensors(handle)
 
 
-def _call_held(name: str, written: Sequence[Tensor], *args: Any) -> None:
+def _call_held(name: str, written: Sequence[Tensor], keyset: Any, *args: Any) -> None:
+    """Calls held op ``name``, then bumps ``written``; with a ``keyset`` (a plan's launch whose
+    grads are plain tensors, on a thread where :func:`fastamp._library.direct_call_allowed`) and
+    no tensor subclass among the other arguments (the scaler's scalars, a tensor lr), straight at
+    that backend's kernel (:func:`fastamp._library.call_direct`)."""
+    if keyset is not None and all(type(a) is Tensor for a in args if isinstance(a, Tensor)):
+        call_direct(getattr(torch.ops.fastamp, name).default, keyset, written, *args)
+        return
     getattr(_raw, name)(*args)
     bump_versions(written)
 
@@ -228,11 +242,12 @@ def adam_step_held_(
     hyper: AdamHyper,
     amp: AmpStep,
     written: Sequence[Tensor],
+    keyset: Any = None,
 ) -> None:
     """:func:`adam_step_` with ``held`` holding (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
     state_steps, master_params); bumps the write counters of ``written`` (every tensor it
     writes)."""
-    _call_held("adam_step_held_", written,
+    _call_held("adam_step_held_", written, keyset,
         held.handle, grads, *hyper.schema_args(with_amsgrad=True), *_amp_args(amp),
     )  # fmt: skip
 
@@ -244,10 +259,11 @@ def adam_lowbit_step_held_(
     hyper: AdamHyper,
     amp: AmpStep,
     written: Sequence[Tensor],
+    keyset: Any = None,
 ) -> None:
     """:func:`adam_lowbit_step_` with ``held`` holding (params, exp_avgs, exp_avg_sqs,
     exp_avg_absmax, exp_avg_sq_absmax, state_steps, master_params)."""
-    _call_held("adam_lowbit_step_held_", written,
+    _call_held("adam_lowbit_step_held_", written, keyset,
         held.handle, grads, int(seed), *hyper.schema_args(with_amsgrad=False), *_amp_args(amp),
     )  # fmt: skip
 
@@ -258,10 +274,11 @@ def sgd_step_held_(
     hyper: SgdHyper,
     amp: AmpStep,
     written: Sequence[Tensor],
+    keyset: Any = None,
 ) -> None:
     """:func:`sgd_step_` with ``held`` holding (params, momentum_buffers, state_steps,
     master_params)."""
-    _call_held("sgd_step_held_", written,
+    _call_held("sgd_step_held_", written, keyset,
         held.handle, grads, *hyper.schema_args(), *_amp_args(amp),
     )  # fmt: skip
 
@@ -273,10 +290,11 @@ def sgd_lowbit_step_held_(
     hyper: SgdHyper,
     amp: AmpStep,
     written: Sequence[Tensor],
+    keyset: Any = None,
 ) -> None:
     """:func:`sgd_lowbit_step_` with ``held`` holding (params, momentum_buffers, state_steps,
     master_params)."""
-    _call_held("sgd_lowbit_step_held_", written,
+    _call_held("sgd_lowbit_step_held_", written, keyset,
         held.handle, grads, int(seed), *hyper.schema_args(), *_amp_args(amp),
     )  # fmt: skip
 

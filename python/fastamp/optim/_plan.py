@@ -84,7 +84,7 @@ class PlannedLaunch:
     grads' check); ``written`` every tensor the launch writes (their write counters are bumped
     after it runs)."""
 
-    call: Callable[[list[Tensor], dict[str, Any], Any], None]
+    call: Callable[[list[Tensor], dict[str, Any], Any, Any], None]
     g: int
     group: dict[str, Any]
     places: list[int]
@@ -114,6 +114,9 @@ class StepPlan:
         self.ids = [id(p) for p in params]
         self.params = params
         self.grad_types = [type(p.grad) for p in params]
+        # Every grad a plain tensor (no subclass): a held op's call may go straight to the
+        # backend kernel (fastamp._library.call_direct), the grad types compared each step.
+        self.plain = all(t is Tensor for t in self.grad_types)
         # Every state dict and every value in it, kept (so no id is reused while the plan
         # lives) and compared by identity.
         self.state_dicts = list(state.values())

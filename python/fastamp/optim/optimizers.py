@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from fastamp._devices import to_device
+from fastamp._library import backend_keyset, direct_call_allowed
 from fastamp._sharding import is_dtensor, local, local_param, local_state, wrap_like
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, FlatGrads, take
 from fastamp.optim import _family as family
@@ -55,12 +56,13 @@ class _Launch:
     """One kernel launch of a step, made before any launch runs: ``call(grads, group, amp)``
     writes ``kparams`` and the state tensors (all listed in ``written``; new ones in ``news``),
     reading the group's hyper-parameters when it runs; after it the state in ``news`` is
-    committed. ``held_call(held, grads, group, amp)`` is the same launch through the op's
+    committed. ``held_call(held, grads, group, amp, keyset)`` is the same launch through the op's
     ``_held_`` variant, with ``held`` holding ``lists`` (every list of the op but the grads, in
-    its schema order): what a step plan repeats."""
+    its schema order): what a step plan repeats (``keyset``: the backend kernel to call directly,
+    or None for the dispatcher, see fastamp._library.call_direct)."""
 
     call: Callable[[list[Tensor], dict[str, Any], AmpStep], None]
-    held_call: Callable[[_ops.HeldTensors, list[Tensor], dict[str, Any], AmpStep], None]
+    held_call: Callable[[_ops.HeldTensors, list[Tensor], dict[str, Any], AmpStep, Any], None]
     lists: tuple[list[Tensor], ...]
     g: int
     group: dict[str, Any]
@@ -424,6 +426,8 @@ class _FusedOptimizer(AmpFusedOptimizer):
         """The step through ``plan``; False (nothing written) when its first kernel refuses an
         input: the full step then checks everything and raises what it finds, or steps."""
         amps: dict[torch.device, AmpStep] = {}
+        # Straight to the backend kernel when the grads are plain tensors (fastamp._library).
+        direct = plan.plain and not torch.is_grad_enabled() and direct_call_allowed()
         for k, (launch, gs) in enumerate(zip(plan.launches, grads)):
             dev = launch.device
             amp = amps.get(dev)
@@ -432,7 +436,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
                     to_device(inv_scale, dev), to_device(found_inf, dev), to_device(clip_coef, dev)
                 )
             try:
-                launch.call(gs, launch.group, amp)
+                launch.call(gs, launch.group, amp, backend_keyset(dev) if direct else None)
             except (RuntimeError, TypeError, ValueError) as e:
                 if k == 0:
                     return False
@@ -483,6 +487,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
             return
         amps: dict[torch.device, AmpStep] = {}
         adopted = False
+        direct = not torch.is_grad_enabled() and direct_call_allowed()
         for seg in flat.segments:
             dev = seg.param.device
             amp = amps.get(dev)
@@ -493,7 +498,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
             if seg.call is None and self._flat_first_launch(flat, seg, amp):
                 adopted = True  # it ran: its state is new
                 continue
-            seg.call(seg.grads, seg.group, amp)
+            seg.call(seg.grads, seg.group, amp, backend_keyset(dev) if direct else None)
             seg.steps.copy_(seg.state["step"])  # type: ignore[index, union-attr]
         if adopted:
             flat.snapshot(self.state)
@@ -705,8 +710,8 @@ class _AdamBase(_FusedOptimizer):
                 )
 
             def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
-                          amp: AmpStep) -> None:  # fmt: skip
-                _ops.adam_lowbit_step_held_(held, gs, seed, hyper_of(group), amp, written)
+                          amp: AmpStep, keyset: Any = None) -> None:  # fmt: skip
+                _ops.adam_lowbit_step_held_(held, gs, seed, hyper_of(group), amp, written, keyset)
 
             lists = (kparams, ms, vs, ams, avs, steps, masters)
         else:
@@ -715,8 +720,8 @@ class _AdamBase(_FusedOptimizer):
                 _ops.adam_step_(kparams, gs, ms, vs, max_sqs, steps, masters, hyper_of(group), amp)
 
             def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
-                          amp: AmpStep) -> None:  # fmt: skip
-                _ops.adam_step_held_(held, gs, hyper_of(group), amp, written)
+                          amp: AmpStep, keyset: Any = None) -> None:  # fmt: skip
+                _ops.adam_step_held_(held, gs, hyper_of(group), amp, written, keyset)
 
             lists = (kparams, ms, vs, max_sqs, steps, masters)
 
@@ -872,16 +877,16 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
                 )
 
             def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
-                          amp: AmpStep) -> None:  # fmt: skip
-                _ops.sgd_lowbit_step_held_(held, gs, seed, hyper_of(group), amp, written)
+                          amp: AmpStep, keyset: Any = None) -> None:  # fmt: skip
+                _ops.sgd_lowbit_step_held_(held, gs, seed, hyper_of(group), amp, written, keyset)
         else:
 
             def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
                 _ops.sgd_step_(kparams, gs, bufs, counts, masters, hyper_of(group), amp)
 
             def held_call(held: _ops.HeldTensors, gs: list[Tensor], group: dict[str, Any],
-                          amp: AmpStep) -> None:  # fmt: skip
-                _ops.sgd_step_held_(held, gs, hyper_of(group), amp, written)
+                          amp: AmpStep, keyset: Any = None) -> None:  # fmt: skip
+                _ops.sgd_step_held_(held, gs, hyper_of(group), amp, written, keyset)
 
         return _Launch(
             call, held_call, (kparams, bufs, counts, masters), g, group, params, places, kparams,

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from fastamp._devices import to_device
+from fastamp._library import backend_keyset, direct_call_allowed
 from fastamp.scaler import _ops
 from fastamp.scaler._grads import DeviceGrads
 
@@ -69,8 +70,10 @@ def grad_norm(
         found[dev] = to_device(reuse[0], dev)
         pow_sums.append(to_device(reuse[1], scale_device))
     else:
+        direct = not torch.is_grad_enabled() and direct_call_allowed()
         for dev, entry in per_device.items():
-            f, pow_sum, flags[dev] = _ops.grad_stats(entry.grads, invs[dev], norm_type)
+            keyset = backend_keyset(dev) if direct and entry.plain else None
+            f, pow_sum, flags[dev] = _ops.grad_stats(entry.grads, invs[dev], norm_type, keyset)
             if entry.shard is not None:  # sharded grads (FSDP2): both over every shard, at once
                 f, pow_sum = entry.shard.reduce_stats(f, pow_sum, norm_type)
             found[dev] = f

@@ -5,8 +5,8 @@ statistics are reduced over), validated before the first one is touched; and the
 
 from __future__ import annotations
 
-from itertools import chain
-from operator import attrgetter
+from itertools import chain, repeat
+from operator import attrgetter, is_
 from typing import Any, NamedTuple
 
 import torch
@@ -28,8 +28,16 @@ class DeviceGrads(NamedTuple):
     #: With flat buffers (one grad per buffer, several params each): how many params each grad
     #: holds (its inf/NaN flag stands for each of them). None: one each.
     counts: list[int] | None = None
+    #: Every grad a plain dense tensor of the same backend, as a :class:`GradPlan` checked: the
+    #: scaler's ops may call the backend kernel directly (fastamp._library.call_direct).
+    plain: bool = False
+    #: False: a :class:`GradPlan` compared only the grads' types, for a caller whose first op
+    #: over them only reads them; the kernel checks devices, dtypes and layouts, and on its
+    #: refusal the caller collects in full (:func:`collect_grads`) and runs the op again.
+    checked: bool = True
 
 
+_grad = attrgetter("grad")
 _dtype = attrgetter("dtype")
 _device = attrgetter("device")
 _layout = attrgetter("layout")
@@ -50,6 +58,7 @@ class GradPlan:
         self.ids = list(map(id, params))
         grads = [p.grad for p in params]
         self.mask = [g is None for g in grads]
+        self.some_none = any(self.mask)
         live = [g for g in grads if g is not None]
         self.types = list(map(type, live))
         self.dtypes = list(map(_dtype, live))
@@ -78,17 +87,28 @@ class GradPlan:
                     return False
         return True
 
-    def collect(self, optimizer: Any, allow_fp16: bool) -> dict[torch.device, DeviceGrads] | None:
+    def collect(
+        self, optimizer: Any, allow_fp16: bool, read_only: bool = False
+    ) -> dict[torch.device, DeviceGrads] | None:
+        """This step's grads, or None (see the class docstring). ``read_only``: the caller's
+        first op over them only reads them and takes any dtype (``allow_fp16``), and it collects
+        in full if that op refuses them; then, for one device, only the grads' types are
+        compared here (about 0.25 us per grad less) and the op's checks do the rest."""
         groups = optimizer.param_groups
         if groups is not self.groups:
             return None
         params = same_params(groups, self.group_dicts, self.ids)
         if params is None:
             return None
-        grads = [p.grad for p in params]
-        if [g is None for g in grads] != self.mask:
+        grads = list(map(_grad, params))
+        if list(map(is_, grads, repeat(None))) != self.mask:
             return None
-        live = [g for g in grads if g is not None]
+        live = [g for g in grads if g is not None] if self.some_none else grads
+        if read_only and allow_fp16 and len(self.entries) == 1:
+            if list(map(type, live)) != self.types:
+                return None
+            dev, _, ids, places = self.entries[0]
+            return {dev: DeviceGrads(live, ids, places, plain=True, checked=False)}
         if (
             list(map(type, live)) != self.types
             or list(map(_dtype, live)) != self.dtypes
@@ -99,9 +119,9 @@ class GradPlan:
             return None
         if len(self.entries) == 1:
             dev, _, ids, places = self.entries[0]
-            return {dev: DeviceGrads(live, ids, places)}
+            return {dev: DeviceGrads(live, ids, places, plain=True)}
         return {
-            dev: DeviceGrads([live[k] for k in where], ids, places)
+            dev: DeviceGrads([live[k] for k in where], ids, places, plain=True)
             for dev, where, ids, places in self.entries
         }
 

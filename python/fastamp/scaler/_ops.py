@@ -16,6 +16,7 @@ from torch import Tensor
 from fastamp._checks import dense_list
 from fastamp._library import (  # (importing it loads the operator library)
     StableOps,
+    call_direct,
     check_fake_devices,
     register_fake,
 )
@@ -44,7 +45,7 @@ def _on_dense(op: str, grads: Sequence[Tensor], *args: Any) -> Any:
 
 
 def grad_stats(
-    grads: Sequence[Tensor], inv_scale: Tensor, norm_type: float = 2.0
+    grads: Sequence[Tensor], inv_scale: Tensor, norm_type: float = 2.0, keyset: Any = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Read-only pass over ``grads``: ``(found_inf, norm_pow_sum, tensor_found_inf)``.
 
@@ -52,7 +53,15 @@ def grad_stats(
     fp32 sum of ``|g * inv_scale| ** norm_type`` over all elements (the max for ``norm_type=inf``),
     ``tensor_found_inf`` a bool tensor flagging which grads held inf/NaN. Nothing is written into
     ``grads``, and nothing syncs with the host. Grads may mix float32, float16, bfloat16 and float64.
+    With a backend ``keyset``, the call goes straight to that kernel (the caller vouches that the
+    grads are plain dense tensors there, and that fastamp._library.direct_call_allowed()).
     """
+    if keyset is not None and type(inv_scale) is Tensor:
+        # Plain dense grads collected by a plan (see fastamp._library.call_direct).
+        direct: tuple[Tensor, Tensor, Tensor] = call_direct(
+            torch.ops.fastamp.grad_stats.default, keyset, (), grads, inv_scale, float(norm_type)
+        )
+        return direct
     stats: tuple[Tensor, Tensor, Tensor] = _on_dense(
         "grad_stats", grads, inv_scale, float(norm_type)
     )
@@ -96,8 +105,21 @@ def update_scale_(
     hysteresis: int = 1,
     min_scale: float = 0.0,
     max_scale: float = math.inf,
+    keyset: Any = None,
 ) -> None:
-    """Device-side loss-scale update (``torch._amp_update_scale_`` plus hysteresis and bounds)."""
+    """Device-side loss-scale update (``torch._amp_update_scale_`` plus hysteresis and bounds).
+    With a backend ``keyset`` (see :func:`grad_stats`), straight to that kernel when the four
+    tensors are plain ones, their write counters bumped here as the dispatcher would."""
+    written = (scale, growth_tracker, hysteresis_tracker)
+    if keyset is not None and all(
+        type(t) is Tensor and not t.requires_grad for t in (*written, found_inf)
+    ):
+        call_direct(torch.ops.fastamp.update_scale_.default, keyset, written,
+            scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor),
+            float(backoff_factor), int(growth_interval), int(hysteresis), float(min_scale),
+            float(max_scale),
+        )  # fmt: skip
+        return
     _raw.update_scale_(
         scale,
         growth_tracker,

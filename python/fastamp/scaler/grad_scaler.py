@@ -27,8 +27,8 @@ import math
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -36,9 +36,16 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from fastamp._checks import is_real, real
 from fastamp._devices import to_device
+from fastamp._library import backend_keyset, direct_call_allowed
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, handing
 from fastamp.scaler import _ops, _state, diagnostics
-from fastamp.scaler._clip import check_clip_arguments, clip_coefficient, grad_norm, unscale_and_clip
+from fastamp.scaler._clip import (
+    GradNorm,
+    check_clip_arguments,
+    clip_coefficient,
+    grad_norm,
+    unscale_and_clip,
+)
 from fastamp.scaler._grads import DeviceGrads, GradPlan, collect_grads, flat_device_grads
 from fastamp.scaler._transaction import ClipStep, OptimizerIteration, Transaction
 from fastamp.scaler._validation import (
@@ -52,6 +59,8 @@ from fastamp.scaler._validation import (
 from fastamp.scaler.diagnostics import OverflowReport
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
+
+_T = TypeVar("_T")
 
 
 def _inverse(scale: Tensor) -> Tensor:
@@ -255,10 +264,15 @@ class GradScaler(torch.amp.GradScaler):
         return self._scale, self._growth_tracker
 
     def _collect(
-        self, optimizer: torch.optim.Optimizer, allow_fp16: bool, caller: str = "unscale_"
+        self,
+        optimizer: torch.optim.Optimizer,
+        allow_fp16: bool,
+        caller: str = "unscale_",
+        read_only: bool = False,
     ) -> dict[torch.device, DeviceGrads]:
         """:func:`collect_grads`, through the optimizer's :class:`GradPlan` while it holds (not
-        while torch.compile traces: the plan is host-side bookkeeping a graph need not repeat)."""
+        while torch.compile traces: the plan is host-side bookkeeping a graph need not repeat).
+        ``read_only``: see :meth:`_read_grads`, the one caller that passes it."""
         if torch.compiler.is_compiling():
             return collect_grads(optimizer, allow_fp16, caller)
         if isinstance(optimizer, AmpFusedOptimizer):
@@ -276,15 +290,41 @@ class GradScaler(torch.amp.GradScaler):
         except TypeError:  # an optimizer that takes no weak reference: no plan
             return collect_grads(optimizer, allow_fp16, caller)
         if plan is not None:
-            per_device = plan.collect(optimizer, allow_fp16)
+            per_device = plan.collect(optimizer, allow_fp16, read_only)
             if per_device is not None:
                 return per_device
+        return self._collect_in_full(optimizer, allow_fp16, caller)
+
+    def _collect_in_full(
+        self, optimizer: torch.optim.Optimizer, allow_fp16: bool, caller: str
+    ) -> dict[torch.device, DeviceGrads]:
+        """:func:`collect_grads`, keeping a new :class:`GradPlan` when the grads allow one."""
         per_device = collect_grads(optimizer, allow_fp16, caller)
         if GradPlan.plannable(optimizer):
             self._grad_plans[optimizer] = GradPlan(optimizer, per_device)
         else:
             self._grad_plans.pop(optimizer, None)
         return per_device
+
+    def _read_grads(
+        self,
+        optimizer: torch.optim.Optimizer,
+        caller: str,
+        read: Callable[[dict[torch.device, DeviceGrads]], _T],
+    ) -> tuple[dict[torch.device, DeviceGrads], _T]:
+        """The optimizer's grads (any dtype) and ``read(grads)``, an op pass that only reads
+        them. The grads' plan then compares their types only (:meth:`GradPlan.collect`'s
+        ``read_only``) and leaves devices, dtypes and layouts to the op's own checks: if the op
+        refuses them, nothing was written, and the grads are collected in full (which raises
+        what it finds, or groups them anew) and read again."""
+        per_device = self._collect(optimizer, True, caller, read_only=True)
+        try:
+            return per_device, read(per_device)
+        except (RuntimeError, TypeError, ValueError):
+            if all(entry.checked for entry in per_device.values()):
+                raise
+        per_device = self._collect_in_full(optimizer, True, caller)
+        return per_device, read(per_device)
 
     def _unscale_grads_(
         self,
@@ -312,14 +352,22 @@ class GradScaler(torch.amp.GradScaler):
         # For optimizers that unscale inside their own kernel (fused=True): a read-only inf/NaN
         # check. PyTorch unscales by 1.0 here, rewriting every grad to itself.
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        per_device = self._collect(optimizer, allow_fp16=True)
         one = torch.ones((), dtype=torch.float32, device=scale.device)
-        found: dict[torch.device, Tensor] = {}
-        flags: dict[torch.device, Tensor] = {}
-        with torch.no_grad():
+
+        def read(
+            per_device: dict[torch.device, DeviceGrads],
+        ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
+            found: dict[torch.device, Tensor] = {}
+            flags: dict[torch.device, Tensor] = {}
+            direct = direct_call_allowed()
             for dev, entry in per_device.items():
-                f, _, flags[dev] = _ops.grad_stats(entry.grads, to_device(one, dev))
+                keyset = backend_keyset(dev) if direct and entry.plain else None
+                f, _, flags[dev] = _ops.grad_stats(entry.grads, to_device(one, dev), 2.0, keyset)
                 found[dev] = f if entry.shard is None else entry.shard.reduce_found(f)
+            return found, flags
+
+        with torch.no_grad():
+            per_device, (found, flags) = self._read_grads(optimizer, "unscale_", read)
         self._optimizer_state(optimizer)["found_inf_per_device"] = found
         self._record_flags(optimizer, per_device, flags)
         return found
@@ -390,30 +438,41 @@ class GradScaler(torch.amp.GradScaler):
         # A fastamp fused optimizer takes the clip coefficient into its own kernel: the grads are
         # only read here (so fp16 grads are fine), and unscaled + clipped in the update pass.
         fused = isinstance(optimizer, AmpFusedOptimizer) and not already_unscaled
-        per_device = self._collect(optimizer, already_unscaled or fused, "clip_grad_norm_")
         if already_unscaled:
             inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
         else:
             inv_scale = _inverse(scale)
-        invs = {dev: to_device(inv_scale, dev) for dev in per_device}
-        reuse = None
-        if (
-            norm_type == 2.0
-            and not already_unscaled
-            and len(per_device) == 1
-            and self._ddp_stats is not None
-        ):
-            # DDP's unpack already read these grads for the inf check and the sum of squares.
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            if self._ddp_stats.current_for(params, self._scale):
-                reuse = (self._ddp_stats.found_inf, self._ddp_stats.sum_sq)
+
+        def read(per_device: dict[torch.device, DeviceGrads]) -> GradNorm:
+            """The stats pass (or DDP's, when it measured these very grads)."""
+            invs = {dev: to_device(inv_scale, dev) for dev in per_device}
+            reuse = None
+            if (
+                norm_type == 2.0
+                and not already_unscaled
+                and len(per_device) == 1
+                and self._ddp_stats is not None
+            ):
+                # DDP's unpack already read these grads for the inf check and the sum of squares.
+                params = [p for g in optimizer.param_groups for p in g["params"]]
+                if self._ddp_stats.current_for(params, self._scale):
+                    reuse = (self._ddp_stats.found_inf, self._ddp_stats.sum_sq)
+            return grad_norm(per_device, invs, norm_type, scale.device, reuse)
+
         with torch.no_grad():
-            found, flags, total_norm = grad_norm(per_device, invs, norm_type, scale.device, reuse)
+            if fused:  # the grads are only read here: their plan leaves the checks to the op
+                per_device, (found, flags, total_norm) = self._read_grads(
+                    optimizer, "clip_grad_norm_", read
+                )
+            else:
+                per_device = self._collect(optimizer, already_unscaled, "clip_grad_norm_")
+                found, flags, total_norm = read(per_device)
             if fused:  # the step's scalars but found_inf (summed over devices at step())
                 self._iteration(optimizer).clip = ClipStep(
                     inv_scale, clip_coefficient(total_norm, max_norm)
                 )
             else:
+                invs = {dev: to_device(inv_scale, dev) for dev in per_device}
                 unscale_and_clip(per_device, invs, total_norm, max_norm, tx.grads_written)
         if already_unscaled:
             # Keep the inf checks of the earlier unscale_: they saw the grads before clipping.
@@ -551,6 +610,7 @@ class GradScaler(torch.amp.GradScaler):
             self._hysteresis,
             self._min_scale,
             self._max_scale,
+            backend_keyset(scale.device) if direct_call_allowed() else None,
         )
         self._record_overflow(update_count)
         update_count.add_(1)
