@@ -203,6 +203,16 @@ _BACKEND_KEYS: dict[str, Any] = {
 }
 
 
+# torch has no public spelling of "no mode or transform on this thread": these are the checks
+# torch.utils._python_dispatch and torch.overrides make themselves.
+# private-ok: the TorchDispatchMode stack's depth
+_dispatch_mode_count = torch._C._len_torch_dispatch_stack
+# private-ok: whether a TorchFunctionMode is active
+_function_mode_on = torch._C._is_torch_function_mode_enabled
+# private-ok: the thread's included dispatch keys (Python, functorch and inference mode change it)
+_tls_include_set = torch._C._dispatch_tls_local_include_set
+
+
 def backend_keyset(device: torch.device) -> Any:
     """The dispatch key set of ``device``'s backend kernel (None: no direct call there)."""
     return _BACKEND_KEYS.get(device.type)
@@ -216,11 +226,10 @@ def direct_call_allowed() -> bool:
     that autograd has nothing to do (grad mode off, or no argument requiring grad)."""
     if torch.compiler.is_compiling():  # first: dynamo traces no further than this
         return False
-    c = torch._C
     return (
-        c._len_torch_dispatch_stack() == 0
-        and not c._is_torch_function_mode_enabled()
-        and c._dispatch_tls_local_include_set() == _PLAIN_INCLUDE
+        _dispatch_mode_count() == 0
+        and not _function_mode_on()
+        and _tls_include_set() == _PLAIN_INCLUDE
     )
 
 
