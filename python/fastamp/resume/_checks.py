@@ -65,6 +65,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
+# Hyperparameters PyTorch's optimizers default when a loaded group lacks them (__setstate__ or a
+# newer version's keys); every other key of a group must be in the saved one.
 _DEFAULTED_GROUP_KEYS = frozenset(
     {
         "foreach",
