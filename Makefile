@@ -114,7 +114,7 @@ test-clients: $(VENV)/.built
 # CPU; PIP_CONSTRAINT=/dev/null lifts this machine's pip cap at 2.14.1), then the CPU suites.
 # Results: benchmarks/results/torch_matrix.md.
 MATRIX ?= 2.11.0 2.12.0 2.13.0 2.14.1 2.15.0
-MATRIX_TESTS ?= tests/scaler tests/optim tests/checkpoint tests/parallel tests/toolkit tests/test_library.py tests/test_torch_contract.py tests/test_architecture.py
+MATRIX_TESTS ?= tests/scaler tests/optim tests/checkpoint tests/parallel tests/resume tests/toolkit tests/test_library.py tests/test_torch_contract.py tests/test_architecture.py
 
 test-matrix: dist/cpu/.built
 	@for v in $(MATRIX); do \

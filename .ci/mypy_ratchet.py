@@ -46,7 +46,7 @@ def main() -> int:
         return 0
     base: dict[str, int] = json.loads(BASELINE.read_text()) if BASELINE.exists() else {}
     worse = {f: (n, base.get(f, 0)) for f, n in counts.items() if n > base.get(f, 0)}
-    better = {f: (n, b) for f, b in base.items() if counts.get(f, 0) < b}
+    better = {f: (counts.get(f, 0), b) for f, b in base.items() if counts.get(f, 0) < b}
     total, allowed = sum(counts.values()), sum(base.values())
     if worse:
         print(out, end="")

@@ -14,6 +14,8 @@
   loader do).
 * No module imports another capability's private (``_*``) modules: it uses what that capability
   exports.
+* The package root is shared ground: a private module at the root (``fastamp/_x.py``) is imported
+  by at least two capabilities; what one capability alone uses lives in its folder.
 * A class reads only attributes it assigns or declares in its own body (or a base class has as a
   class attribute): a reader of one file sees every attribute its classes use.
 """
@@ -207,6 +209,57 @@ def test_no_import_of_another_capabilitys_private_modules(path):
         f"{path.relative_to(ROOT)} imports other capabilities' private modules: "
         + "; ".join(f"line {n}: {m}" for n, m in bad)
         + " -- use what that capability exports (its __init__: e.g. fastamp.optim.ops)"
+    )
+
+
+def _capability_of(path: pathlib.Path) -> str:
+    """The folder of python/fastamp a file belongs to ("" for the package root's files)."""
+    rel = path.relative_to(PY)
+    return rel.parts[0] if len(rel.parts) > 1 else ""
+
+
+def root_modules_used_by_fewer_than_two(
+    graph: dict[str, set[str]], capability: dict[str, str]
+) -> dict[str, list[str]]:
+    """``{module: the capabilities that import it}`` for each private module at the package root
+    (``fastamp._x``) that fewer than two capabilities import."""
+    out = {}
+    for mod in graph:
+        name = mod.rpartition(".")[2]
+        if mod.count(".") != 1 or not name.startswith("_") or name.startswith("__"):
+            continue  # (__main__: the command line, no module's dependency)
+        users = sorted({capability[m] for m, deps in graph.items() if mod in deps} - {""})
+        if len(users) < 2:
+            out[mod] = users
+    return out
+
+
+def test_root_module_scanner_catches_and_allows():
+    graph = {
+        "fastamp._shared": set(),
+        "fastamp._one": set(),
+        "fastamp._none": set(),
+        "fastamp.__main__": {"fastamp._shared"},
+        "fastamp.tool": {"fastamp._none"},
+        "fastamp.a.x": {"fastamp._shared", "fastamp._one"},
+        "fastamp.b._y": {"fastamp._shared"},
+    }
+    capability = {"fastamp.tool": "", "fastamp.a.x": "a", "fastamp.b._y": "b"}
+    capability.update({m: "" for m in graph if m.count(".") == 1})
+    assert root_modules_used_by_fewer_than_two(graph, capability) == {
+        "fastamp._one": ["a"],
+        "fastamp._none": [],
+    }
+
+
+def test_private_root_modules_are_shared():
+    capability = {_module_name(p): _capability_of(p) for p in _py_files()}
+    bad = root_modules_used_by_fewer_than_two(_import_graph(), capability)
+    assert not bad, (
+        "private modules at the package root that fewer than two capabilities import: "
+        + "; ".join(f"{m} (imported by {users or 'no capability'})" for m, users in bad.items())
+        + " -- the root holds what capabilities share; move it into its capability's folder "
+        "(as fastamp/resume/_checksums.py)"
     )
 
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import fastamp
-import fastamp.resume as resume
+import fastamp.resume.training_state as resume
 from fastamp.checkpoint import ops as checkpoint_ops
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

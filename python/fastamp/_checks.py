@@ -32,7 +32,7 @@ def real(value: object, where: str, arg: str, expected: str) -> float:
 
     ``expected`` says what would be accepted (e.g. "a finite number > 0"); it ends the message.
     """
-    if not is_real(value):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):  # is_real, narrowed
         raise TypeError(
             f"{where}: {arg} must be {expected}, got {value!r} (a {type(value).__name__})"
         )

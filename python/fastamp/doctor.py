@@ -214,7 +214,9 @@ def _selftests(device: str) -> list[tuple[str, Callable[[], None]]]:
         1e-2, None, 0.9, 0.999, 0.01, 1e-8, decoupled_weight_decay=True, maximize=False
     )
 
-    def adamw_expected(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+    def adamw_expected(
+        p: Tensor, g: Tensor, m: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         kw: dict[str, float] = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
         return adam_ref(p, g, m, v, None, 1, **kw, amsgrad=False, decoupled=True, maximize=False)
 

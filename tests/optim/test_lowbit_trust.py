@@ -99,8 +99,10 @@ def test_torch_loads_bfloat16_state_as_its_exact_floats(cls):
     t.step()
 
 
-def test_old_int8_layout_still_loads():
-    """0.1.0 saved the codes under torch's keys; such a checkpoint loads as the same moments."""
+def test_codes_under_torch_keys_are_refused():
+    """0.1.0's development builds saved the codes under torch's keys; that layout is not read:
+    loading it (or converting it with float32_state_dict) raises, naming the keys to rename,
+    and changes nothing."""
     a = _model()
     fa = fastamp.optim.AdamW(a.parameters(), lr=1e-3, state_dtype="int8")
     _train(a, fa, 2)
@@ -109,9 +111,16 @@ def test_old_int8_layout_still_loads():
         if "exp_avg_codes" in st:
             st["exp_avg"] = st.pop("exp_avg_codes")
             st["exp_avg_sq"] = st.pop("exp_avg_sq_codes")
-    b = fastamp.optim.AdamW(a.parameters(), lr=1e-3, state_dtype="int8")
-    b.load_state_dict(sd)
-    assert_bitwise_equal(b.state_dict(), fa.state_dict())
+    want = r"8-bit codes \(uint8\) under PyTorch's keys .*'exp_avg' -> 'exp_avg_codes'"
+    for fmt in ("int8", torch.float32):
+        b = fastamp.optim.AdamW(a.parameters(), lr=1e-3, state_dtype=fmt)
+        _train(a, b, 1)
+        before = copy.deepcopy(b.state_dict())
+        with pytest.raises(KeyError, match=want):
+            b.load_state_dict(sd)
+        assert_bitwise_equal(b.state_dict(), before)
+    with pytest.raises(KeyError, match=want):
+        lowbit.float32_state_dict(sd)
 
 
 # --- per-group options: checked when the group is made -------------------------------------------

@@ -112,8 +112,8 @@ OP_TESTS+=(tests/scaler/test_scaler_fuzz.py tests/optim/test_optim_fuzz.py
 CLASS_TESTS=(tests/scaler/test_grad_scaler.py tests/scaler/test_cpu_capabilities.py
   tests/scaler/test_compile.py tests/optim/test_optimizers.py tests/optim/test_cpu_capabilities.py
   tests/checkpoint/test_checkpoint.py tests/parallel/test_ddp.py tests/test_library.py)
-# tests/toolkit, less what is selected above or left out on purpose.
-for f in tests/toolkit/test_*.py; do
+# tests/toolkit and tests/resume, less what is selected above or left out on purpose.
+for f in tests/toolkit/test_*.py tests/resume/test_*.py; do
   case $f in */test_misuse*.py | */test_public_api_fuzz.py) ;; *) CLASS_TESTS+=("$f") ;; esac
 done
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fastamp
-from fastamp._state_checksums import seal
+from fastamp.resume._checksums import seal
 from fastamp.testing import assert_bitwise_equal
 from tests._fuzz import tiered
 

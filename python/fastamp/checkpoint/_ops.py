@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -85,8 +85,9 @@ _lib.impl("rng_set_state", _rng_set_state_impl, "CompositeExplicitAutograd")
 
 # The OpOverloads themselves, for the checkpoint's per-region RNG snapshot (a call through the
 # packet resolves the overload every time).
-rng_get_state_overload = torch.ops.fastamp.rng_get_state.default
-rng_set_state_overload = torch.ops.fastamp.rng_set_state.default
+# (typed: an OpOverload's call returns Any; these schemas return Tensor[] and ())
+rng_get_state_overload: Callable[[], list[Tensor]] = torch.ops.fastamp.rng_get_state.default
+rng_set_state_overload: Callable[[list[Tensor]], None] = torch.ops.fastamp.rng_set_state.default
 
 
 def rng_get_state() -> list[Tensor]:

@@ -18,7 +18,7 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 _cpu_generator = torch.default_generator
-_cuda_initialized = torch.cuda.is_initialized
+_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized  # typed: torch's is not
 
 
 def _rng_get_state() -> list[Tensor]:

@@ -28,7 +28,7 @@ from fastamp.checkpoint._replay import RngReplay
 __all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError"]
 
 _DETERMINISM_CHECKS = ("default", "none", "bitwise")
-_cuda_initialized = torch.cuda.is_initialized
+_cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized  # typed: torch's is not
 
 
 def checkpoint(
@@ -153,7 +153,7 @@ def _checkpoint(
         )
     else:
         out = _run_generator(
-            run, args, kwargs, torch_rng, context_fn, torch_check, debug, early_stop
+            _GENERATOR, run, args, kwargs, torch_rng, context_fn, torch_check, debug, early_stop
         )
     if torch_rng and _cuda_initialized():
         RngReplay.warn_newly_used("all initialised")
@@ -191,6 +191,7 @@ _GENERATOR = _find_generator()
 
 
 def _run_generator(
+    generator: Callable[..., Any],
     run: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -203,7 +204,7 @@ def _run_generator(
     """What torch.utils.checkpoint.checkpoint(use_reentrant=False) does around its generator,
     minus its per-call dynamo frame hook (torch.compile gets the disabled path above) and the
     argument parsing this module has already done."""
-    gen = _GENERATOR(
+    gen = generator(
         run, preserve_rng_state, context_fn, determinism_check, debug, early_stop, *args, **kwargs
     )
     next(gen)  # pre-forward: saved-tensor hooks, the forward context
@@ -238,6 +239,7 @@ def checkpoint_sequential(
 ) -> Any:
     """``torch.utils.checkpoint.checkpoint_sequential`` on :func:`checkpoint`: the functions are cut
     into ``segments`` runs of ``len // segments``; every run but the last is checkpointed."""
+    fns: list[Callable[[Any], Any]]
     if isinstance(functions, torch.nn.Sequential):
         fns = list(functions.children())
     elif isinstance(functions, (torch.nn.Module, Tensor)) or not isinstance(functions, Iterable):

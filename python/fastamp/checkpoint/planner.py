@@ -14,7 +14,7 @@ import contextlib
 import functools
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,8 +196,10 @@ def _measure(
     handles = []
     counter_ref: list[SavedBytes] = []
 
-    def pre(name):
-        def hook(mod, args, kwargs):
+    def pre(
+        name: str,
+    ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None]:
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             counter_ref[0].block = name
             stats[name]["in"] = sum(
                 t.nbytes for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)
@@ -208,8 +210,10 @@ def _measure(
 
         return hook
 
-    def post(name):
-        def hook(mod, args, kwargs, out):
+    def post(
+        name: str,
+    ) -> Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]:
+        def hook(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
             _sync(out)
             stats[name]["t"] = time.perf_counter() - stats[name]["t0"]
             counter_ref[0].block = None
@@ -242,7 +246,9 @@ def _measure(
     return result, counter.total
 
 
-def _checkpointed_forward(forward, selectively, *args, **kwargs):
+def _checkpointed_forward(
+    forward: Callable[..., Any], selectively: bool, *args: Any, **kwargs: Any
+) -> Any:
     if selectively:
         return checkpoint(forward, *args, use_reentrant=False, context_fn=selective(), **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)

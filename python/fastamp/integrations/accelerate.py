@@ -33,7 +33,7 @@ check and norm in one all-reduce (docs/fsdp.md).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -67,7 +67,9 @@ def supports_fastamp_scaler(accelerator: _Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.FSDP and bool(accelerator.is_fsdp2)
 
 
-def install_grad_scaler(accelerator: _Accelerator, scaler: torch.amp.GradScaler | None = None):
+def install_grad_scaler(
+    accelerator: _Accelerator, scaler: torch.amp.GradScaler | None = None
+) -> torch.amp.GradScaler:
     """Make ``accelerator`` (``mixed_precision="fp16"``) scale with ``scaler`` (default: a
     :class:`fastamp.GradScaler` built from the accelerator's ``GradScalerKwargs``). Call it before
     ``accelerator.prepare()``: the prepared optimizers take the scaler at that point. Returns the
@@ -108,7 +110,8 @@ def install_grad_scaler(accelerator: _Accelerator, scaler: torch.amp.GradScaler 
 def _unwrap(opt: Any) -> torch.optim.Optimizer:
     while isinstance(opt, AcceleratedOptimizer):
         opt = opt.optimizer
-    return opt
+    inner: torch.optim.Optimizer = opt  # (accelerate is untyped: its wrappers' .optimizer is Any)
+    return inner
 
 
 def clip_grad_norm_(
@@ -133,10 +136,12 @@ def clip_grad_norm_(
             owned = {id(p) for g in opt.param_groups for p in g["params"] if p.grad is not None}
             if owned == wanted:
                 return scaler.clip_grad_norm_(opt, max_norm, norm_type)
-    return _Accelerator.clip_grad_norm_(accelerator, params, max_norm, norm_type)
+    norm: torch.Tensor = _Accelerator.clip_grad_norm_(accelerator, params, max_norm, norm_type)
+    return norm
 
 
-class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
+# (type: ignore[misc]: accelerate ships no type information, so its class is Any to mypy)
+class _FastampAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc]
     """AcceleratedOptimizer whose ``step_was_skipped`` also sees the skips of fused fastamp
     optimizers: those always enter ``optimizer.step()`` (the kernel skips on inf/NaN, no host sync),
     which accelerate's own check takes for "not skipped". The flag is this class's own; accelerate's
@@ -149,7 +154,7 @@ class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
     # A class default: instances get this class by __class__ assignment, so no __init__ runs.
     _fused_step_skipped = False
 
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
         super().step(closure)
         if self.gradient_state.sync_gradients:  # a real step: the flag describes it
             self._fused_step_skipped = (
@@ -166,7 +171,8 @@ class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
         return self._fused_step_skipped or super().step_was_skipped
 
 
-class Accelerator(_Accelerator):
+# (type: ignore[misc]: accelerate ships no type information, so its class is Any to mypy)
+class Accelerator(_Accelerator):  # type: ignore[misc]
     """:class:`accelerate.Accelerator` with :class:`fastamp.GradScaler` for fp16 and fastamp's
     fused clipping; same constructor and methods (see the module docstring for what differs)."""
 
@@ -179,12 +185,16 @@ class Accelerator(_Accelerator):
         if self.mixed_precision == "fp16" and supports_fastamp_scaler(self):
             install_grad_scaler(self)
 
-    def prepare_optimizer(self, optimizer, device_placement=None):
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> AcceleratedOptimizer:
         prepared = super().prepare_optimizer(optimizer, device_placement=device_placement)
         if type(prepared) is AcceleratedOptimizer:
             # A fresh wrapper built by accelerate; the subclass only adds step()'s overflow flag.
             prepared.__class__ = _FastampAcceleratedOptimizer
         return prepared
 
-    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
         return clip_grad_norm_(self, parameters, max_norm, norm_type)

@@ -29,6 +29,7 @@ grads are still scaled in ``on_before_optimizer_step`` (as with torch's fused op
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -53,7 +54,8 @@ def _handles_unscaling(optimizer: Any) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-class FastampPrecision(MixedPrecision):
+# (type: ignore[misc]: lightning ships no type information, so its class is Any to mypy)
+class FastampPrecision(MixedPrecision):  # type: ignore[misc]
     """:class:`lightning.pytorch.plugins.precision.MixedPrecision` with :class:`fastamp.GradScaler`
     and fused clipping.
 
@@ -84,7 +86,7 @@ class FastampPrecision(MixedPrecision):
             )
         if scaler is None and precision == "16-mixed":
             scaler = fastamp.GradScaler(device)
-        super().__init__(precision, device, scaler)  # type: ignore[arg-type]
+        super().__init__(precision, device, scaler)
         #: the total grad norm of the last clip (a device tensor; nothing syncs to produce it)
         self.last_grad_norm: torch.Tensor | None = None
 
@@ -122,19 +124,21 @@ class FastampPrecision(MixedPrecision):
         if self.scaler is None or not isinstance(self.scaler, fastamp.GradScaler):
             if self.scaler is not None and _handles_unscaling(optimizer):
                 self.scaler.unscale_(optimizer)
-            return super().clip_grad_by_norm(optimizer, clip_val)
+            super().clip_grad_by_norm(optimizer, clip_val)
+            return
         self.last_grad_norm = self.scaler.clip_grad_norm_(optimizer, float(clip_val))
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
         if self.scaler is not None and _handles_unscaling(optimizer):
             self.scaler.unscale_(optimizer)  # clamping needs the true values
-        return super().clip_grad_by_value(optimizer, clip_val)
+        super().clip_grad_by_value(optimizer, clip_val)
 
 
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
 
-class FastampDDPStrategy(DDPStrategy):
+# (type: ignore[misc]: lightning ships no type information, so its class is Any to mypy)
+class FastampDDPStrategy(DDPStrategy):  # type: ignore[misc]
     """:class:`lightning.pytorch.strategies.DDPStrategy` that wraps the model in
     :class:`fastamp.parallel.DistributedDataParallel` (same constructor arguments as Lightning's,
     e.g. ``process_group_backend="gloo"``, ``find_unused_parameters``, ``bucket_cap_mb``) and hands
@@ -149,6 +153,7 @@ class FastampDDPStrategy(DDPStrategy):
     _ddp_kwargs: dict[str, Any]
     _model_averaging_period: Any
     lightning_module: Any
+    model: Any  # Strategy's property (the wrapped model once set up)
     precision_plugin: Any
     determine_ddp_device_ids: Callable[[], Any]
 
@@ -175,10 +180,11 @@ class FastampDDPStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         pass  # comm hooks are refused in _setup_model
 
-    def block_backward_sync(self):
+    def block_backward_sync(self) -> contextlib.AbstractContextManager[Any]:
         if isinstance(self.model, fastamp.parallel.DistributedDataParallel):
             return self.model.no_sync()
-        return super().block_backward_sync()
+        blocked: contextlib.AbstractContextManager[Any] = super().block_backward_sync()
+        return blocked
 
     def teardown(self) -> None:
         if isinstance(self.model, fastamp.parallel.DistributedDataParallel):

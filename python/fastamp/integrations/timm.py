@@ -51,7 +51,7 @@ OPTIMIZERS: dict[str, tuple[type, bool, bool]] = {
 
 
 def _param_ids(params: Iterable[Any]) -> set[int]:
-    ids = set()
+    ids: set[int] = set()
     for p in params:
         if isinstance(p, dict):  # a param group
             ids.update(id(q) for q in p["params"])
@@ -184,4 +184,5 @@ def create_optimizer_v2(
     register_optimizers()
     from timm.optim import create_optimizer_v2 as _create
 
-    return _create(model_or_params, opt=opt, **kwargs)
+    optimizer: torch.optim.Optimizer = _create(model_or_params, opt=opt, **kwargs)  # (timm: Any)
+    return optimizer

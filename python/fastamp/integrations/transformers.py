@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from fastamp.integrations._deps import require
 
 require("transformers")
@@ -38,13 +40,15 @@ __all__ = ["FastampTrainer"]
 _ADAMW_NAMES = {"adamw_torch", "adamw_torch_fused"}
 
 
-class FastampTrainer(transformers.Trainer):
+# (type: ignore[misc]: transformers ships no type information, so its class is Any to mypy)
+class FastampTrainer(transformers.Trainer):  # type: ignore[misc]
     """:class:`transformers.Trainer` with fastamp's scaler, AdamW and fused clipping."""
 
     # transformers' Trainer (set by its __init__)
     accelerator: Any
     args: Any
     optimizer: Any
+    optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -55,7 +59,7 @@ class FastampTrainer(transformers.Trainer):
             # (methods only: the subclass adds no state; its __init__ step was install_grad_scaler).
             acc.__class__ = _fa_accelerate.Accelerator
 
-    def create_optimizer(self, model: Any = None):
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         optim_name = str(getattr(self.args.optim, "value", self.args.optim))
         if (
             self.optimizer is None
@@ -72,7 +76,9 @@ class FastampTrainer(transformers.Trainer):
                 },
             )
             try:
-                return super().create_optimizer(model)
+                made: torch.optim.Optimizer = super().create_optimizer(model)  # (transformers: Any)
             finally:
                 self.optimizer_cls_and_kwargs = None
-        return super().create_optimizer(model)
+            return made
+        made = super().create_optimizer(model)
+        return made

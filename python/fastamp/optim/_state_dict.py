@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -17,6 +17,9 @@ from fastamp._sharding import is_dtensor, local, local_state, misplaced_state, w
 from fastamp.optim import lowbit
 from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import kernel_like, where_in_groups
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class StateDictChecks:
@@ -212,7 +215,7 @@ class StateDictChecks:
         return out
 
 
-def _check_sharded(entry: str, p: Tensor, st: Mapping[str, Any]) -> None:
+def _check_sharded(entry: str, p: DTensor, st: Mapping[str, Any]) -> None:
     """The state tensors of a DTensor param's shape must be DTensors laid out as the param."""
     bad = misplaced_state(p, st)
     if bad is not None:

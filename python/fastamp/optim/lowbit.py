@@ -342,10 +342,6 @@ def check_seed(value: Any, where: str) -> int:
     return value
 
 
-# Keys of 0.1.0's 8-bit state (codes under PyTorch's keys), still read.
-_LEGACY_INT8 = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
-
-
 @functools.cache
 def _int8_keys(moments: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(k for m in moments for k in (f"{m}_codes", f"{m}_absmax"))
@@ -357,8 +353,6 @@ def moment_keys(moments: tuple[str, ...]) -> tuple[str, ...]:
     keys = dict.fromkeys(
         k for f in _BY_NAME.values() if f.supports(moments) for k in f.keys(moments)
     )
-    if moments == ADAM_MOMENTS:
-        keys.update(dict.fromkeys(_LEGACY_INT8))
     return tuple(keys)
 
 
@@ -378,20 +372,31 @@ def format_of(state: Mapping[str, Any], moments: Sequence[str]) -> StateFormat |
     if isinstance(first, Tensor):  # under PyTorch's key (checked per step: the fast path first)
         if first.dtype == torch.bfloat16:
             return BFLOAT16
-        return INT8 if _legacy(state, moments) else FLOAT32
+        return FLOAT32
     if INT8.supports(moments) and any(k in state for k in INT8.keys(moments)):
         return INT8
     return None if all(state.get(k) is None for k in moments) else FLOAT32
 
 
-def _legacy(state: Mapping[str, Any], moments: Sequence[str]) -> bool:
-    return (
-        "exp_avg_absmax" in state
-        and "exp_avg_codes" not in state
-        and tuple(moments) == ADAM_MOMENTS
-        and isinstance(state.get("exp_avg"), Tensor)
-        and state["exp_avg"].dtype == torch.uint8
-    )
+def _refuse_codes_under_torch_keys(
+    state: Mapping[str, Any], moments: Sequence[str], where: object
+) -> None:
+    """Raises if ``state`` holds 8-bit codes under PyTorch's keys (uint8 beside the block scales):
+    the layout of fastamp 0.1.0's development builds, which is not read."""
+    first = state.get(moments[0])
+    if (
+        isinstance(first, Tensor)
+        and first.dtype == torch.uint8
+        and f"{moments[0]}_absmax" in state
+        and f"{moments[0]}_codes" not in state
+    ):
+        renames = ", ".join(f"{m!r} -> '{m}_codes'" for m in moments)
+        raise KeyError(
+            f"{where} holds 8-bit codes (uint8) under PyTorch's keys {list(moments)}: the layout "
+            "of fastamp 0.1.0's development builds, which this version does not read. Expected "
+            f"the codes under their own keys {list(INT8.keys(moments))}: rename them ({renames}) "
+            "in each parameter's state to load it"
+        )
 
 
 def check_any(
@@ -403,14 +408,12 @@ def check_any(
 ) -> None:
     """Raises unless ``state`` holds complete moments of ``p`` in one of the formats (which the
     step or load converts to the optimizer's), checked as :meth:`StateFormat.check`."""
-    if _legacy(state, moments):
-        INT8.check(_legacy_as_int8(state), p, moments, where, any_device)
-        return
     fmt = format_of(state, moments)
     if fmt is None:
         return
     stray = [k for k in _other_keys(fmt, tuple(moments)) if k in state]
     if stray:
+        _refuse_codes_under_torch_keys(state, moments, where)
         raise KeyError(
             f"{where} holds {fmt.name} moments under {list(fmt.keys(moments))} and also "
             f"{stray}; expected the keys of one format (a state_dict edited by hand, or "
@@ -421,20 +424,9 @@ def check_any(
 
 def decode_any(state: Mapping[str, Any], moments: Sequence[str]) -> dict[str, Tensor]:
     """The float32 moments of a state in any format (checked with :func:`check_any`)."""
-    if _legacy(state, moments):
-        return INT8.decode(_legacy_as_int8(state), moments)
     fmt = format_of(state, moments)
     assert fmt is not None
     return fmt.decode(state, moments)
-
-
-def _legacy_as_int8(state: Mapping[str, Any]) -> dict[str, Any]:
-    return {
-        "exp_avg_codes": state["exp_avg"],
-        "exp_avg_sq_codes": state.get("exp_avg_sq"),
-        "exp_avg_absmax": state.get("exp_avg_absmax"),
-        "exp_avg_sq_absmax": state.get("exp_avg_sq_absmax"),
-    }
 
 
 def convert(
@@ -442,11 +434,7 @@ def convert(
 ) -> dict[str, Tensor] | None:
     """The moments of ``state`` as ``fmt`` holds them for a param laid out as ``like``, or None
     when ``state`` holds them so already."""
-    if _legacy(state, moments):
-        state = _legacy_as_int8(state)
-        if fmt is INT8:  # the same codes under their own keys
-            return {k: v.contiguous().clone() for k, v in state.items()}
-    elif fmt.holds(state, like, moments):
+    if fmt.holds(state, like, moments):
         return None
     floats = decode_any(state, moments)
     return fmt.encode({k: v.to(like.device) for k, v in floats.items()}, like)
@@ -466,8 +454,11 @@ def float32_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     for pid, st in state_dict["state"].items():
         st = dict(st)
         for moments in (ADAM_MOMENTS, SGD_MOMENTS):
-            if format_of(st, moments) is None and not _legacy(st, moments):
+            if format_of(st, moments) is None:
                 continue
+            _refuse_codes_under_torch_keys(
+                st, moments, f"float32_state_dict: state_dict['state'][{pid!r}]"
+            )
             floats = decode_any(st, moments)
             for k in moment_keys(moments):
                 st.pop(k, None)

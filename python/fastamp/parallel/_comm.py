@@ -27,7 +27,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,13 @@ from fastamp.handoff import GradStats, GradStatsConsumer
 from fastamp.parallel import _ops as parallel_ops
 from fastamp.parallel._args import collective_error
 from fastamp.scaler import ops as scaler_ops
+
+if TYPE_CHECKING:
+    # torch.distributed.GradBucket (torch.distributed imports it from here without re-exporting)
+    from torch._C._distributed_c10d import GradBucket
+
+    #: A comm hook: ``hook(state, bucket)`` returns the future of the reduced bucket buffer.
+    CommHook = Callable[[Any, GradBucket], torch.futures.Future[Tensor]]
 
 # Bound once: the statistics pass is the hook's own, not a pass of the scaler's.
 _grad_stats = scaler_ops.grad_stats
@@ -104,7 +111,7 @@ class BucketStats:
         self.views = views  # gradient_as_bucket_view
         self.sparse_search = find_unused_parameters or static_graph
         self._used_map = used_map  # the reducer's map of (globally) used parameters
-        self.user: tuple[Callable, object] | None = None  # register_comm_hook's (hook, state)
+        self.user: tuple[CommHook, object] | None = None  # register_comm_hook's (hook, state)
         self.scaler: GradStatsConsumer | None = None
         self.divide_by_initial_world_size = True  # join()'s option
         # join: the all-reduce of "this rank synchronises" flags issued in the forward, whose sum
@@ -126,7 +133,7 @@ class BucketStats:
         self.last: tuple[Tensor, Tensor] | None = None  # its (found_inf, sum of squares)
 
     # ------------------------------------------------------------------ the hook
-    def __call__(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    def __call__(self, bucket: GradBucket) -> torch.futures.Future[Tensor]:
         task = _graph_task()
         measuring = task != -1  # a joined rank shadows the others' buckets outside any backward
         if measuring and task != self._task:
@@ -148,7 +155,7 @@ class BucketStats:
         inv = self._inv
         return fut.then(lambda f: self._measure(idx, self._result(idx, f), inv, post))
 
-    def _result(self, idx: int, fut: torch.futures.Future) -> Any:
+    def _result(self, idx: int, fut: torch.futures.Future[Any]) -> Any:
         try:
             return fut.value()
         except Exception as e:
@@ -171,7 +178,7 @@ class BucketStats:
         # after the reducer's.
         queue_callback(lambda: queue_callback(self._finish))
 
-    def _divide(self, bucket: dist.GradBucket, buffer: Tensor) -> int:
+    def _divide(self, bucket: GradBucket, buffer: Tensor) -> int:
         """What torch's reducer does without a hook: the grads divided by the world size (join's
         count of active ranks with ``divide_by_initial_world_size=False``). Returns the divisor
         left for the pass after the all-reduce, which divides and measures in one read: a power
@@ -200,7 +207,7 @@ class BucketStats:
                 span.mul_(1.0 / divisor)
         return 1
 
-    def _layout_of(self, idx: int, buffer: Tensor, bucket: dist.GradBucket) -> _Bucket:
+    def _layout_of(self, idx: int, buffer: Tensor, bucket: GradBucket) -> _Bucket:
         """Bucket ``idx`` as the reducer laid it out (cached while its buffer is the same: the
         reducer allocates new buffers when it rebuilds its buckets)."""
         cached = self._spans.get(idx)
@@ -210,7 +217,7 @@ class BucketStats:
                 addr=buffer.data_ptr(),
                 numel=buffer.numel(),
                 lengths=lengths,
-                views=buffer.view(-1).split(lengths),
+                views=buffer.view(-1).split_with_sizes(lengths),
                 members=[self.index[id(p)] for p in bucket.parameters()],
             )
             self._spans[idx] = cached
@@ -237,7 +244,7 @@ class BucketStats:
             else:  # float64 grads: the scaler's stats op takes them
                 if divisor != 1:
                     flat.mul_(1.0 / divisor)
-                found, sq, _ = _grad_stats(list(flat.split(lengths)), inv, 2.0)
+                found, sq, _ = _grad_stats(list(flat.split_with_sizes(lengths)), inv, 2.0)
         self._measured[idx] = (found, sq)
         return out
 
@@ -267,8 +274,9 @@ class BucketStats:
         self.last = (found, sq)
         if self.scaler is not None and self._scale is not None:
             with_grad = [p for p in self.params if p.grad is not None]
+            grads = [g for p in with_grad if (g := p.grad) is not None]
             self.scaler.note_grad_stats(
-                GradStats.measured(found, sq, with_grad, [p.grad for p in with_grad], self._scale)
+                GradStats.measured(found, sq, with_grad, grads, self._scale)
             )
 
     def note_forward(self) -> None:
@@ -288,7 +296,7 @@ class BucketStats:
         self.layout = [list(b) for b in buckets]
 
 
-def _first(fut: torch.futures.Future) -> Tensor:
+def _first(fut: torch.futures.Future[Any]) -> Tensor:
     return _first_tensor(fut.value())
 
 
@@ -303,7 +311,7 @@ def _first_tensor(value: Any) -> Tensor:
     return value
 
 
-def fastamp_comm_hook(state: BucketStats, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def fastamp_comm_hook(state: BucketStats, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """The hook fastamp registers on torch's reducer (``state`` is the DDP's :class:`BucketStats`)."""
     return state(bucket)
 
@@ -317,6 +325,7 @@ def weak_used_map(ddp: Any) -> Callable[[], Tensor]:
         if m is None:
             return torch.ones(1, dtype=torch.int32)
         # private-ok: torch's DDP reads the reducer's map the same way (join).
-        return m.reducer._get_local_used_map()
+        used_map: Tensor = m.reducer._get_local_used_map()
+        return used_map
 
     return used

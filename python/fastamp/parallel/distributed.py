@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -41,11 +41,14 @@ from fastamp.parallel._comm import BucketStats, fastamp_comm_hook, queue_callbac
 __all__ = ["DistributedDataParallel", "GradBucket"]
 
 #: The interface a comm hook's bucket argument has (torch's class: the hooks run on its reducer).
-GradBucket = dist.GradBucket
+if TYPE_CHECKING:  # torch.distributed imports it from its C module without re-exporting it
+    from torch._C._distributed_c10d import GradBucket
+else:
+    GradBucket = dist.GradBucket
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
 
-def _call(method: weakref.WeakMethod) -> None:
+def _call(method: weakref.WeakMethod[Callable[[], None]]) -> None:
     fn = method()
     if fn is not None:
         fn()
@@ -117,7 +120,8 @@ class DistributedDataParallel(_TorchDDP):
     static_graph: bool
     require_backward_grad_sync: bool
     bucket_bytes_cap: int
-    _comm_hooks: list[tuple[Callable, object]]  # torch's record of register_comm_hook calls
+    # torch's record of register_comm_hook calls
+    _comm_hooks: list[tuple[Callable[..., Any], object]]
 
     def __init__(
         self,
@@ -194,11 +198,15 @@ class DistributedDataParallel(_TorchDDP):
         )
         # Tells a second backward through a synchronised forward's output from the first.
         self._forward_tokens: list[list[int | None]] = []
-        dist._register_comm_hook(self.reducer, self._bucket_stats, fastamp_comm_hook)
+        # (torch.distributed imports it from its C module without re-exporting it)
+        dist._register_comm_hook(  # type: ignore[attr-defined]
+            self.reducer, self._bucket_stats, fastamp_comm_hook
+        )
 
     # ------------------------------------------------------------------ forward
     def _post_forward(self, output: Any) -> Any:
-        output = super()._post_forward(output)
+        # (torch's DDP method is unannotated; untyped_calls_exclude does not reach super() calls)
+        output = super()._post_forward(output)  # type: ignore[no-untyped-call]
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self._arm_output(output)
             world = self._bucket_stats.world_size
@@ -256,7 +264,8 @@ class DistributedDataParallel(_TorchDDP):
 
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> Any:
         try:
-            return super()._pre_forward(*inputs, **kwargs)
+            # (torch's DDP method is unannotated; untyped_calls_exclude does not reach super() calls)
+            return super()._pre_forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
         except RuntimeError as e:  # the bucket rebuild's or the join's collectives
             if not _transport_error(e):
                 raise  # the reducer's own checks, with torch's message
@@ -269,7 +278,8 @@ class DistributedDataParallel(_TorchDDP):
             _check_same_model(self.module, set(self.parameters_to_ignore), self.process_group)
             self._checked_same_model = True
         try:
-            super()._sync_buffers()
+            # (torch's DDP method is unannotated; untyped_calls_exclude does not reach super() calls)
+            super()._sync_buffers()  # type: ignore[no-untyped-call]
         except Exception as e:
             raise collective_error(
                 "the broadcast of the module's buffers", dist.get_rank(self.process_group), e
@@ -290,14 +300,15 @@ class DistributedDataParallel(_TorchDDP):
         return None
 
     def join_hook(self, **kwargs: Any) -> Any:
-        hook = super().join_hook(**kwargs)
+        # (torch's DDP method is unannotated; untyped_calls_exclude does not reach super() calls)
+        hook = super().join_hook(**kwargs)  # type: ignore[no-untyped-call]
         self._bucket_stats.divide_by_initial_world_size = bool(
             kwargs.get("divide_by_initial_world_size", True)
         )
         return hook
 
     # ------------------------------------------------------------------ comm hooks
-    def register_comm_hook(self, state: object, hook: Callable) -> None:
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
         """As torch's: ``hook(state, bucket) -> torch.futures.Future[Tensor]`` replaces the
         all-reduce of each bucket (``bucket`` is a :class:`torch.distributed.GradBucket`; its
         buffer holds the local, undivided grads). Once, before the first backward.
@@ -443,32 +454,37 @@ class DistributedDataParallel(_TorchDDP):
         # torch's constructor takes its bucket assignment from this function and reverses it
         # (buckets in backward order); handing it the reversed layout gives the layout.
         # private-ok: torch's DDP builds its reducer this way; there is no public spelling.
-        assign = dist._compute_bucket_assignment_by_size
+        # (the three type: ignores: torch.distributed imports it from its C module without
+        # re-exporting it)
+        assign = dist._compute_bucket_assignment_by_size  # type: ignore[attr-defined]
         # private-ok: torch's reducer methods, called as torch's DDP calls them.
         self.reducer._remove_autograd_hooks()
-        dist._compute_bucket_assignment_by_size = lambda *a, **k: (  # type: ignore[assignment]
+        dist._compute_bucket_assignment_by_size = lambda *a, **k: (  # type: ignore[attr-defined]
             [list(b) for b in reversed(buckets)],
             list(reversed(limits)),
         )
         try:
             self._ddp_init_helper(params, expect_sparse, names, self.static_graph)
         finally:
-            dist._compute_bucket_assignment_by_size = assign  # type: ignore[assignment]
+            dist._compute_bucket_assignment_by_size = assign  # type: ignore[attr-defined]
         if self.static_graph:
             # private-ok: torch's _set_static_graph does the same on a new reducer.
             self.reducer._set_static_graph()
             if self.logger is not None:
                 # private-ok: torch's _set_static_graph does the same on a new reducer.
                 self.logger._set_static_graph()
-        dist._register_comm_hook(self.reducer, self._bucket_stats, fastamp_comm_hook)
+        # (torch.distributed imports it from its C module without re-exporting it)
+        dist._register_comm_hook(  # type: ignore[attr-defined]
+            self.reducer, self._bucket_stats, fastamp_comm_hook
+        )
         self._has_rebuilt_buckets = bool(layout_rebuilt)
         self._bucket_stats.relaid(buckets)
 
     # ------------------------------------------------------------------ module protocol
-    def __getstate__(self):
+    def __getstate__(self) -> NoReturn:
         raise RuntimeError(f"{_NAME} cannot be pickled; save .module")
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: Any) -> NoReturn:
         raise RuntimeError(f"{_NAME} cannot be unpickled; wrap the module again")
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -25,8 +26,8 @@ def count_host_syncs(
     calls: list[str] = []
     originals = {name: getattr(torch.Tensor, name) for name in _METHODS}
 
-    def wrap(name, fn):
-        def wrapper(self, *args, **kwargs):
+    def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             frame = sys._getframe(1)
             mod = frame.f_globals.get("__name__", "")
             if any(mod == m or mod.startswith(m + ".") for m in modules):

@@ -11,7 +11,7 @@ import os
 import pathlib
 import secrets
 from collections import OrderedDict
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -20,11 +20,11 @@ class _WriteRecorder:
     """A binary file that remembers the OSError its write raised: torch.save reports a failed
     write as ``RuntimeError: [enforce fail at inline_container.cc...]``, which hides ENOSPC."""
 
-    def __init__(self, f: Any):
+    def __init__(self, f: BinaryIO):
         self.f = f
         self.error: OSError | None = None
 
-    def write(self, b: Any) -> int:
+    def write(self, b: bytes) -> int:
         try:
             return self.f.write(b)
         except OSError as e:
@@ -71,7 +71,9 @@ def atomic_save(obj: Any, path: str) -> None:
         with os.fdopen(fd, "wb") as f:
             rec = _WriteRecorder(f)
             try:
-                torch.save(obj, rec)
+                # torch.save writes to any object with write() and flush() (as its docstring
+                # says); its annotation names only str, PathLike and IO[bytes]
+                torch.save(obj, rec)  # type: ignore[arg-type]
                 rec.flush()
                 os.fsync(f.fileno())
             except OSError as e:
@@ -104,27 +106,29 @@ def encode_extra(value: Any, where: str) -> Any:
     try:
         import numpy as np
     except ImportError:  # pragma: no cover
-        np = None
-    if np is not None and isinstance(value, np.ndarray):
-        if value.dtype.hasobject or value.dtype.fields is not None:
+        pass
+    else:
+        if isinstance(value, np.ndarray):
+            if value.dtype.hasobject or value.dtype.fields is not None:
+                raise TypeError(
+                    f"save_training_state: {where} is a numpy array of dtype {value.dtype}, "
+                    "which torch.load(weights_only=True) cannot read back; expected a numeric "
+                    "array (or convert it: arr.tolist())"
+                )
+            return {
+                _TAG: "numpy.ndarray",
+                "dtype": value.dtype.str,
+                "shape": list(value.shape),
+                "data": np.ascontiguousarray(value).tobytes(),
+            }
+        if isinstance(value, np.generic):
+            if isinstance(value, (np.bool_, np.number)):
+                return {_TAG: "numpy.scalar", "dtype": value.dtype.str, "data": value.tobytes()}
             raise TypeError(
-                f"save_training_state: {where} is a numpy array of dtype {value.dtype}, which "
-                "torch.load(weights_only=True) cannot read back; expected a numeric array (or "
-                "convert it: arr.tolist())"
+                f"save_training_state: {where} is a numpy {type(value).__name__}, which "
+                "torch.load(weights_only=True) cannot read back; expected a number "
+                "(value.item())"
             )
-        return {
-            _TAG: "numpy.ndarray",
-            "dtype": value.dtype.str,
-            "shape": list(value.shape),
-            "data": np.ascontiguousarray(value).tobytes(),
-        }
-    if np is not None and isinstance(value, np.generic):
-        if isinstance(value, (np.bool_, np.number)):
-            return {_TAG: "numpy.scalar", "dtype": value.dtype.str, "data": value.tobytes()}
-        raise TypeError(
-            f"save_training_state: {where} is a numpy {type(value).__name__}, which "
-            "torch.load(weights_only=True) cannot read back; expected a number (value.item())"
-        )
     if isinstance(value, pathlib.PurePath):
         kind = (
             "pathlib.PureWindowsPath"

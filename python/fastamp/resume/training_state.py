@@ -17,7 +17,7 @@ save leaves either the previous complete checkpoint or files whose ids disagree,
 
 A sharded model (FSDP2's ``fully_shard``: DTensor parameters) keeps its tensors and its
 optimizer's in a directory ``f"{path}.dcp-<save id>"`` beside ``path``, written by every rank
-through ``torch.distributed.checkpoint`` (:mod:`fastamp._resume_sharded`); ``path`` names it, so
+through ``torch.distributed.checkpoint`` (:mod:`fastamp.resume._sharded`); ``path`` names it, so
 the file and the tensors it names always belong to one save, and rank 0 removes earlier saves'
 directories once ``path`` is in place. Such a checkpoint resumes on another number of ranks with
 ``restore_rng=False`` (the tensors are resharded).
@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fastamp._resume_checks import (
+from fastamp._sharding import is_sharded
+from fastamp.resume._checks import (
     check_optimizer_state,
     check_rng_state,
     check_scaler_state,
@@ -43,7 +44,9 @@ from fastamp._resume_checks import (
     rng_state_exact,
     set_rng_state,
 )
-from fastamp._resume_sharded import (
+from fastamp.resume._checksums import seal, verify
+from fastamp.resume._io import atomic_save, check_weights_only, decode_extra, encode_extra
+from fastamp.resume._sharded import (
     ShardedState,
     agree,
     check_files,
@@ -51,16 +54,14 @@ from fastamp._resume_sharded import (
     remove_stale,
     save_tensors,
 )
-from fastamp._resume_sharded import check as check_sharded
-from fastamp._sharding import is_sharded
-from fastamp._state_checksums import seal, verify
-from fastamp._state_io import atomic_save, check_weights_only, decode_extra, encode_extra
+from fastamp.resume._sharded import check as check_sharded
 from fastamp.scaler import GradScaler
 
 __all__ = ["TrainingState", "load_training_state", "save_training_state"]
 
-# 2: every file carries checksums of its content (fastamp._state_checksums). Format 1 files (fastamp
-# before 0.1.0, which has not been released) have none and are refused: their bytes cannot be verified.
+# 2: every file carries checksums of its content (fastamp.resume._checksums). Format 1 files
+# (fastamp before 0.1.0, which has not been released) have none and are refused: their bytes
+# cannot be verified.
 _FORMAT = 2
 
 
@@ -244,8 +245,6 @@ def _snapshot(obj: Any) -> Any:
     return restore
 
 
-# Hyperparameters PyTorch's optimizers default when a loaded group lacks them (__setstate__ or a
-# newer version's keys); every other key of a group must be in the saved one.
 def load_training_state(
     path: str | os.PathLike[str],
     *,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fastamp
-from fastamp._state_checksums import seal
+from fastamp.resume._checksums import seal
 from fastamp.testing import assert_bitwise_equal
 
 
@@ -181,7 +181,7 @@ def test_interrupted_distributed_save_and_world_size_change_are_refused(tmp_path
     st = fastamp.load_training_state(base, model=net, restore_rng=False)
     assert st.step == 1 and not st.rng_restored
     # as rank 0 of 2 (the process-group query stubbed): the mismatched save ids are refused
-    import fastamp.resume as resume
+    import fastamp.resume.training_state as resume
 
     monkeypatch.setattr(resume, "_dist_info", lambda: (0, 2, False))
     rng = torch.get_rng_state()
@@ -426,7 +426,7 @@ def test_failed_saves_leave_no_temporary_file(tmp_path, monkeypatch):
         fastamp.save_training_state(tmp_path / "adir", model=net)
     (tmp_path / "c.pt").write_bytes(b"previous checkpoint")
 
-    import fastamp.resume as resume
+    import fastamp.resume.training_state as resume
 
     real_fdopen = resume.os.fdopen
 
@@ -513,7 +513,7 @@ def test_overwritten_bytes_are_refused_before_anything_is_restored(tmp_path, fmt
 
     # The overwritten bytes reach the state: without the checksums one of these files loads, and
     # what it restores is not what was saved.
-    import fastamp.resume as resume
+    import fastamp.resume.training_state as resume
 
     monkeypatch.setattr(resume, "verify", lambda obj, path: None)
     differs = 0

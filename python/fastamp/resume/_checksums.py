@@ -13,7 +13,7 @@ state. So every file of a training state carries checksums of its own content:
 * the files ``torch.distributed.checkpoint`` writes (a sharded model's and optimizer's tensors)
   are hashed as bytes, entry by entry as its ``.metadata`` file lays them out (and the bytes
   between entries, and ``.metadata`` itself), after the save; the digests go into the checkpoint
-  file (:class:`fastamp._resume_sharded.ShardedState`), and a load verifies every file before
+  file (:class:`fastamp.resume._sharded.ShardedState`), and a load verifies every file before
   ``torch.distributed.checkpoint`` reads any, each rank a share of them.
 
 A difference raises :class:`ChecksumError` (a ``RuntimeError``) naming the file, the entry, and the

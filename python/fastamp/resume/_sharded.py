@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from fastamp._sharding import is_dtensor, local
-from fastamp._state_checksums import file_digests, verify_files
+from fastamp.resume._checksums import file_digests, verify_files
 
 __all__ = [
     "ShardedState",
@@ -40,7 +40,7 @@ class ShardedState:
     (``directory``, beside the file), the model's keys with their global shapes, and the
     optimizer's ``state_dict()`` without its tensors (``param_groups``, the other per-parameter
     entries, and for each tensor entry whether it is a DTensor, its global shape and dtype), and
-    the checksums of the directory's files (:func:`fastamp._state_checksums.file_digests`)."""
+    the checksums of the directory's files (:func:`fastamp.resume._checksums.file_digests`)."""
 
     directory: str
     model_shapes: dict[str, list[int]]

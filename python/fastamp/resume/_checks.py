@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -24,7 +24,12 @@ def rng_state() -> dict[str, Any]:
     except ImportError:
         pass
     else:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        # The global generator's legacy tuple (numpy's stub types a call without legacy= as
+        # the dict of legacy=False; its default is legacy=True).
+        kind, keys, pos, has_gauss, cached = cast(
+            "tuple[str, np.ndarray[Any, np.dtype[np.uint32]], int, int, float]",
+            np.random.get_state(),
+        )
         state["numpy"] = (
             kind,
             torch.from_numpy(keys.astype("int64")),
@@ -60,6 +65,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((kind, keys.numpy().astype("uint32"), pos, has_gauss, cached))
 
 
+# Hyperparameters PyTorch's optimizers default when a loaded group lacks them (__setstate__ or a
+# newer version's keys); every other key of a group must be in the saved one.
 _DEFAULTED_GROUP_KEYS = frozenset(
     {
         "foreach",
