@@ -419,6 +419,39 @@ def test_concurrent_saves_from_threads_all_succeed(tmp_path):
     assert fastamp.load_training_state(tmp_path / "c.pt", model=net).step in range(40)
 
 
+def test_files_carry_no_torch_crc32_and_the_option_is_left_as_it_was(tmp_path, monkeypatch):
+    """The checkpoint is written without torch.save's CRC-32 (the checksums replace it; torch.load
+    never checked it); torch's process-wide option is put back after the save, failed or not."""
+    import zipfile
+
+    net, scaler, opt, _ = _make()
+    path = tmp_path / "c.pt"
+    try:
+        for before in (True, False):
+            torch.serialization.set_crc32_options(before)
+            fastamp.save_training_state(path, model=net, optimizer=opt, scaler=scaler, step=1)
+            assert torch.serialization.get_crc32_options() is before
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with zipfile.ZipFile(path) as z:
+        assert {i.CRC for i in z.infolist() if i.file_size} == {0}
+    assert fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler).step == 1
+
+    real_save = torch.save
+
+    def fail_inside(obj, f, *args, **kwargs):
+        if not torch.serialization.get_crc32_options():
+            raise RuntimeError("the writer failed")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", fail_inside)
+    with pytest.raises(RuntimeError, match="the writer failed"):
+        fastamp.save_training_state(path, model=net, optimizer=opt, scaler=scaler, step=2)
+    assert torch.serialization.get_crc32_options() is True
+    monkeypatch.undo()
+    assert fastamp.load_training_state(path, model=net).step == 1  # the previous one, intact
+
+
 def test_failed_saves_leave_no_temporary_file(tmp_path, monkeypatch):
     net, scaler, opt, _ = _make()
     (tmp_path / "adir").mkdir()

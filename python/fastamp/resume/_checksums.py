@@ -16,6 +16,11 @@ state. So every file of a training state carries checksums of its own content:
   file (:class:`fastamp.resume._sharded.ShardedState`), and a load verifies every file before
   ``torch.distributed.checkpoint`` reads any, each rank a share of them.
 
+The files written with ``torch.save`` are written without its CRC-32 of each record
+(:func:`fastamp.resume._io.atomic_save`): no reader checks it, and computing it took longer than
+these digests (a single-threaded pass over every byte); the digests, checked at every load, take
+its place.
+
 A difference raises :class:`ChecksumError` (a ``RuntimeError``) naming the file, the entry, and the
 digest found against the one recorded. Bytes that reach no restored value (the zip archive's
 alignment padding) are not covered: changing them changes nothing that is restored.

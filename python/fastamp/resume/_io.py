@@ -10,7 +10,9 @@ import io
 import os
 import pathlib
 import secrets
+import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import torch
@@ -50,10 +52,40 @@ def _write_error(path: str, e: OSError) -> OSError:
     return OSError(e.errno, f"save_training_state: could not write {path!r}: {e.strerror}")
 
 
-def atomic_save(obj: Any, path: str) -> None:
+# torch.save's CRC-32 of every record: the largest share of its time on a CPU (a single-threaded
+# pass over every byte, ~1-2 GB/s), and checked by no reader of the file (torch.load skips it).
+# A file that carries fastamp's own checksums, verified at load, is written without it
+# (torch.serialization.set_crc32_options(False); zip tools then report the records' CRC as
+# wrong). The option is process-wide and read when torch.save opens its writer: it is off while
+# at least one such save runs, and put back as it was after the last one (a torch.save in another
+# thread meanwhile writes no CRC-32 either; torch.load reads its file as usual).
+_crc32_lock = threading.Lock()
+_crc32_off_count = 0
+_crc32_before = True
+
+
+@contextlib.contextmanager
+def _torch_crc32_off() -> Iterator[None]:
+    global _crc32_off_count, _crc32_before
+    with _crc32_lock:
+        if _crc32_off_count == 0:
+            _crc32_before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc32_off_count += 1
+    try:
+        yield
+    finally:
+        with _crc32_lock:
+            _crc32_off_count -= 1
+            if _crc32_off_count == 0:
+                torch.serialization.set_crc32_options(_crc32_before)
+
+
+def atomic_save(obj: Any, path: str, *, torch_crc32: bool = True) -> None:
     """torch.save to a temporary file of a unique name beside ``path`` (several threads or
     processes may save at once), fsync, then rename over ``path``. On any failure the temporary
-    file is removed and ``path`` is left as it was."""
+    file is removed and ``path`` is left as it was. ``torch_crc32=False``: without torch.save's
+    CRC-32 of the records (for a file whose content fastamp's checksums cover and verify)."""
     if os.path.isdir(path):
         raise IsADirectoryError(
             errno.EISDIR,
@@ -73,7 +105,8 @@ def atomic_save(obj: Any, path: str) -> None:
             try:
                 # torch.save writes to any object with write() and flush() (as its docstring
                 # says); its annotation names only str, PathLike and IO[bytes]
-                torch.save(obj, rec)  # type: ignore[arg-type]
+                with contextlib.nullcontext() if torch_crc32 else _torch_crc32_off():
+                    torch.save(obj, rec)  # type: ignore[arg-type]
                 rec.flush()
                 os.fsync(f.fileno())
             except OSError as e:

@@ -163,7 +163,7 @@ def save_training_state(
         "rng": rng_state(),
     }
     if world > 1:
-        atomic_save(seal(local), f"{path}.rank{rank}")
+        atomic_save(seal(local), f"{path}.rank{rank}", torch_crc32=False)
         dist.barrier()
     if rank == 0:
         shared = {
@@ -184,7 +184,7 @@ def save_training_state(
         }
         if world == 1:
             shared["rng"] = local["rng"]
-        atomic_save(seal(shared), path)
+        atomic_save(seal(shared), path, torch_crc32=False)
         if shards is not None:  # the file names the new tensors: earlier saves' can go
             remove_stale(path, shards.directory)
     if world > 1:
