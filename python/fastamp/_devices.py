@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import overload
 
 import torch
 from torch import Tensor
 
-T = TypeVar("T", Tensor, None)
+
+@overload
+def to_device(t: Tensor, device: torch.device) -> Tensor: ...
+@overload
+def to_device(t: Tensor | None, device: torch.device) -> Tensor | None: ...
 
 
-def to_device(t: T, device: torch.device) -> T:
+def to_device(t: Tensor | None, device: torch.device) -> Tensor | None:
     """``t`` on ``device``, without a copy when it is already there (no sync either way); None
     stays None."""
     if t is None or t.device == device:

@@ -26,10 +26,11 @@ loop that runs it).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import Tensor
@@ -48,7 +49,14 @@ from fastamp.optim._state_dict import StateDictChecks
 from fastamp.optim._step_checks import StepChecks
 from fastamp.optim.lowbit import FLOAT32, INT8, StateFormat
 
+if TYPE_CHECKING:
+    from torch.optim.optimizer import ParamsT
+
 __all__ = ["SGD", "Adam", "AdamW"]
+
+# What a ``state_dtype`` argument may be (lowbit.resolve): torch.float32 / torch.bfloat16, a
+# format's name ("int8", ...), a lowbit.StateFormat, or None (float32).
+_StateDtype: TypeAlias = torch.dtype | str | StateFormat | None
 
 
 @dataclass
@@ -107,9 +115,12 @@ class _FusedOptimizer(AmpFusedOptimizer):
     :class:`fastamp.handoff.AmpStep` (inv_scale, found_inf and a clip coefficient), and from
     torch.amp.GradScaler its ``grad_scale`` / ``found_inf`` (its protocol for fused=True)."""
 
-    # PyTorch's (set by torch.optim.Optimizer.__init__, read here).
+    # PyTorch's (set by torch.optim.Optimizer.__init__, read here), typed as torch types them.
+    # The methods this class overrides call PyTorch's through super(): to mypy this mixin's only
+    # base is AmpFusedOptimizer, so those calls carry type: ignore[misc] ("undefined in
+    # superclass"); at run time super() is the torch.optim class each optimizer also derives from.
     param_groups: list[dict[str, Any]]
-    state: dict[Tensor, dict[str, Any]]
+    state: defaultdict[Tensor, Any]
     defaults: dict[str, Any]
     register_load_state_dict_pre_hook: Callable[..., Any]
 
@@ -171,7 +182,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # PyTorch keeps defaults, state and param_groups; fastamp's options go along.
-        state = super().__getstate__()  # type: ignore[misc]
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[misc]
         state.pop("_plan", None)  # rebuilt by the first step
         state.pop("_flat", None)  # remade from the params by the first step
         state.pop("_flat_handoff", None)
@@ -211,7 +222,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
             self._flat_layout().zero_grad()
             return
         if set_to_none:
-            super().zero_grad(set_to_none=True)
+            super().zero_grad(set_to_none=True)  # type: ignore[misc]
             return
         grads: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         with torch.autograd.profiler.record_function(
@@ -282,7 +293,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 f"optimizer.state_dict(), got {type(state_dict).__name__}"
             )
         prepared: list[tuple[Tensor, dict[str, Any]]] = []
-        options = [
+        options: list[dict[str, Any]] = [
             {k: g[k] for k in ("state_dtype", "state_seed") if k in g} for g in self.param_groups
         ]
 
@@ -320,7 +331,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         ``torch.distributed.checkpoint`` can neither tell apart nor reshard. Decoded moments
         reshard like any DTensor, and :meth:`load_state_dict` encodes them again (the codec
         maps its own decoded values back to the same codes and scales)."""
-        sd = super().state_dict()  # type: ignore[misc]
+        sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
         params = [p for group in self.param_groups for p in group["params"]]
         moments = self._FAMILY.moments
         state = dict(sd["state"])
@@ -344,7 +355,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         self._load_checks.check(self.param_groups, sd)
 
     def _master(
-        self, p: Tensor, kp: Tensor, state: dict[str, Any], new: dict[str, Any]
+        self, p: Tensor, kp: Tensor, state: Mapping[str, Any], new: dict[str, Any]
     ) -> Tensor | None:
         """The fp32 master of ``p`` (with ``master_weights=True``), laid out as ``kp`` (the param
         as the kernel walks it); a new or re-strided one goes into ``new``, which the caller
@@ -362,9 +373,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
         fmt: StateFormat,
         moments: tuple[str, ...],
         like: Tensor,
-        state: dict[str, Any],
+        state: Mapping[str, Any],
         new: dict[str, Any],
-    ) -> dict[str, Any]:
+    ) -> Mapping[str, Any]:
         """The state as the kernel takes it for ``fmt``: new zero moments, or the present ones
         converted / re-strided when they are not already in ``fmt`` (into ``new``)."""
         if fmt.holds(state, like, moments):  # the fast path: every step but the first
@@ -612,7 +623,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         return float(lr), None
 
     def _step_tensor(
-        self, p: Tensor, state: dict[str, Any], new: dict[str, Any], key: str = "step"
+        self, p: Tensor, state: Mapping[str, Any], new: dict[str, Any], key: str = "step"
     ) -> Tensor:
         step = state.get(key)
         if step is None:
@@ -645,13 +656,22 @@ class _AdamBase(_FusedOptimizer):
     _FAMILY = family.ADAM
     _decoupled: bool
 
-    def _launch(self, fmt, g, group, params, places, states=None, grads=None) -> _Launch:
+    def _launch(
+        self,
+        fmt: StateFormat,
+        g: int,
+        group: dict[str, Any],
+        params: list[Tensor],
+        places: list[int],
+        states: Sequence[Mapping[str, Any] | None] | None = None,
+        grads: Sequence[Tensor] | None = None,
+    ) -> _Launch:
         """``states`` / ``grads`` (flat buffers) stand for ``self.state[p]`` / ``p.grad``."""
         moments = self._FAMILY.moments
         given_states, given_grads = states, grads
         amsgrad = bool(group["amsgrad"]) and not fmt.lowbit
         kparams, grads, steps, masters = [], [], [], []
-        currents: list[dict[str, Any]] = []
+        currents: list[Mapping[str, Any]] = []
         max_sqs: list[Tensor] = []
         news: list[dict[str, Any]] = []
         staged: list[tuple[Tensor, Tensor]] = []
@@ -677,6 +697,7 @@ class _AdamBase(_FusedOptimizer):
             steps.append(self._step_tensor(lp, state, new))
             kparams.append(kp)
             grad = p.grad if given_grads is None else given_grads[k]
+            assert grad is not None  # StepChecks.params keeps the params that have a grad
             grads.append(grad_like(grad if lp is p else local(grad), kp))
             if master is not None:
                 masters.append(master)
@@ -713,7 +734,7 @@ class _AdamBase(_FusedOptimizer):
                           amp: AmpStep, keyset: Any = None) -> None:  # fmt: skip
                 _ops.adam_lowbit_step_held_(held, gs, seed, hyper_of(group), amp, written, keyset)
 
-            lists = (kparams, ms, vs, ams, avs, steps, masters)
+            lists: tuple[list[Tensor], ...] = (kparams, ms, vs, ams, avs, steps, masters)
         else:
 
             def call(gs: list[Tensor], group: dict[str, Any], amp: AmpStep) -> None:
@@ -737,11 +758,14 @@ class Adam(_AdamBase, torch.optim.Adam):
 
     _decoupled = False
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, decoupled_weight_decay=False,
-                 master_weights=False, state_dtype=torch.float32, state_seed=0,
-                 flat_buffers=False) -> None:  # fmt: skip
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3,
+                 betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None,
+                 decoupled_weight_decay: bool = False, master_weights: bool = False,
+                 state_dtype: _StateDtype = torch.float32, state_seed: int = 0,
+                 flat_buffers: bool = False) -> None:  # fmt: skip
         self._fastamp_setup(master_weights, state_dtype, state_seed, flat_buffers)
         torch.optim.Adam.__init__(
             self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -758,10 +782,13 @@ class AdamW(_AdamBase, torch.optim.AdamW):
 
     _decoupled = True
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
-                 amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-                 differentiable=False, fused=None, master_weights=False, state_dtype=torch.float32,
-                 state_seed=0, flat_buffers=False) -> None:  # fmt: skip
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3,
+                 betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None,
+                 master_weights: bool = False, state_dtype: _StateDtype = torch.float32,
+                 state_seed: int = 0, flat_buffers: bool = False) -> None:  # fmt: skip
         self._fastamp_setup(master_weights, state_dtype, state_seed, flat_buffers)
         torch.optim.AdamW.__init__(
             self, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
@@ -785,10 +812,12 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
     _FAMILY = family.SGD
     _updates: dict[Tensor, Tensor]
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False, *, maximize=False, foreach=None, differentiable=False,
-                 fused=None, master_weights=False, state_dtype=torch.float32,
-                 state_seed=0) -> None:  # fmt: skip
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float | Tensor = 0.0,
+                 nesterov: bool = False, *, maximize: bool = False, foreach: bool | None = None,
+                 differentiable: bool = False, fused: bool | None = None,
+                 master_weights: bool = False, state_dtype: _StateDtype = torch.float32,
+                 state_seed: int = 0) -> None:  # fmt: skip
         self._fastamp_setup(master_weights, state_dtype, state_seed)
         self._updates = {}
         torch.optim.SGD.__init__(
@@ -811,7 +840,7 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
         self._updates = {}
 
     def _updates_of(
-        self, p: Tensor, state: dict[str, Any], new_counts: dict[Tensor, Tensor]
+        self, p: Tensor, state: Mapping[str, Any], new_counts: dict[Tensor, Tensor]
     ) -> Tensor:
         n = self._updates.get(p)
         if n is None:
@@ -826,7 +855,14 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
             n = new_counts[p] = torch.full((), first, dtype=torch.float32, device=p.device)
         return n
 
-    def _launch(self, fmt, g, group, params, places) -> _Launch:
+    def _launch(
+        self,
+        fmt: StateFormat,
+        g: int,
+        group: dict[str, Any],
+        params: list[Tensor],
+        places: list[int],
+    ) -> _Launch:
         moments = self._FAMILY.moments_of(group)
         kparams, grads, bufs, counts, masters = [], [], [], [], []
         news: list[dict[str, Any]] = []
@@ -849,7 +885,9 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
                 bufs.append(self._moments_for(fmt, moments, like, state, new)["momentum_buffer"])
             counts.append(count)
             kparams.append(kp)
-            grads.append(grad_like(p.grad if lp is p else local(p.grad), kp))
+            grad = p.grad
+            assert grad is not None  # StepChecks.params keeps the params that have a grad
+            grads.append(grad_like(grad if lp is p else local(grad), kp))
             if master is not None:
                 masters.append(master)
             news.append(new)

@@ -348,7 +348,11 @@ class GradScaler(torch.amp.GradScaler):
         self._record_flags(optimizer, per_device, flags)
         return found
 
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    # (type: ignore[override]: torch annotates dict[str, Any], but its own implementation returns
+    # what _unscale_grads_ returns, the flags by device, as this one does)
+    def _check_inf_per_device(  # type: ignore[override]
+        self, optimizer: torch.optim.Optimizer
+    ) -> dict[torch.device, Tensor]:
         # For optimizers that unscale inside their own kernel (fused=True): a read-only inf/NaN
         # check. PyTorch unscales by 1.0 here, rewriting every grad to itself.
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
@@ -496,10 +500,12 @@ class GradScaler(torch.amp.GradScaler):
         found = self._found_total(id(optimizer), optimizer_state)
         # One host sync for every device (PyTorch: one .item() per device); the scale rides along
         # so the "scale below 1" warning costs nothing extra.
+        assert self._scale is not None  # step() checked it (_check_scale_growth_tracker)
         found_val, scale_val = torch.stack([found, self._scale.to(found.device)]).tolist()
         self._maybe_warn_scale(scale_val)
         if not found_val:
-            return optimizer.step(*args, **kwargs)
+            retval: float | None = optimizer.step(*args, **kwargs)  # a closure's loss, or None
+            return retval
         return None
 
     def _found_total(self, key: int, optimizer_state: dict[str, Any]) -> Tensor:
@@ -540,7 +546,9 @@ class GradScaler(torch.amp.GradScaler):
                 self._last_skipped = self._overflowed(id(optimizer), state)
         return retval
 
-    def _fused_step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def _fused_step(
+        self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any
+    ) -> float | None:
         """step() for fastamp.optim optimizers: hand inv_scale, found_inf and the clip coefficient
         to the fused kernel, which skips on overflow by itself. No host sync, and the grads are
         read twice in all (stats pass + update) and never written."""
@@ -562,11 +570,12 @@ class GradScaler(torch.amp.GradScaler):
         if not state["found_inf_per_device"]:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         found = self._found_total(id(optimizer), state)
+        assert isinstance(optimizer, AmpFusedOptimizer)  # step() calls this only for them
         # Through optimizer.step() (not a private entry point), so wrappers such as the LR
         # schedulers' step counting see every step. PyTorch returns what optimizer.step returns
         # (a closure's loss) for optimizers that handle the scaling themselves.
         with handing(optimizer, AmpStep(inv_scale, found, coef)):
-            retval = optimizer.step(*args, **kwargs)
+            retval: float | None = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         self._last_skipped = self._overflowed(id(optimizer), state)
         return retval
