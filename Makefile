@@ -147,13 +147,15 @@ test-matrix-ci: $(VENV)/.built
 # nvcc, the default arch list) and the sdist. The wheels' versions carry their flavour as torch's do
 # (0.1.0+cpu, 0.1.0+cu130: cmake/wheel_flavour.py), so their file names differ and one index holds
 # both; the sdist has none (FASTAMP_VERSION_LABEL empty), as a wheel built from it keeps its version. Each wheel is Python abi3 and loads on every torch
-# from 2.11 up (LibTorch stable ABI); auditwheel repairs it to its manylinux tag, leaving out the
-# libraries torch itself provides; .ci/check_library.py audits the library inside. The reports go
-# to dist/wheels.txt (copied into benchmarks/results/wheels.md by hand with the matrix results).
+# from 2.11 up (LibTorch stable ABI); auditwheel repairs it to manylinux_2_28 (WHEEL_PLAT), leaving
+# out the libraries torch itself provides; .ci/check_library.py audits the library inside and the
+# wheel (auditwheel show --json: symbols within manylinux_2_28, nothing from outside but torch's
+# libraries). The reports go to dist/wheels.txt (copied into benchmarks/results/wheels.md by hand
+# with the matrix results).
 WHEEL_EXCLUDE := --exclude libtorch_cpu.so --exclude libtorch_cuda.so --exclude 'libcudart.so.*'
-# The oldest platform torch's own wheels support; repair fails, naming the symbol, if the library
-# needs a newer glibc or libstdc++ (csrc/common/manylinux_compat.cpp keeps GCC 12 / glibc 2.36
-# builds within it).
+# The oldest platform torch's own wheels support (glibc 2.28); repair fails, naming the symbol, if
+# the library needs a newer glibc or libstdc++ (csrc/common/manylinux_compat.cpp keeps builds with
+# this project's GCC 12 / glibc 2.36 within it).
 WHEEL_PLAT := manylinux_2_28_x86_64
 
 dist/cpu/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake python -type f -not -name '*.pyc' 2>/dev/null)
