@@ -15,9 +15,9 @@
 //                                            torch's stable headers and fastamp's error messages)
 // This file defines each of them inside the library (hidden: nothing is exported), on top of what
 // glibc 2.28 and GCC 8's libstdc++ already provide, so the references bind here and the library
-// needs nothing newer. It is what the manylinux images' gcc-toolset does with libstdc++_nonshared.a,
-// for the few symbols this library uses, and with the compiler the rest of the project uses (the
-// kernels' code is unchanged, bit for bit). The wheels are repaired with
+// needs nothing newer. It is what the manylinux images' gcc-toolset does with
+// libstdc++_nonshared.a, for the few symbols this library uses, and with the compiler the rest of
+// the project uses (the kernels' code is unchanged, bit for bit). The wheels are repaired with
 // `auditwheel repair --plat manylinux_2_28_x86_64` (Makefile), which fails naming any symbol that
 // needs more, so a new one cannot slip into a wheel.
 //
@@ -55,12 +55,14 @@ __asm__(".symver fastamp_dlsym_glibc_2_2_5,dlsym@GLIBC_2.2.5");
 namespace fastamp::compat {
 
 __attribute__((visibility("hidden"))) double pow_base_version(double x, double y) __asm__("pow");
-double pow_base_version(double x, double y) { return fastamp_pow_glibc_2_2_5(x, y); }
+double pow_base_version(double x, double y) {
+  return fastamp_pow_glibc_2_2_5(x, y);
+}
 
 // dlsym finds the library that asks from its return address: the call below is a tail call (the
 // caller's return address is kept), and either way both are inside this library.
-__attribute__((visibility("hidden"))) void* dlsym_base_version(void* handle, const char* name)
-    __asm__("dlsym");
+__attribute__((visibility("hidden"))) void* dlsym_base_version(void* handle,
+                                                               const char* name) __asm__("dlsym");
 void* dlsym_base_version(void* handle, const char* name) {
   return fastamp_dlsym_glibc_2_2_5(handle, name);
 }
@@ -69,7 +71,9 @@ __attribute__((visibility("hidden"))) char single_threaded __asm__("__libc_singl
 
 [[noreturn]] __attribute__((visibility("hidden"))) void throw_bad_array_new_length() __asm__(
     "_ZSt28__throw_bad_array_new_lengthv");
-void throw_bad_array_new_length() { throw std::bad_array_new_length(); }
+void throw_bad_array_new_length() {
+  throw std::bad_array_new_length();
+}
 
 __attribute__((visibility("hidden"))) void stringstream_ctor(void* self) __asm__(
     "_ZNSt7__cxx1118basic_stringstreamIcSt11char_traitsIcESaIcEEC1Ev");
@@ -79,7 +83,9 @@ void stringstream_ctor(void* self) {
 
 __attribute__((visibility("hidden"))) void ostringstream_ctor(void* self) __asm__(
     "_ZNSt7__cxx1119basic_ostringstreamIcSt11char_traitsIcESaIcEEC1Ev");
-void ostringstream_ctor(void* self) { ::new (self) std::ostringstream(std::ios_base::out); }
+void ostringstream_ctor(void* self) {
+  ::new (self) std::ostringstream(std::ios_base::out);
+}
 
 }  // namespace fastamp::compat
 
