@@ -147,15 +147,21 @@ test-matrix-ci: $(VENV)/.built
 # nvcc, the default arch list) and the sdist. The wheels' versions carry their flavour as torch's do
 # (0.1.0+cpu, 0.1.0+cu130: cmake/wheel_flavour.py), so their file names differ and one index holds
 # both; the sdist has none (FASTAMP_VERSION_LABEL empty), as a wheel built from it keeps its version. Each wheel is Python abi3 and loads on every torch
-# from 2.11 up (LibTorch stable ABI); auditwheel repairs it to its manylinux tag, leaving out the
-# libraries torch itself provides; .ci/check_library.py audits the library inside. The reports go
-# to dist/wheels.txt (copied into benchmarks/results/wheels.md by hand with the matrix results).
+# from 2.11 up (LibTorch stable ABI); auditwheel repairs it to manylinux_2_28 (WHEEL_PLAT), leaving
+# out the libraries torch itself provides; .ci/check_library.py audits the library inside and the
+# wheel (auditwheel show --json: symbols within manylinux_2_28, nothing from outside but torch's
+# libraries). The reports go to dist/wheels.txt (copied into benchmarks/results/wheels.md by hand
+# with the matrix results).
 WHEEL_EXCLUDE := --exclude libtorch_cpu.so --exclude libtorch_cuda.so --exclude 'libcudart.so.*'
+# The oldest platform torch's own wheels support (glibc 2.28); repair fails, naming the symbol, if
+# the library needs a newer glibc or libstdc++ (csrc/common/manylinux_compat.cpp keeps builds with
+# this project's GCC 12 / glibc 2.36 within it).
+WHEEL_PLAT := manylinux_2_28_x86_64
 
 dist/cpu/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake python -type f -not -name '*.pyc' 2>/dev/null)
 	rm -rf dist/cpu dist/raw-cpu && mkdir -p dist
 	FASTAMP_CUDA=OFF FASTAMP_WERROR=ON $(PIP) wheel -q --no-build-isolation --no-deps -w dist/raw-cpu . -Cbuild-dir=build/wheel-cpu
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair $(WHEEL_EXCLUDE) -w dist/cpu dist/raw-cpu/*.whl
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair --plat $(WHEEL_PLAT) $(WHEEL_EXCLUDE) -w dist/cpu dist/raw-cpu/*.whl
 	rm -rf dist/raw-cpu
 	touch $@
 
@@ -166,7 +172,7 @@ dist/cuda/.built: $(shell find csrc cmake python -type f -not -name '*.pyc' 2>/d
 	rm -rf dist/cuda dist/raw-cuda && mkdir -p dist
 	PATH="/usr/local/cuda/bin:$$PATH" FASTAMP_CUDA=ON FASTAMP_WERROR=ON $(CUDA_VENV)/bin/python -m pip wheel -q --no-build-isolation --no-deps \
 	  -w dist/raw-cuda . -Cbuild-dir=build/wheel-cuda
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair $(WHEEL_EXCLUDE) -w dist/cuda dist/raw-cuda/*.whl
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair --plat $(WHEEL_PLAT) $(WHEEL_EXCLUDE) -w dist/cuda dist/raw-cuda/*.whl
 	rm -rf dist/raw-cuda
 	touch $@
 

@@ -84,6 +84,10 @@ def test_library_check_passes_ours_and_catches_a_classic_api_library():
     assert classic.returncode == 1, classic.stdout
     assert "undefined libtorch C++ symbol: c10::" in classic.stdout
     assert "links a library outside the stable ABI and the runtimes: libc10.so" in classic.stdout
+    # ... and, built without csrc/common/manylinux_compat.cpp, symbols newer than manylinux_2_28
+    assert "__libc_single_threaded needs GLIBC_2.32, newer than manylinux_2_28 allows" in (
+        classic.stdout
+    )
 
 
 def test_package_metadata_names_authors_urls_and_classifiers(tmp_path):

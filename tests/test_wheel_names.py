@@ -58,19 +58,57 @@ def test_label_is_empty_for_the_sdist_and_a_build_from_it(monkeypatch):
     assert wf.label({"FASTAMP_CUDA": "OFF"}, from_sdist=True) == ""  # a wheel keeps its sdist's
 
 
-def test_cpu_and_cuda_wheels_have_different_names_that_pip_resolves_alike():
-    release = re.search(
+# The file names `make wheel` gives each flavour, pinned: the release with the flavour as a local
+# version, abi3 for CPython >= 3.10, and the platform tags `auditwheel repair --plat
+# manylinux_2_28_x86_64` gives (the library's symbols fit glibc 2.27 as well, so repair adds that
+# tag; benchmarks/results/wheels.md). cu128 is the CUDA 12 flavour's name (built against a torch
+# with CUDA 12.8); no CUDA 12 toolchain could be had on the project's machines, so no such wheel
+# has been built yet.
+WHEEL_NAMES = {
+    "cpu": "fastamp-0.1.0+cpu-cp310-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
+    "cu130": "fastamp-0.1.0+cu130-cp310-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
+    "cu128": "fastamp-0.1.0+cu128-cp310-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl",
+}
+# FASTAMP_CUDA and the CUDA version of the torch each flavour is built against.
+BUILT_WITH = {"cpu": ("OFF", None), "cu130": ("ON", "13.0"), "cu128": ("ON", "12.8")}
+
+
+def _release() -> str:
+    return re.search(
         r'^__version__ = "(.+)"$', (ROOT / "python" / "fastamp" / "__init__.py").read_text(), re.M
     ).group(1)
-    tag = "cp310-abi3-manylinux_2_34_x86_64"
-    names = {label: f"fastamp-{wf.version(release, label)}-{tag}.whl" for label in ("cpu", "cu130")}
-    assert len(set(names.values())) == 2, names
-    for label, name in names.items():
-        dist, version, _, _ = parse_wheel_filename(name)
-        assert dist == "fastamp" and version.local == label, (name, version)
-        assert version in SpecifierSet(f"=={release}")  # `pip install fastamp==0.1.0` takes either
+
+
+def test_wheel_names_per_flavour_are_pinned():
+    release = _release()
+    tags = "cp310-abi3-manylinux_2_27_x86_64.manylinux_2_28_x86_64"
+    for label, pinned in WHEEL_NAMES.items():
+        mode, cuda = BUILT_WITH[label]
+        name = f"fastamp-{wf.version(release, wf.flavour(mode, cuda, True))}-{tags}.whl"
+        assert name == pinned.replace("0.1.0", release, 1), (label, name)
+
+
+def test_the_flavours_have_different_names_that_pip_resolves_alike():
+    release = _release()
+    names = [n.replace("0.1.0", release, 1) for n in WHEEL_NAMES.values()]
+    assert len(set(names)) == len(names), names
+    for name in names:
+        dist, version, _, tags = parse_wheel_filename(name)
+        assert dist == "fastamp" and version.local in WHEEL_NAMES, (name, version)
+        assert version in SpecifierSet(f"=={release}")  # `pip install fastamp==0.1.0` takes any
         assert version.public == release
+        # pip on glibc 2.28 (torch's own floor) or newer installs it
+        assert {t.platform for t in tags} == {"manylinux_2_27_x86_64", "manylinux_2_28_x86_64"}
+        assert {(t.interpreter, t.abi) for t in tags} == {("cp310", "abi3")}
     assert Version(wf.version(release, "")) == Version(release)
+
+
+def test_make_wheel_repairs_both_flavours_to_manylinux_2_28():
+    make = (ROOT / "Makefile").read_text()
+    assert re.search(r"^WHEEL_PLAT := manylinux_2_28_x86_64$", make, re.M)
+    repairs = re.findall(r"auditwheel repair (.*) -w (dist/\w+)", make)
+    assert {d for _, d in repairs} == {"dist/cpu", "dist/cuda"}, repairs
+    assert all(a.startswith("--plat $(WHEEL_PLAT) ") for a, _ in repairs), repairs
 
 
 def _metadata_version(tmp_path, monkeypatch, **env) -> str:

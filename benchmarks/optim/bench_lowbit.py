@@ -9,6 +9,14 @@ grads (the optimizer step alone: no scaler, clip_coef or found_inf, as torch's b
   fastamp int8        fastamp.optim.AdamW(state_dtype="int8")           (blocks of 256)
   torchao 8-bit       torchao.optim.AdamW8bit (tensor subclass + torch.compile; skipped with the
                       reason when it cannot run; its compile time is reported, not timed)
+  deepspeed fp32      deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True), the optional CPU peer
+                      (`pip install deepspeed psutil tqdm`; DS_ACCELERATOR=cpu is set here; its
+                      first use JIT-compiles cpu_adam for this CPU, minutes; skipped with the
+                      reason when it cannot run)
+
+An AVX2 machine (AMD Zen 3, no AVX-512) is what FASTAMP_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=avx2
+give on an AVX-512 one: fastamp's and torch's kernels at AVX2 (DeepSpeed's cpu_adam keeps the
+instruction set it was compiled for, printed in the header).
 
 Bytes moved per parameter (the model behind the GPU expectation):
   fp32 state: read g 4 + read/write p 8 + read/write m 8 + read/write v 8           = 28
@@ -44,6 +52,7 @@ BYTES = {
     "fastamp bf16": 20.0,
     "fastamp int8": 16.0 + 16.0 / 256,
     "torchao 8-bit": 16.0 + 16.0 / 256,
+    "deepspeed fp32": 28.0,
 }
 
 
@@ -66,6 +75,12 @@ def build(name: str, params):
         return fastamp.optim.AdamW(params, lr=1e-4, state_dtype=torch.bfloat16)
     if name == "fastamp int8":
         return fastamp.optim.AdamW(params, lr=1e-4, state_dtype="int8")
+    if name == "deepspeed fp32":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415
+
+        # torch's AdamW defaults (weight_decay 0.01, decoupled), as the other rows.
+        return DeepSpeedCPUAdam(params, lr=1e-4, weight_decay=0.01, adamw_mode=True)
     from torchao.optim import AdamW8bit  # noqa: PLC0415
 
     return AdamW8bit(params, lr=1e-4)
@@ -79,13 +94,24 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--torchao-reps", type=int, default=2, help="its steps are slow: fewer of them")
+    ap.add_argument("--no-deepspeed", action="store_true", help="leave the DeepSpeed peer out")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    names = ["torch fused fp32", "fastamp fp32", "fastamp bf16", "fastamp int8", "torchao 8-bit"]
+    names = [
+        "torch fused fp32",
+        "deepspeed fp32",
+        "fastamp fp32",
+        "fastamp bf16",
+        "fastamp int8",
+        "torchao 8-bit",
+    ]
     opts, params, skipped, compile_s = {}, {}, {}, None
     for name in names:
         if name == "torchao 8-bit" and args.torchao_reps <= 0:
             skipped[name] = "not run (--torchao-reps 0)"
+            continue
+        if name == "deepspeed fp32" and args.no_deepspeed:
+            skipped[name] = "not run (--no-deepspeed)"
             continue
         params[name] = make_params(args.params)  # the same values for every optimizer
         try:
@@ -113,9 +139,16 @@ def main() -> None:
     for name, opt in opts.items():
         if name.startswith("fastamp"):
             state_bpp[name] = fastamp.memory.optimizer_state_bytes(opt)["state_bytes_per_param"]
+    ds_simd = ""
+    if "deepspeed fp32" in opts:
+        from deepspeed.ops.op_builder import CPUAdamBuilder  # noqa: PLC0415
+
+        builder = CPUAdamBuilder()
+        ds_simd = f" | deepspeed cpu_adam {builder.simd_width()} {builder.cpu_arch()}"
     print(
         f"fastamp {fastamp.__version__} | CPU kernels {fastamp.build_info()['cpu_capability']} | "
-        f"torch {torch.__version__} | {device_name('cpu')} | "
+        f"torch {torch.__version__} kernels {torch.backends.cpu.get_cpu_capability()}{ds_simd} | "
+        f"{device_name('cpu')} | "
         f"threads {torch.get_num_threads()} | {n / 1e6:.1f}M fp32 params | {args.reps} interleaved reps, "
         f"median (best/best: fastest rep over torch's fastest) | copy bandwidth "
         f"{bw / 1e9:.1f} GB/s"
@@ -149,6 +182,13 @@ def main() -> None:
             f"{BYTES[name]:8.1f} {eff / 1e9:6.1f} "
             f"{100 * eff / bw:11.0f}% {sbpp:>13}"
         )
+    peers = [k for k in ("torch fused fp32", "deepspeed fp32") if k in med]
+    best_peer = min(peers, key=lambda k: med[k])
+    print(
+        f"fastamp fp32 vs the faster of {' and '.join(peers)} ({best_peer}): "
+        f"{med['fastamp fp32'] / med[best_peer]:.2f}x (median), "
+        f"{best['fastamp fp32'] / best[best_peer]:.2f}x (best/best)"
+    )
     if "torchao 8-bit" in med:
         print(
             f"torchao 8-bit: first step (torch.compile) {compile_s:.1f} s, not timed; "

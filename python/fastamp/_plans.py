@@ -5,17 +5,26 @@ plan was built from."""
 from __future__ import annotations
 
 from itertools import chain
+from operator import is_
 from typing import Any
 
 from torch import Tensor
 
 
 def same_params(
-    groups: list[dict[str, Any]], group_dicts: list[dict[str, Any]], ids: list[int]
+    groups: list[dict[str, Any]], group_dicts: list[dict[str, Any]], params: list[Tensor]
 ) -> list[Tensor] | None:
-    """The params of ``groups`` in order, or None when a group dict or a param (by id) is not
-    the one a plan recorded (``group_dicts``, ``ids``)."""
-    if len(groups) != len(group_dicts) or any(g is not r for g, r in zip(groups, group_dicts)):
+    """The params of ``groups`` in order (the group's own list when there is one group: read it,
+    do not keep or change it), or None when a group dict or a param is not the one a plan
+    recorded (``group_dicts``, ``params``, compared by identity at C speed)."""
+    if len(groups) == 1:
+        if len(group_dicts) != 1 or groups[0] is not group_dicts[0]:
+            return None
+        current: list[Tensor] = groups[0]["params"]
+    else:
+        if len(groups) != len(group_dicts) or not all(map(is_, groups, group_dicts)):
+            return None
+        current = list(chain.from_iterable(grp["params"] for grp in groups))
+    if len(current) != len(params) or not all(map(is_, current, params)):
         return None
-    params = list(chain.from_iterable(grp["params"] for grp in groups))
-    return params if list(map(id, params)) == ids else None
+    return current

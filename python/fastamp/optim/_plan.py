@@ -111,7 +111,6 @@ class StepPlan:
         self.structure = [Structure(grp) for grp in groups]
         self.state = state
         self.launches = launches
-        self.ids = [id(p) for p in params]
         self.params = params
         self.grad_types = [type(p.grad) for p in params]
         # Every grad a plain tensor (no subclass): a held op's call may go straight to the
@@ -121,8 +120,7 @@ class StepPlan:
         # lives) and compared by identity.
         self.state_dicts = list(state.values())
         self.state_values = list(chain.from_iterable(map(dict.values, self.state_dicts)))
-        self.state_ids = list(map(id, self.state_dicts))
-        self.value_ids = list(map(id, self.state_values))
+        self.state_lens = list(map(len, self.state_dicts))
         # One launch over every param in order: its grads are this step's list as it is.
         self.whole = len(launches) == 1 and launches[0].index == list(range(len(params)))
         # With more than one launch, what the params are made of is compared here too (see
@@ -138,7 +136,7 @@ class StepPlan:
         optimizer runs a full step, which checks everything and builds a new plan)."""
         if groups is not self.groups or state is not self.state:
             return None
-        params = same_params(groups, self.group_dicts, self.ids)
+        params = same_params(groups, self.group_dicts, self.params)
         if params is None:
             return None
         if not all(st.holds(grp) for grp, st in zip(groups, self.structure)):
@@ -147,13 +145,12 @@ class StepPlan:
         if list(map(type, grads)) != self.grad_types or list(map(_DTYPE, params)) != self.dtypes:
             return None
         dicts = list(state.values())
-        if list(map(id, dicts)) != self.state_ids:
+        if len(dicts) != len(self.state_dicts) or not all(map(is_, dicts, self.state_dicts)):
             return None
-        try:
-            values = chain.from_iterable(map(dict.values, dicts))
-            if list(map(id, values)) != self.value_ids:
-                return None
-        except TypeError:  # a state entry that is not a dict: the full step says what it finds
+        # The same dicts (all dicts, then), holding as many values each, the same ones.
+        if list(map(len, dicts)) != self.state_lens or not all(
+            map(is_, chain.from_iterable(map(dict.values, dicts)), self.state_values)
+        ):
             return None
         if self.whole:
             return [grads]

@@ -55,7 +55,7 @@ class GradPlan:
         self.groups: list[dict[str, Any]] = groups
         self.group_dicts = list(groups)
         params = list(chain.from_iterable(grp["params"] for grp in groups))
-        self.ids = list(map(id, params))
+        self.params = params  # compared by identity (same_params)
         grads = [p.grad for p in params]
         self.mask = [g is None for g in grads]
         self.some_none = any(self.mask)
@@ -97,7 +97,7 @@ class GradPlan:
         groups = optimizer.param_groups
         if groups is not self.groups:
             return None
-        params = same_params(groups, self.group_dicts, self.ids)
+        params = same_params(groups, self.group_dicts, self.params)
         if params is None:
             return None
         grads = list(map(_grad, params))
