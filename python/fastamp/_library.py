@@ -168,15 +168,21 @@ def _register_dispatcher_kernels(namespace: str) -> None:
     _VIEW_KERNELS = lib
 
 
+def _redispatch(op: Any, keyset: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``op`` at the kernel ``keyset`` selects, raising the exception class the kernel meant
+    (:func:`translate_error`): what the ADInplaceOrView kernel and :func:`call_direct` share."""
+    try:
+        return op.redispatch(keyset, *args, **kwargs)
+    except RuntimeError as exc:
+        err = translate_error(exc)
+        if err is exc:
+            raise
+        raise err from None
+
+
 def _view_kernel(op: Any, below: Any, written: list[tuple[int, str]]) -> Callable[..., Any]:
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            result = op.redispatch(keyset & below, *args, **kwargs)
-        except RuntimeError as exc:
-            err = translate_error(exc)
-            if err is exc:
-                raise
-            raise err from None
+        result = _redispatch(op, keyset & below, args, kwargs)
         if written:
             # Inference tensors keep no counter: increment_version skips them.
             torch.autograd.graph.increment_version(_written_tensors(written, args, kwargs))
@@ -245,13 +251,7 @@ def call_direct(op: Any, keyset: Any, written: Sequence[Tensor], *args: Any) -> 
     writes) and raises the exception class the kernel meant, as here. What it saves is the Python
     kernel's boxing of every tensor argument to a Python object and back: about 8 us per call and
     0.15 us per tensor."""
-    try:
-        result = op.redispatch(keyset, *args)
-    except RuntimeError as exc:
-        err = translate_error(exc)
-        if err is exc:
-            raise
-        raise err from None
+    result = _redispatch(op, keyset, args, {})
     if written:
         torch.autograd.graph.increment_version(written)
     return result
