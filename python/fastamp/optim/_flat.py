@@ -193,9 +193,10 @@ class FlatBuffers:
         self.view_ptrs = list(map(_data_ptr, gviews))
         # The params' and the grad views' addresses, compared at every step by the op library
         # (``fastamp::held_moved``: one C call per tensor, where a Python data_ptr() per tensor
-        # costs about 0.1 us, twice per step: the scaler's collection and the optimizer's step).
-        self.held_params = _ops.HeldTensors((inside,))
-        self.held_views = _ops.HeldTensors((gviews,))
+        # costs about 0.1 us), both lists in one call per check (:meth:`holds` reads it and
+        # keeps the views' part for :meth:`sync_grads`, which follows it).
+        self.held = _ops.HeldTensors((inside, gviews))
+        self.views_moved = False
         self.segments = [
             FlatSegment(
                 g, groups[g], b, self.param_buffers[b][start:stop],
@@ -299,8 +300,10 @@ class FlatBuffers:
             return False
         if not all(st.holds(grp) for grp, st in zip(groups, self.structure)):
             return False
-        if self.held_params.moved() >= 0:  # a param re-pointed (p.data = ..., model.to(...))
+        moved = self.held.moved()
+        if 0 <= moved < len(self.inside):  # a param re-pointed (p.data = ..., model.to(...))
             return False
+        self.views_moved = moved >= 0  # a grad view re-pointed (p.grad.data = ..., set_)
         return len(state) == len(self.state_dicts) and all(
             map(is_, state.values(), self.state_dicts)
         )
@@ -313,11 +316,12 @@ class FlatBuffers:
         """True when every grad is (now) its view: a grad that is another tensor is copied into
         its view first. False (nothing copied) when a trainable param has no grad or a frozen
         one has one: the step is then per parameter. Raises (nothing copied) for a grad that is
-        a view of another tensor's memory."""
+        a view of another tensor's memory. Called right after :meth:`holds` returned True (its
+        address check of the views is the one used here)."""
         grads = list(map(_GRAD, self.inside))
         if (
             all(map(is_, grads, self.views))
-            and self.held_views.moved() < 0
+            and not self.views_moved
             and not any(p.grad is not None for p in self.outside)
         ):
             return True
