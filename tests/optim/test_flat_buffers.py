@@ -336,6 +336,30 @@ def test_refuses_grad_views_of_another_buffer_naming_gradient_as_bucket_view():
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
+@pytest.mark.parametrize("how", ["data", "set_"])
+def test_refuses_a_grad_view_re_pointed_in_place_before_changing_anything(how):
+    """p.grad stays the same view object but no longer points into the flat grad buffer: the
+    layout's address check (fastamp::held_moved over the params and the views) sees it; the
+    scaler and the optimizer both refuse, naming what was assigned, with nothing written."""
+    model = _model()
+    opt = fastamp.optim.AdamW(model.parameters(), lr=1e-2, flat_buffers=True)
+    scaler = _scaler("flat")
+    _train("flat", model, opt, scaler, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    p0 = next(iter(model.parameters()))
+    elsewhere = torch.randn_like(p0)
+    if how == "data":
+        p0.grad.data = elsewhere
+    else:
+        p0.grad.set_(elsewhere)
+    scaler.scale(torch.ones(()))
+    with pytest.raises(RuntimeError, match=r"p\.grad\.data or p\.grad\.set_ was assigned"):
+        scaler.clip_grad_norm_(opt, 1.0)
+    with pytest.raises(RuntimeError, match=r"p\.grad\.data or p\.grad\.set_ was assigned"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def test_refuses_dtensor_params_naming_the_argument(monkeypatch):
     import fastamp.optim._flat as flat_mod
 
