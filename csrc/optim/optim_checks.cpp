@@ -122,24 +122,24 @@ StepScalars check_scalars(const char* op, const Device& device, const StepTensor
 
 }  // namespace
 
-StepPlan check_args(const AdamArgs& a) {
+AdamPlan check_args(const AdamArgs& a) {
   constexpr const char* op = AdamArgs::kOp;
   std::vector<std::pair<const char*, TensorList>> state = {{"exp_avgs", a.exp_avgs},
                                                            {"exp_avg_sqs", a.exp_avg_sqs}};
   if (a.opt.amsgrad) state.emplace_back("max_exp_avg_sqs", a.max_exp_avg_sqs);
-  StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params, a.held);
+  AdamPlan plan{check_step(op, a.params, a.grads, state, a.state_steps, a.master_params, a.held)};
   if (!plan.empty()) plan.scalars = check_scalars(op, plan.device, a.tensors);
   return plan;
 }
 
-StepPlan check_args(const SgdArgs& a) {
+SgdPlan check_args(const SgdArgs& a) {
   constexpr const char* op = SgdArgs::kOp;
   const bool momentum = a.opt.momentum != 0.0;
   FASTAMP_CHECK(momentum || a.momentum_buffers.empty(), op,
                 ": momentum_buffers must be empty when momentum == 0");
   std::vector<std::pair<const char*, TensorList>> state;
   if (momentum) state.emplace_back("momentum_buffers", a.momentum_buffers);
-  StepPlan plan = check_step(op, a.params, a.grads, state, a.state_steps, a.master_params, a.held);
+  SgdPlan plan{check_step(op, a.params, a.grads, state, a.state_steps, a.master_params, a.held)};
   if (!plan.empty()) plan.scalars = check_scalars(op, plan.device, a.tensors);
   return plan;
 }
@@ -264,12 +264,12 @@ LowbitPlan check_args(const AdamLowbitArgs& a) {
   return plan;
 }
 
-StepPlan check_args(const SgdLowbitArgs& a) {
+SgdPlan check_args(const SgdLowbitArgs& a) {
   constexpr const char* op = SgdLowbitArgs::kOp;
   FASTAMP_CHECK(a.opt.momentum != 0.0, op,
                 ": momentum is 0; without momentum SGD keeps no state (use "
                 "fastamp::sgd_step_)");
-  StepPlan plan;
+  SgdPlan plan;
   plan.has_master = check_lengths(op, a.params, a.grads, {{"momentum_buffers", a.momentum_buffers}},
                                   a.state_steps, a.master_params);
   if (a.params.empty()) return plan;

@@ -36,25 +36,41 @@ struct StepPlan {
   bool empty() const { return params.list_size() == 0; }
 };
 
+/// The validated arguments of fastamp::adam_step_, its state lists by name.
+struct AdamPlan : StepPlan {
+  const FlatTensorList& exp_avgs() const { return state[0]; }
+  const FlatTensorList& exp_avg_sqs() const { return state[1]; }
+  /// null unless amsgrad
+  const FlatTensorList* max_exp_avg_sqs() const { return state.size() > 2 ? &state[2] : nullptr; }
+};
+
+/// The validated arguments of fastamp::sgd_step_ and fastamp::sgd_lowbit_step_.
+struct SgdPlan : StepPlan {
+  /// null when momentum == 0
+  const FlatTensorList* momentum_buffers() const { return state.empty() ? nullptr : &state[0]; }
+};
+
 /// Everything fastamp::adam_step_ checks, for both backends, before anything is written.
-StepPlan check_args(const AdamArgs& a);
+AdamPlan check_args(const AdamArgs& a);
 
 /// Everything fastamp::sgd_step_ checks, for both backends, before anything is written.
-StepPlan check_args(const SgdArgs& a);
+SgdPlan check_args(const SgdArgs& a);
 
-/// The validated arguments of fastamp::adam_lowbit_step_: `state` = [exp_avgs, exp_avg_sqs] in
-/// bfloat16 or uint8 codes; with uint8 codes (`int8`), `absmax` = [exp_avg_absmax,
-/// exp_avg_sq_absmax], float32 with one element per 256-element block of each param.
-struct LowbitPlan : StepPlan {
+/// The validated arguments of fastamp::adam_lowbit_step_: exp_avgs and exp_avg_sqs in bfloat16
+/// or uint8 codes; with uint8 codes (`int8`), their block scales, float32 with one element per
+/// 256-element block of each param.
+struct LowbitPlan : AdamPlan {
   bool int8 = false;
   std::vector<FlatTensorList> absmax;
+  const FlatTensorList& exp_avg_absmax() const { return absmax[0]; }
+  const FlatTensorList& exp_avg_sq_absmax() const { return absmax[1]; }
 };
 
 /// Everything fastamp::adam_lowbit_step_ checks, for both backends, before anything is written.
 LowbitPlan check_args(const AdamLowbitArgs& a);
 
 /// Everything fastamp::sgd_lowbit_step_ checks (bfloat16 momentum buffers), for both backends.
-StepPlan check_args(const SgdLowbitArgs& a);
+SgdPlan check_args(const SgdLowbitArgs& a);
 
 }  // namespace optim
 }  // namespace fastamp

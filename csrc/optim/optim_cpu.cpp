@@ -1,5 +1,6 @@
-// CPU kernels of the fused optimizer ops: validate, skip on overflow, cut every param into chunks,
-// run the per-ISA chunk kernels in parallel, then advance the step counters.
+// CPU kernels of the fused optimizer ops: one driver (validate, skip on overflow, cut every param
+// into chunks, run them in parallel, advance the step counters) and one functor per optimizer
+// that turns a chunk into the per-ISA chunk kernel's arguments (optim_cpu_kernels.h).
 #include "common/torch_api.h"
 
 #include "common/cpu_capability.h"
@@ -15,21 +16,19 @@ inline char* at_elem(const FlatTensor& t, int64_t start) {
   return static_cast<char*>(t.data) + start * static_cast<int64_t>(element_size(t.dtype));
 }
 
-inline void* at_elem_or_null(const FlatTensorList* list, size_t item, int64_t start) {
-  return list == nullptr ? nullptr : at_elem(list->items()[item], start);
-}
-
-// Reads the per-step device scalars; on CPU they are host memory, so this is not a sync.
+// The per-step scalars, read once per call; on CPU they are host memory, so this is not a sync.
 struct CpuScalars {
   bool skip;
   float inv_scale;
   float clip_coef;
+  double lr;  ///< lr_tensor's value when given, else the option
 };
 
-CpuScalars read_scalars(const StepScalars& s) {
+CpuScalars read_scalars(const StepScalars& s, double lr) {
   return CpuScalars{s.found_inf != nullptr && *s.found_inf != 0.0f,
                     s.inv_scale != nullptr ? *s.inv_scale : 1.0f,
-                    s.clip_coef != nullptr ? *s.clip_coef : 1.0f};
+                    s.clip_coef != nullptr ? *s.clip_coef : 1.0f,
+                    s.lr != nullptr ? static_cast<double>(*s.lr) : lr};
 }
 
 // The step counter of a state_steps tensor (checked to be a one-element float32 tensor: the raw
@@ -38,162 +37,175 @@ inline float* step_of(const Tensor& t) {
   return static_cast<float*>(t.data_ptr());
 }
 
-void advance_steps(TensorList steps) {
-  for (const auto& t : steps) *step_of(t) += 1.0f;
-}
-
-void adam_step_cpu(const AdamArgs& args) {
-  const TensorList state_steps = args.state_steps;
-  StepPlan plan = check_args(args);
+// The one driver of the four CPU step ops (apex's multi-tensor pattern: a driver and one functor
+// per optimizer). An overflowed step (found_inf != 0) writes nothing, not even the step counters;
+// otherwise the functor sees each param's old step counter (`begin`, in list order, before any
+// chunk runs), then every chunk of every param in parallel (`chunk`), and the counters advance.
+//   Op::begin(size_t item, float old_step, int64_t index)   per param; `index`: its list position
+//   Op::chunk(const Chunk& ch, const CpuScalars& s)         per chunk, on any thread
+template <typename Op>
+void run_step(const StepPlan& plan, TensorList state_steps, double lr, Op&& op) {
   if (plan.empty()) return;
-  const StepScalars& dev = plan.scalars;
-  const CpuScalars s = read_scalars(dev);
-  if (s.skip) return;  // an overflowed step writes nothing, not even the step counters
-  const double lr_v = dev.lr != nullptr ? static_cast<double>(*dev.lr) : args.opt.lr;
-  const AdamHyper h = args.opt.hyper();
-  const auto& items = plan.params.items();
-  std::vector<AdamCoefs> coefs(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    const double step = static_cast<double>(*step_of(state_steps[items[i].index])) + 1.0;
-    coefs[i] = adam_coefs(h, lr_v, step);
-  }
-  const FlatTensorList* vmax = args.opt.amsgrad ? &plan.state[2] : nullptr;
-  const FlatTensorList* master = plan.has_master ? &plan.master : nullptr;
-  const OptimCpuKernels& k = optim_cpu_kernels();
-  cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) {
-    const size_t it = static_cast<size_t>(ch.item);
-    AdamChunk a{items[it].dtype,
-                at_elem(items[it], ch.start),
-                at_elem(plan.grads.items()[it], ch.start),
-                at_elem(plan.state[0].items()[it], ch.start),
-                at_elem(plan.state[1].items()[it], ch.start),
-                at_elem_or_null(vmax, it, ch.start),
-                static_cast<float*>(at_elem_or_null(master, it, ch.start)),
-                ch.len,
-                s.inv_scale,
-                s.clip_coef};
-    k.adam(a, h, coefs[it]);
-  });
-  advance_steps(state_steps);
-}
-
-void sgd_step_cpu(const SgdArgs& args) {
-  const TensorList state_steps = args.state_steps;
-  StepPlan plan = check_args(args);
-  if (plan.empty()) return;
-  const StepScalars& dev = plan.scalars;
-  const CpuScalars s = read_scalars(dev);
+  const CpuScalars s = read_scalars(plan.scalars, lr);
   if (s.skip) return;
-  const float neg_lr =
-      static_cast<float>(-(dev.lr != nullptr ? static_cast<double>(*dev.lr) : args.opt.lr));
-  const SgdHyper h = args.opt.hyper();
   const auto& items = plan.params.items();
-  const FlatTensorList* bufs = args.opt.momentum != 0.0 ? &plan.state[0] : nullptr;
-  const FlatTensorList* master = plan.has_master ? &plan.master : nullptr;
-  const OptimCpuKernels& k = optim_cpu_kernels();
-  cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) {
-    const size_t it = static_cast<size_t>(ch.item);
-    SgdChunk a{items[it].dtype,
-               at_elem(items[it], ch.start),
-               at_elem(plan.grads.items()[it], ch.start),
-               at_elem_or_null(bufs, it, ch.start),
-               static_cast<float*>(at_elem_or_null(master, it, ch.start)),
-               ch.len,
-               s.inv_scale,
-               s.clip_coef,
-               neg_lr,
-               *step_of(state_steps[items[it].index]) == 0.0f};
-    k.sgd(a, h);
-  });
-  advance_steps(state_steps);
+  for (size_t i = 0; i < items.size(); ++i) {
+    op.begin(i, *step_of(state_steps[items[i].index]), items[i].index, s);
+  }
+  cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) { op.chunk(ch, s); });
+  for (const auto& t : state_steps) *step_of(t) += 1.0f;
 }
 
-void adam_lowbit_step_cpu(const AdamLowbitArgs& args) {
-  const TensorList state_steps = args.state_steps;
-  const int64_t seed = args.seed;
-  LowbitPlan plan = check_args(args);
-  if (plan.empty()) return;
-  const StepScalars& dev = plan.scalars;
-  const CpuScalars s = read_scalars(dev);
-  if (s.skip) return;  // an overflowed step writes nothing, not even the step counters
-  const double lr_v = dev.lr != nullptr ? static_cast<double>(*dev.lr) : args.opt.lr;
-  const AdamHyper h = args.opt.hyper();
-  const auto& items = plan.params.items();
-  std::vector<AdamCoefs> coefs(items.size());
-  std::vector<uint32_t> keys(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    const float old = *step_of(state_steps[items[i].index]);
-    coefs[i] = adam_coefs(h, lr_v, static_cast<double>(old) + 1.0);
-    keys[i] = sr_key(static_cast<uint32_t>(seed), static_cast<uint32_t>(old + 1.0f),
-                     static_cast<uint32_t>(items[i].index));
+// What every functor reads of its plan: the chunk's element in a list, by param and offset.
+struct ChunkLists {
+  const StepPlan& plan;
+
+  void* param(const Chunk& ch) const { return at(plan.params, ch); }
+  const void* grad(const Chunk& ch) const { return at(plan.grads, ch); }
+  float* master(const Chunk& ch) const {
+    return plan.has_master ? static_cast<float*>(at(plan.master, ch)) : nullptr;
   }
-  const FlatTensorList* master = plan.has_master ? &plan.master : nullptr;
-  const OptimCpuKernels& k = optim_cpu_kernels();
-  const auto kernel = plan.int8 ? k.adam_q8 : k.adam_bf16;
-  cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) {
+  static void* at(const FlatTensorList& list, const Chunk& ch) {
+    return at_elem(list.items()[static_cast<size_t>(ch.item)], ch.start);
+  }
+  static void* at(const FlatTensorList* list, const Chunk& ch) {
+    return list == nullptr ? nullptr : at(*list, ch);
+  }
+};
+
+// AdamW/Adam: the step's bias corrections per param (double pow), then the chunk kernel.
+struct AdamCpu : ChunkLists {
+  const AdamPlan& adam;
+  AdamHyper h;
+  std::vector<AdamCoefs> coefs;
+
+  AdamCpu(const AdamPlan& p, const AdamHyper& hyper)
+      : ChunkLists{p}, adam(p), h(hyper), coefs(p.params.list_size()) {}
+  void begin(size_t i, float old_step, int64_t, const CpuScalars& s) {
+    coefs[i] = adam_coefs(h, s.lr, static_cast<double>(old_step) + 1.0);
+  }
+  void chunk(const Chunk& ch, const CpuScalars& s) const {
+    const size_t it = static_cast<size_t>(ch.item);
+    const AdamChunk a{adam.params.items()[it].dtype,
+                      param(ch),
+                      grad(ch),
+                      at(adam.exp_avgs(), ch),
+                      at(adam.exp_avg_sqs(), ch),
+                      at(adam.max_exp_avg_sqs(), ch),
+                      master(ch),
+                      ch.len,
+                      s.inv_scale,
+                      s.clip_coef};
+    optim_cpu_kernels().adam(a, h, coefs[it]);
+  }
+};
+
+// SGD (float state or bfloat16 momentum with stochastic rounding, `lowbit`): a param's first
+// step (old counter 0) sets its momentum buffer instead of decaying it.
+struct SgdCpu : ChunkLists {
+  const SgdPlan& sgd;
+  SgdHyper h;
+  bool lowbit;
+  uint32_t seed;
+  std::vector<uint8_t> first;
+  std::vector<uint32_t> keys;  ///< lowbit: the stochastic rounding's key per param
+
+  SgdCpu(const SgdPlan& p, const SgdHyper& hyper, bool lowbit_state, int64_t seed_)
+      : ChunkLists{p},
+        sgd(p),
+        h(hyper),
+        lowbit(lowbit_state),
+        seed(static_cast<uint32_t>(seed_)),
+        first(p.params.list_size()),
+        keys(p.params.list_size()) {}
+  void begin(size_t i, float old_step, int64_t index, const CpuScalars&) {
+    first[i] = old_step == 0.0f;
+    if (lowbit) {
+      keys[i] = sr_key(seed, static_cast<uint32_t>(old_step + 1.0f), static_cast<uint32_t>(index));
+    }
+  }
+  void chunk(const Chunk& ch, const CpuScalars& s) const {
+    const size_t it = static_cast<size_t>(ch.item);
+    const SgdChunk a{sgd.params.items()[it].dtype,
+                     param(ch),
+                     grad(ch),
+                     at(sgd.momentum_buffers(), ch),
+                     master(ch),
+                     ch.len,
+                     s.inv_scale,
+                     s.clip_coef,
+                     static_cast<float>(-s.lr),
+                     first[it] != 0,
+                     ch.start,
+                     keys[it]};
+    const OptimCpuKernels& k = optim_cpu_kernels();
+    (lowbit ? k.sgd_bf16 : k.sgd)(a, h);
+  }
+};
+
+// Adam with bfloat16 state (stochastic rounding) or 8-bit codes with per-block scales.
+struct AdamLowbitCpu : ChunkLists {
+  const LowbitPlan& low;
+  AdamHyper h;
+  uint32_t seed;
+  std::vector<AdamCoefs> coefs;
+  std::vector<uint32_t> keys;
+
+  AdamLowbitCpu(const LowbitPlan& p, const AdamHyper& hyper, int64_t seed_)
+      : ChunkLists{p},
+        low(p),
+        h(hyper),
+        seed(static_cast<uint32_t>(seed_)),
+        coefs(p.params.list_size()),
+        keys(p.params.list_size()) {}
+  void begin(size_t i, float old_step, int64_t index, const CpuScalars& s) {
+    coefs[i] = adam_coefs(h, s.lr, static_cast<double>(old_step) + 1.0);
+    keys[i] = sr_key(seed, static_cast<uint32_t>(old_step + 1.0f), static_cast<uint32_t>(index));
+  }
+  void chunk(const Chunk& ch, const CpuScalars& s) const {
     const size_t it = static_cast<size_t>(ch.item);
     float* am = nullptr;
     float* av = nullptr;
-    if (plan.int8) {  // chunks start on a block boundary (kChunkElems % kQuantBlock == 0)
-      am = static_cast<float*>(plan.absmax[0].items()[it].data) + ch.start / kQuantBlock;
-      av = static_cast<float*>(plan.absmax[1].items()[it].data) + ch.start / kQuantBlock;
+    if (low.int8) {  // chunks start on a block boundary (kChunkElems % kQuantBlock == 0)
+      am = static_cast<float*>(low.exp_avg_absmax().items()[it].data) + ch.start / kQuantBlock;
+      av = static_cast<float*>(low.exp_avg_sq_absmax().items()[it].data) + ch.start / kQuantBlock;
     }
-    AdamLowbitChunk a{items[it].dtype,
-                      at_elem(items[it], ch.start),
-                      at_elem(plan.grads.items()[it], ch.start),
-                      at_elem(plan.state[0].items()[it], ch.start),
-                      at_elem(plan.state[1].items()[it], ch.start),
-                      am,
-                      av,
-                      static_cast<float*>(at_elem_or_null(master, it, ch.start)),
-                      ch.len,
-                      ch.start,
-                      keys[it],
-                      s.inv_scale,
-                      s.clip_coef};
-    kernel(a, h, coefs[it]);
-  });
-  advance_steps(state_steps);
+    const AdamLowbitChunk a{low.params.items()[it].dtype,
+                            param(ch),
+                            grad(ch),
+                            at(low.exp_avgs(), ch),
+                            at(low.exp_avg_sqs(), ch),
+                            am,
+                            av,
+                            master(ch),
+                            ch.len,
+                            ch.start,
+                            keys[it],
+                            s.inv_scale,
+                            s.clip_coef};
+    const OptimCpuKernels& k = optim_cpu_kernels();
+    (low.int8 ? k.adam_q8 : k.adam_bf16)(a, h, coefs[it]);
+  }
+};
+
+void adam_step_cpu(const AdamArgs& args) {
+  const AdamPlan plan = check_args(args);
+  run_step(plan, args.state_steps, args.opt.lr, AdamCpu(plan, args.opt.hyper()));
+}
+
+void sgd_step_cpu(const SgdArgs& args) {
+  const SgdPlan plan = check_args(args);
+  run_step(plan, args.state_steps, args.opt.lr, SgdCpu(plan, args.opt.hyper(), false, 0));
+}
+
+void adam_lowbit_step_cpu(const AdamLowbitArgs& args) {
+  const LowbitPlan plan = check_args(args);
+  run_step(plan, args.state_steps, args.opt.lr, AdamLowbitCpu(plan, args.opt.hyper(), args.seed));
 }
 
 void sgd_lowbit_step_cpu(const SgdLowbitArgs& args) {
-  const TensorList state_steps = args.state_steps;
-  const int64_t seed = args.seed;
-  StepPlan plan = check_args(args);
-  if (plan.empty()) return;
-  const StepScalars& dev = plan.scalars;
-  const CpuScalars s = read_scalars(dev);
-  if (s.skip) return;  // an overflowed step writes nothing, not even the update counts
-  const float neg_lr =
-      static_cast<float>(-(dev.lr != nullptr ? static_cast<double>(*dev.lr) : args.opt.lr));
-  const SgdHyper h = args.opt.hyper();
-  const auto& items = plan.params.items();
-  std::vector<float> olds(items.size());
-  std::vector<uint32_t> keys(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    olds[i] = *step_of(state_steps[items[i].index]);
-    keys[i] = sr_key(static_cast<uint32_t>(seed), static_cast<uint32_t>(olds[i] + 1.0f),
-                     static_cast<uint32_t>(items[i].index));
-  }
-  const FlatTensorList* master = plan.has_master ? &plan.master : nullptr;
-  const OptimCpuKernels& k = optim_cpu_kernels();
-  cpu_for_each_chunk(plan_chunks(items), [&](int64_t, const Chunk& ch) {
-    const size_t it = static_cast<size_t>(ch.item);
-    SgdChunk a{items[it].dtype,
-               at_elem(items[it], ch.start),
-               at_elem(plan.grads.items()[it], ch.start),
-               at_elem(plan.state[0].items()[it], ch.start),
-               static_cast<float*>(at_elem_or_null(master, it, ch.start)),
-               ch.len,
-               s.inv_scale,
-               s.clip_coef,
-               neg_lr,
-               olds[it] == 0.0f,
-               ch.start,
-               keys[it]};
-    k.sgd_bf16(a, h);
-  });
-  advance_steps(state_steps);
+  const SgdPlan plan = check_args(args);
+  run_step(plan, args.state_steps, args.opt.lr, SgdCpu(plan, args.opt.hyper(), true, args.seed));
 }
 
 static_assert(kChunkElems % kQuantBlock == 0, "a quantization block must not straddle two chunks");
