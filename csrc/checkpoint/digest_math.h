@@ -21,9 +21,12 @@ FASTAMP_HOST_DEVICE inline uint64_t mix64(uint64_t x) {
   return x;
 }
 
+/// What the position of a word adds to it before the mix, per word (the golden ratio in 64 bits).
+constexpr uint64_t kDigestStep = 0x9e3779b97f4a7c15ULL;
+
 /// Contribution of word `i` (the bytes [8i, 8i+8), zero-padded at the end) to the digest.
 FASTAMP_HOST_DEVICE inline uint64_t digest_term(uint64_t word, uint64_t i) {
-  return mix64(word + (i + 1) * 0x9e3779b97f4a7c15ULL);
+  return mix64(word + (i + 1) * kDigestStep);
 }
 
 /// Final digest of a tensor of `nbytes` bytes whose terms sum to `sum`.
