@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastamp._plans import same_params
 from fastamp._sharding import is_dtensor
 from fastamp.optim import _ops
 from fastamp.optim._plan import Structure
@@ -293,10 +294,7 @@ class FlatBuffers:
         """Whether the layout still describes the optimizer (see the module docstring)."""
         if groups is not self.groups or state is not self.state:
             return False
-        if len(groups) != len(self.group_dicts) or not all(map(is_, groups, self.group_dicts)):
-            return False
-        params = list(chain.from_iterable(grp["params"] for grp in groups))
-        if len(params) != len(self.params) or not all(map(is_, params, self.params)):
+        if same_params(groups, self.group_dicts, self.params) is None:
             return False
         if not all(st.holds(grp) for grp, st in zip(groups, self.structure)):
             return False

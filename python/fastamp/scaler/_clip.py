@@ -89,8 +89,10 @@ def grad_norm(
 
 
 def clip_coefficient(total_norm: Tensor, max_norm: float) -> Tensor:
-    """PyTorch's clip coefficient, ``min(max_norm / (norm + 1e-6), 1)``, on the device."""
-    return torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    """PyTorch's clip coefficient, ``min(max_norm / (norm + 1e-6), 1)``, on the device: torch's
+    own ops (``max_norm / t`` is ``t.reciprocal() * max_norm``, then ``clamp(max=1)``), in place
+    on the one new tensor, which skips Tensor.__rdiv__'s Python and two allocations."""
+    return (total_norm + 1e-6).reciprocal_().mul_(max_norm).clamp_(max=1.0)
 
 
 def unscale_and_clip(
