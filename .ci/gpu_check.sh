@@ -121,7 +121,7 @@ if [ "$HAS_GPU" = 1 ]; then
   # fp32 grads only: torch's GradScaler refuses fp16 grads ("Attempting to unscale FP16
   # gradients") and cannot unscale bf16 ones on CUDA (NotImplementedError, torch 2.11), so there is
   # no torch recipe to compare a half-precision-grad run with on a GPU.
-  stage profile 120 "$PY" benchmarks/gpu/profile_step.py --numel 10e6 100e6
+  stage profile 150 "$PY" benchmarks/gpu/profile_step.py --numel 10e6 100e6 --flat
   stage bench-checkpoint 120 "$PY" benchmarks/checkpoint/bench_checkpoint.py --device cuda \
     --json "$OUT/checkpoint_cuda.json"
   NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")

@@ -1,11 +1,14 @@
 """Where a GPU step's time goes: torch.profiler over the whole post-backward step (the recipes of
-benchmarks/optim/bench_optim_step.py), fastamp's and torch's fused, on model-shaped parameters.
+benchmarks/optim/bench_optim_step.py), fastamp's and torch's fused, on model-shaped parameters;
+with ``--flat``, also fastamp's with ``flat_buffers=True`` (its grads kept as views of the flat grad
+buffer between steps, as ``zero_grad(set_to_none=False)`` training keeps them).
 
 Prints, per recipe, the wall time of a step, the summed time of its GPU kernels, the number of
 kernel launches and host-device synchronisations, and the top kernels and host ops. A wall time
 far above the kernel time is host overhead (Python, launches, syncs), not memory traffic.
 
     python benchmarks/gpu/profile_step.py --numel 100e6
+    python benchmarks/gpu/profile_step.py --numel 10e6 100e6 --flat
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ def make(kind: str, numel: int, device: str):
         torch.nn.Parameter(torch.randn(s, generator=gen, device=device) * 0.02) for s in shapes
     ]
     grads = [torch.randn(s, generator=gen, device=device) * 2.0**16 * 1e-3 for s in shapes]
-    if kind == "fastamp":
-        opt = fastamp.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
+    if kind in ("fastamp", "flat"):
+        opt = fastamp.optim.AdamW(params, lr=1e-4, weight_decay=0.01, flat_buffers=kind == "flat")
         scaler = fastamp.GradScaler(device, init_scale=2.0**16, growth_interval=10**9)
 
         def step():
@@ -51,7 +54,10 @@ def make(kind: str, numel: int, device: str):
 
     def restore():
         for p, g in zip(params, grads):
-            p.grad = g.clone()
+            if kind == "flat" and p.grad is not None:
+                p.grad.copy_(g)  # into the flat buffer's view: the layout holds
+            else:
+                p.grad = g.clone()
 
     return step, restore, len(shapes)
 
@@ -123,6 +129,7 @@ def main() -> None:
     ap.add_argument("--numel", type=float, nargs="+", default=[10e6, 100e6])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
+    ap.add_argument("--flat", action="store_true", help="add fastamp with flat_buffers=True")
     a = ap.parse_args()
     if a.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to profile")
@@ -131,12 +138,20 @@ def main() -> None:
     print(f"fastamp {fastamp.__version__} | torch {torch.__version__} | {name}")
     summary = []
     for n in a.numel:
-        got = {kind: measure(kind, int(n), a.device, a.reps) for kind in ("torch", "fastamp")}
-        (tw, tk), (fw, fk) = got["torch"], got["fastamp"]
-        summary.append(
-            f"{n / 1e6:5.0f}M: wall fastamp/torch {fw / tw:.3f}x ({fw * 1e3:.2f} / {tw * 1e3:.2f} ms)"
-            + (f", GPU kernels {fk / tk:.3f}x ({fk / 1e3:.2f} / {tk / 1e3:.2f} ms)" if tk else "")
-        )
+        kinds = ("torch", "fastamp", "flat") if a.flat else ("torch", "fastamp")
+        got = {kind: measure(kind, int(n), a.device, a.reps) for kind in kinds}
+        tw, tk = got["torch"]
+        for kind in kinds[1:]:
+            fw, fk = got[kind]
+            summary.append(
+                f"{n / 1e6:5.0f}M {kind:>7}: wall {kind}/torch {fw / tw:.3f}x "
+                f"({fw * 1e3:.2f} / {tw * 1e3:.2f} ms)"
+                + (
+                    f", GPU kernels {fk / tk:.3f}x ({fk / 1e3:.2f} / {tk / 1e3:.2f} ms)"
+                    if tk
+                    else ""
+                )
+            )
     print("\n=== the whole step, fastamp / torch's fused recipe (host-cost issue: wall <= 0.80x)")
     print("\n".join(summary))
 
