@@ -22,7 +22,9 @@ uint64_t digest_bytes(const uint8_t* p, int64_t nbytes) {
   std::vector<uint64_t> sums(static_cast<size_t>((nwords + grain - 1) / grain), 0);
   const int64_t whole = nbytes / 8;  // words read with a fixed 8-byte load; a last partial one
 #if defined(__x86_64__) || defined(_M_X64)
-  auto words = cpu_use_avx512() ? &digest_words_avx512 : &digest_words_default;
+  auto words = cpu_use_avx512() ? &digest_words_avx512
+               : cpu_use_avx2() ? &digest_words_avx2
+                                : &digest_words_default;
 #else
   auto words = &digest_words_default;
 #endif

@@ -4,7 +4,7 @@
   draws bit for bit; a rejected restore (wrong dtype, device, size, layout, contents, entry count)
   names the entry and leaves the generator and the given tensors exactly as they were.
 * Digest: equal to a from-scratch Python transcription of the documented digest (a sum mod 2^64 of
-  splitmix64-mixed 8-byte words and their positions, finished with the byte count) of each tensor's
+  8-byte words keyed by their positions, finished with the byte count) of each tensor's
   bytes in logical order, for every dtype and layout; read-only; bad devices named.
 """
 
@@ -197,30 +197,32 @@ test_rng_set_state_rejects, test_rng_set_state_rejects_slow = tiered(
 
 # --- tensor_digest ------------------------------------------------------------------------------
 
-_M1, _M2, _GOLD = (
-    np.uint64(0xBF58476D1CE4E5B9),
-    np.uint64(0x94D049BB133111EB),
-    np.uint64(0x9E3779B97F4A7C15),
-)
+_GOLD = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
     x = x ^ (x >> np.uint64(30))
-    x = x * _M1
+    x = x * _MIX1
     x = x ^ (x >> np.uint64(27))
-    x = x * _M2
+    x = x * _MIX2
     return x ^ (x >> np.uint64(31))
 
 
 def digest_reference(t: torch.Tensor) -> int:
-    """The documented digest of ``t``'s bytes in logical (contiguous) order, as a signed int64."""
+    """The documented digest of ``t``'s bytes in logical (contiguous) order, as a signed int64:
+    each 8-byte word XORed with its key ``(i + 1) * GOLD``; its term the product of the keyed
+    word's 32-bit halves plus the keyed word with its halves swapped; the terms' sum mod 2^64,
+    mixed with the byte count (splitmix64's finaliser)."""
     raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     nbytes = len(raw)
     padded = raw + b"\0" * (-nbytes % 8)
     with np.errstate(over="ignore"):
         words = np.frombuffer(padded, dtype="<u8").astype(np.uint64)
         pos = np.arange(1, words.size + 1, dtype=np.uint64)
-        terms = _mix64(words + pos * _GOLD)
+        x = words ^ (pos * _GOLD)
+        lo, hi = x & np.uint64(0xFFFFFFFF), x >> np.uint64(32)
+        terms = lo * hi + ((x << np.uint64(32)) | hi)
         total = np.array([terms.sum(dtype=np.uint64)], dtype=np.uint64)
         out = _mix64(total ^ _mix64(np.array([nbytes], dtype=np.uint64)))
     return int(out.view(np.int64)[0])

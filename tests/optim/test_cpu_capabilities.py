@@ -1,5 +1,6 @@
 """The optimizers' CPU kernels exist three times (baseline x86-64, AVX2+FMA+F16C, AVX-512), picked
-at run time; the SIMD loops of the low-precision state (common/cpu_simd.h) run 4, 8 or 16 lanes.
+at run time; the SIMD loops of the low-precision state (common/cpu_simd.h) run 4, 8 or 16 lanes;
+so does the tensor digest's word loop (2, 4 or 8 words).
 Every build must give the same bits: the same element math, lane by lane, with no contraction.
 FASTAMP_CPU_CAPABILITY=default / =avx2 caps the choice, so one machine runs each build it has."""
 
@@ -63,13 +64,21 @@ SCRIPT = textwrap.dedent(
             ops.sgd_lowbit_step_(ps, gs, bufs, counts, mp, 9, 0.05, None, 0.01, 0.9, 0.1, step == 1,
                                  step == 0, inv, None, coef)
         out[("sgd-bf16", str(dtype))] = [t.clone() for t in ps + mp + bufs]
+    # tensor_digest: its word loop is built per ISA too (2, 4 or 8 words an instruction): byte
+    # counts with a partial last word and word counts off every lane width, more than one chunk.
+    gen = torch.Generator().manual_seed(7)
+    blobs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+             for n in (0, 1, 7, 8, 9, 23, 64, 65, 8 * 65536 * 2 + 8 * 13 + 5)]
+    out[("digest",)] = [ops.tensor_digest(blobs)]
     torch.save(out, sys.argv[1])
     """
 )
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t.contiguous().view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    )
 
 
 def _run(cap: str | None, path) -> dict:
@@ -83,6 +92,7 @@ def _run(cap: str | None, path) -> dict:
 
 @pytest.mark.full  # a subprocess per CPU build (10-17 s on 2 cores): the full tier (`make test-all`)
 def test_every_cpu_build_of_the_optimizer_kernels_gives_the_same_bits(tmp_path):
+    # (and of the tensor digest's word loop)
     runs = {cap: _run(cap, tmp_path / f"{cap}.pt") for cap in ("default", "avx2", None)}
     best = runs[None]["capability"]
     assert runs["default"]["capability"] == "default"

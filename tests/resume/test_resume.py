@@ -593,6 +593,17 @@ def test_format_1_checkpoint_without_checksums_is_refused(tmp_path):
     assert_bitwise_equal(_snapshot(net, opt, scaler), before)
     # a current file whose checksums entry was removed: refused as damaged
     obj["format"] = 2
+    # checksums of the earlier digest (before tensor_digest2): refused by name, nothing restored
+    fastamp.save_training_state(path, model=net, optimizer=opt, scaler=scaler, step=1)
+    earlier = torch.load(path, weights_only=True)
+    assert earlier["checksums"]["algorithm"] == "fastamp.tensor_digest2+blake2b-64"
+    earlier["checksums"]["algorithm"] = "fastamp.tensor_digest+blake2b-64"
+    torch.save(earlier, path)
+    with pytest.raises(
+        RuntimeError, match=r"checksums \(fastamp.tensor_digest\+blake2b-64\).*refuses it"
+    ):
+        fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler)
+    assert_bitwise_equal(_snapshot(net, opt, scaler), before)
     torch.save(obj, path)
     with pytest.raises(RuntimeError, match="is damaged: its 'checksums' entry is missing"):
         fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler)

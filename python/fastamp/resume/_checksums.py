@@ -41,7 +41,10 @@ from fastamp.checkpoint import ops as checkpoint_ops
 __all__ = ["ALGORITHM", "ChecksumError", "file_digests", "seal", "verify", "verify_files"]
 
 # What the digests are, recorded beside them: a checkpoint hashed otherwise is refused by name.
-ALGORITHM = "fastamp.tensor_digest+blake2b-64"
+ALGORITHM = "fastamp.tensor_digest2+blake2b-64"
+# Digests earlier development builds recorded (tensor_digest's first term, a splitmix64 mix of each
+# word): their files cannot be verified by this version, and are refused by name.
+_EARLIER = ("fastamp.tensor_digest+blake2b-64",)
 _KEY = "checksums"
 _MASK = (1 << 64) - 1
 _READ_CHUNK = 64 << 20  # bytes of a DCP file read (and hashed) at a time
@@ -146,6 +149,14 @@ def verify(obj: Mapping[str, Any], path: str) -> None:
     """Recomputes the checksums of what torch.load read from ``path``; raises
     :class:`ChecksumError` naming the first entry whose content differs."""
     recorded = obj.get(_KEY)
+    if isinstance(recorded, Mapping) and recorded.get("algorithm") in _EARLIER:
+        raise RuntimeError(
+            f"load_training_state: {path!r} was written by a development version of fastamp "
+            f"whose checksums ({recorded['algorithm']}) this version ({ALGORITHM}) does not "
+            "compute, so its bytes cannot be verified; this version refuses it. Resume it with "
+            "the fastamp that wrote it and save again, or read its parts with torch.load(path, "
+            "weights_only=True)"
+        )
     if (
         not isinstance(recorded, Mapping)
         or recorded.get("algorithm") != ALGORITHM
