@@ -1,8 +1,7 @@
 /// @file digest_cpu_kernels.h
-/// The tensor digest's CPU word loop, built three times: for the baseline ISA, for AVX2 (4 words
-/// per instruction, each 64-bit multiply from three 32-bit ones) and for AVX-512 (F, DQ: 8 words
-/// per vpmullq); chosen at run time (common/cpu_capability.h). All sum the same terms, so all give
-/// the same bits.
+/// The tensor digest's CPU word loop, built three times: for the baseline ISA (SSE2 on x86: 2
+/// words per instruction), for AVX2 (4) and for AVX-512 (8); chosen at run time
+/// (common/cpu_capability.h). All sum the same terms, so all give the same bits.
 #pragma once
 
 #include <cstdint>
