@@ -41,8 +41,9 @@ inline float* step_of(const Tensor& t) {
 // per optimizer). An overflowed step (found_inf != 0) writes nothing, not even the step counters;
 // otherwise the functor sees each param's old step counter (`begin`, in list order, before any
 // chunk runs), then every chunk of every param in parallel (`chunk`), and the counters advance.
-//   Op::begin(size_t item, float old_step, int64_t index)   per param; `index`: its list position
-//   Op::chunk(const Chunk& ch, const CpuScalars& s)         per chunk, on any thread
+//   Op::begin(size_t item, float old_step, int64_t index, const CpuScalars& s)
+//       per param, in order; `index`: the param's position in the op's lists
+//   Op::chunk(const Chunk& ch, const CpuScalars& s)     per chunk, on any thread
 template <typename Op>
 void run_step(const StepPlan& plan, TensorList state_steps, double lr, Op&& op) {
   if (plan.empty()) return;
@@ -56,9 +57,11 @@ void run_step(const StepPlan& plan, TensorList state_steps, double lr, Op&& op) 
   for (const auto& t : state_steps) *step_of(t) += 1.0f;
 }
 
-// What every functor reads of its plan: the chunk's element in a list, by param and offset.
+// What every functor reads of its plan (AdamPlan, SgdPlan, LowbitPlan): the chunk's element in
+// a list, by param and offset.
+template <typename Plan>
 struct ChunkLists {
-  const StepPlan& plan;
+  const Plan& plan;
 
   void* param(const Chunk& ch) const { return at(plan.params, ch); }
   const void* grad(const Chunk& ch) const { return at(plan.grads, ch); }
@@ -74,24 +77,23 @@ struct ChunkLists {
 };
 
 // AdamW/Adam: the step's bias corrections per param (double pow), then the chunk kernel.
-struct AdamCpu : ChunkLists {
-  const AdamPlan& adam;
+struct AdamCpu : ChunkLists<AdamPlan> {
   AdamHyper h;
   std::vector<AdamCoefs> coefs;
 
   AdamCpu(const AdamPlan& p, const AdamHyper& hyper)
-      : ChunkLists{p}, adam(p), h(hyper), coefs(p.params.list_size()) {}
+      : ChunkLists{p}, h(hyper), coefs(p.params.list_size()) {}
   void begin(size_t i, float old_step, int64_t, const CpuScalars& s) {
     coefs[i] = adam_coefs(h, s.lr, static_cast<double>(old_step) + 1.0);
   }
   void chunk(const Chunk& ch, const CpuScalars& s) const {
     const size_t it = static_cast<size_t>(ch.item);
-    const AdamChunk a{adam.params.items()[it].dtype,
+    const AdamChunk a{plan.params.items()[it].dtype,
                       param(ch),
                       grad(ch),
-                      at(adam.exp_avgs(), ch),
-                      at(adam.exp_avg_sqs(), ch),
-                      at(adam.max_exp_avg_sqs(), ch),
+                      at(plan.exp_avgs(), ch),
+                      at(plan.exp_avg_sqs(), ch),
+                      at(plan.max_exp_avg_sqs(), ch),
                       master(ch),
                       ch.len,
                       s.inv_scale,
@@ -102,8 +104,7 @@ struct AdamCpu : ChunkLists {
 
 // SGD (float state or bfloat16 momentum with stochastic rounding, `lowbit`): a param's first
 // step (old counter 0) sets its momentum buffer instead of decaying it.
-struct SgdCpu : ChunkLists {
-  const SgdPlan& sgd;
+struct SgdCpu : ChunkLists<SgdPlan> {
   SgdHyper h;
   bool lowbit;
   uint32_t seed;
@@ -112,7 +113,6 @@ struct SgdCpu : ChunkLists {
 
   SgdCpu(const SgdPlan& p, const SgdHyper& hyper, bool lowbit_state, int64_t seed_)
       : ChunkLists{p},
-        sgd(p),
         h(hyper),
         lowbit(lowbit_state),
         seed(static_cast<uint32_t>(seed_)),
@@ -126,10 +126,10 @@ struct SgdCpu : ChunkLists {
   }
   void chunk(const Chunk& ch, const CpuScalars& s) const {
     const size_t it = static_cast<size_t>(ch.item);
-    const SgdChunk a{sgd.params.items()[it].dtype,
+    const SgdChunk a{plan.params.items()[it].dtype,
                      param(ch),
                      grad(ch),
-                     at(sgd.momentum_buffers(), ch),
+                     at(plan.momentum_buffers(), ch),
                      master(ch),
                      ch.len,
                      s.inv_scale,
@@ -144,8 +144,7 @@ struct SgdCpu : ChunkLists {
 };
 
 // Adam with bfloat16 state (stochastic rounding) or 8-bit codes with per-block scales.
-struct AdamLowbitCpu : ChunkLists {
-  const LowbitPlan& low;
+struct AdamLowbitCpu : ChunkLists<LowbitPlan> {
   AdamHyper h;
   uint32_t seed;
   std::vector<AdamCoefs> coefs;
@@ -153,7 +152,6 @@ struct AdamLowbitCpu : ChunkLists {
 
   AdamLowbitCpu(const LowbitPlan& p, const AdamHyper& hyper, int64_t seed_)
       : ChunkLists{p},
-        low(p),
         h(hyper),
         seed(static_cast<uint32_t>(seed_)),
         coefs(p.params.list_size()),
@@ -166,15 +164,15 @@ struct AdamLowbitCpu : ChunkLists {
     const size_t it = static_cast<size_t>(ch.item);
     float* am = nullptr;
     float* av = nullptr;
-    if (low.int8) {  // chunks start on a block boundary (kChunkElems % kQuantBlock == 0)
-      am = static_cast<float*>(low.exp_avg_absmax().items()[it].data) + ch.start / kQuantBlock;
-      av = static_cast<float*>(low.exp_avg_sq_absmax().items()[it].data) + ch.start / kQuantBlock;
+    if (plan.int8) {  // chunks start on a block boundary (kChunkElems % kQuantBlock == 0)
+      am = static_cast<float*>(plan.exp_avg_absmax().items()[it].data) + ch.start / kQuantBlock;
+      av = static_cast<float*>(plan.exp_avg_sq_absmax().items()[it].data) + ch.start / kQuantBlock;
     }
-    const AdamLowbitChunk a{low.params.items()[it].dtype,
+    const AdamLowbitChunk a{plan.params.items()[it].dtype,
                             param(ch),
                             grad(ch),
-                            at(low.exp_avgs(), ch),
-                            at(low.exp_avg_sqs(), ch),
+                            at(plan.exp_avgs(), ch),
+                            at(plan.exp_avg_sqs(), ch),
                             am,
                             av,
                             master(ch),
@@ -184,7 +182,7 @@ struct AdamLowbitCpu : ChunkLists {
                             s.inv_scale,
                             s.clip_coef};
     const OptimCpuKernels& k = optim_cpu_kernels();
-    (low.int8 ? k.adam_q8 : k.adam_bf16)(a, h, coefs[it]);
+    (plan.int8 ? k.adam_q8 : k.adam_bf16)(a, h, coefs[it]);
   }
 };
 
