@@ -95,9 +95,13 @@ FASTAMP_HOST_DEVICE inline float norm_combine(float a, float b) {
 }
 
 /// Clip coefficient of torch.nn.utils.clip_grad_norm_: max_norm / (total_norm + 1e-6), clamped
-/// to at most 1. A NaN norm gives a NaN coefficient, as torch.clamp does.
+/// to at most 1, rounded as torch rounds it: ``max_norm / tensor`` is ``tensor.reciprocal() *
+/// max_norm`` (Tensor.__rtruediv__), two fp32 roundings, not one division (which differs in the
+/// last bit for about half the norms when max_norm is not a power of two). A NaN norm gives a
+/// NaN coefficient, as torch.clamp does.
 FASTAMP_HOST_DEVICE inline float clip_coef(float total_norm, float max_norm) {
-  const float c = max_norm / (total_norm + 1e-6f);
+  const float r = 1.0f / (total_norm + 1e-6f);
+  const float c = r * max_norm;
   return c > 1.0f ? 1.0f : c;
 }
 

@@ -412,6 +412,36 @@ def test_clip_after_unscale_and_norm_types(norm_type):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.parametrize("max_norm", [5.3, 0.7, 3.0])
+def test_clip_coefficient_rounds_as_torch(max_norm):
+    """torch computes ``max_norm / (norm + 1e-6)`` as ``(norm + 1e-6).reciprocal() * max_norm``
+    (Tensor.__rtruediv__): two roundings. A single division differs in the last bit for about
+    half the norms when max_norm is not a power of two, so the clipped grads of a torch
+    optimizer (clip_unscale_'s write pass) and the fused path's update must use torch's two."""
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        grads = [torch.randn(37, generator=gen) * 10.0 ** (trial % 7) for _ in range(3)]
+        runs = []
+        for cls in (fastamp.GradScaler, torch.amp.GradScaler):
+            params = [nn.Parameter(torch.zeros(37)) for _ in grads]
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt = torch.optim.SGD(params, lr=1.0)
+            s = cls("cpu", init_scale=4.0)
+            s.scale(torch.ones(()))
+            if cls is fastamp.GradScaler:
+                norm = s.clip_grad_norm_(opt, max_norm)
+            else:
+                s.unscale_(opt)
+                norm = nn.utils.clip_grad_norm_(params, max_norm)
+            runs.append((norm, [p.grad for p in params]))
+        (n1, g1), (n2, g2) = runs
+        torch.testing.assert_close(n1, n2, rtol=1e-6, atol=0)
+        if torch.equal(n1, n2):  # the same norm: the same coefficient, bit for bit
+            for a, b in zip(g1, g2):
+                assert torch.equal(a, b), (trial, (a - b).abs().max())
+
+
 def test_clip_after_unscale_keeps_the_inf_check_of_unscale():
     """unscale_ saw an inf; the user then repairs the grads and clips. torch skips the step (its
     found_inf came from unscale_); so must fastamp, whose clip merges its own check into it."""

@@ -356,11 +356,11 @@ test_non_finite_check_and_unscale, test_non_finite_check_and_unscale_slow = tier
 
 
 def clip_coef32(total_norm: float, max_norm: float) -> torch.Tensor:
-    """The documented coefficient, in fp32: min(max_norm / (total_norm + 1e-6), 1), NaN kept."""
-    c = torch.tensor(max_norm, dtype=torch.float32) / (
-        torch.tensor(total_norm, dtype=torch.float32) + torch.tensor(1e-6, dtype=torch.float32)
-    )
-    return torch.where(c > 1, torch.ones_like(c), c)
+    """The coefficient as torch.nn.utils.clip_grad_norm_ computes it on an fp32 norm tensor:
+    ``torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)``, with torch's own roundings (the
+    Python float divided by a tensor is a reciprocal, then a product), NaN kept."""
+    c = max_norm / (torch.tensor(total_norm, dtype=torch.float32) + 1e-6)
+    return torch.clamp(c, max=1.0)
 
 
 @st.composite
