@@ -193,10 +193,11 @@ class FlatBuffers:
         self.views = gviews
         self.view_ptrs = list(map(_data_ptr, gviews))
         # The params' and the grad views' addresses, compared at every step by the op library
-        # (``fastamp::held_moved``: one C call per tensor, where a Python data_ptr() per tensor
-        # costs about 0.1 us), both lists in one call per check (:meth:`holds` reads it and
-        # keeps the views' part for :meth:`sync_grads`, which follows it).
-        self.held = _ops.HeldTensors((inside, gviews))
+        # (``fastamp::held_moved``: one C call per list, where a Python data_ptr() per tensor
+        # costs about 0.1 us). Apart, so that a read of the grads (the scaler's stats pass)
+        # checks only the views: :meth:`holds` keeps that result for :meth:`sync_grads`.
+        self.held_params = _ops.HeldTensors((inside,))
+        self.held_views = _ops.HeldTensors((gviews,))
         self.views_moved = False
         self.segments = [
             FlatSegment(
@@ -290,18 +291,28 @@ class FlatBuffers:
         self.state_dicts = list(state.values())  # compared by identity at each step
 
     # ---------------------------------------------------------------- per step
-    def holds(self, groups: list[dict[str, Any]], state: Mapping[Tensor, Any]) -> bool:
-        """Whether the layout still describes the optimizer (see the module docstring)."""
-        if groups is not self.groups or state is not self.state:
+    def holds(
+        self, groups: list[dict[str, Any]], state: Mapping[Tensor, Any], grads_only: bool = False
+    ) -> bool:
+        """Whether the layout still describes the optimizer (see the module docstring). With
+        ``grads_only`` (a pass that only reads the grads: the scaler's inf check and norm), only
+        what that read depends on: the same params in the same groups, whose grads
+        :meth:`sync_grads` then checks. The step itself asks for everything (the params'
+        storage, the group options, the state), touching each param once more."""
+        if groups is not self.groups:
             return False
         if same_params(groups, self.group_dicts, self.params) is None:
             return False
+        # A grad view re-pointed (p.grad.data = ..., set_): sync_grads looks at each grad.
+        self.views_moved = self.held_views.moved() >= 0
+        if grads_only:
+            return True
+        if state is not self.state:
+            return False
         if not all(st.holds(grp) for grp, st in zip(groups, self.structure)):
             return False
-        moved = self.held.moved()
-        if 0 <= moved < len(self.inside):  # a param re-pointed (p.data = ..., model.to(...))
+        if self.held_params.moved() >= 0:  # a param re-pointed (p.data = ..., model.to(...))
             return False
-        self.views_moved = moved >= 0  # a grad view re-pointed (p.grad.data = ..., set_)
         return len(state) == len(self.state_dicts) and all(
             map(is_, state.values(), self.state_dicts)
         )

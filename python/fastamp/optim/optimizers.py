@@ -457,10 +457,11 @@ class _FusedOptimizer(AmpFusedOptimizer):
         return True
 
     # ------------------------------------------------------------------ flat buffers
-    def _flat_layout(self) -> FlatBuffers:
-        """The flat layout, made anew (values and state copied in) when it no longer holds."""
+    def _flat_layout(self, grads_only: bool = False) -> FlatBuffers:
+        """The flat layout, made anew (values and state copied in) when it no longer holds
+        (``grads_only``: for a read of the grads, see :meth:`FlatBuffers.holds`)."""
         flat = self._flat
-        if flat is None or not flat.holds(self.param_groups, self.state):
+        if flat is None or not flat.holds(self.param_groups, self.state, grads_only):
             flat = self._flat = FlatBuffers(type(self).__name__, self.param_groups, self.state)
             self._plan = None  # its held tensors may be the old buffers' views
             pos = {id(p): (g, i) for g, grp in enumerate(self.param_groups)
@@ -480,7 +481,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         that is another tensor is copied in first); None when this step is per parameter."""
         if not self._flat_buffers or torch.compiler.is_compiling():
             return None
-        flat = self._flat_layout()
+        flat = self._flat_layout(grads_only=True)
         if not flat.usable or not flat.sync_grads(f"fastamp.optim.{type(self).__name__}"):
             return None
         return self._flat_handoff
