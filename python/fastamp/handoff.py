@@ -17,10 +17,10 @@ another's private attributes (``tests/test_architecture.py`` checks the sources)
 * :class:`FlatGrads` -- an optimizer with flat buffers to the scaler, through
   :meth:`AmpFusedOptimizer.amp_flat_grads`: its grads as a few flat tensors to measure.
 * :class:`AmpStep` -- the scaler to a :class:`AmpFusedOptimizer`, for exactly one ``step()`` call:
-  :func:`handing` sets it as the optimizer's ``amp_step`` attribute while the scaler calls
-  ``optimizer.step()`` (the public entry point, so LR schedulers and wrappers see the step), as
-  torch's scaler sets ``grad_scale`` / ``found_inf`` on its fused optimizers, and the optimizer's
-  ``step`` takes it with :func:`take`.
+  the scaler sets it as the optimizer's ``amp_step`` attribute while it calls ``optimizer.step()``
+  (the public entry point, so LR schedulers and wrappers see the step) and removes it when that
+  call returns or raises, as torch's scaler sets ``grad_scale`` / ``found_inf`` on its fused
+  optimizers; the optimizer's ``step`` reads it and sets it to None (once per call).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -38,8 +38,6 @@ __all__ = [
     "FlatGrads",
     "GradStats",
     "GradStatsConsumer",
-    "handing",
-    "take",
 ]
 
 
@@ -78,16 +76,16 @@ class FlatGrads:
 class AmpFusedOptimizer:
     """Marker base of optimizers whose ``step()`` unscales, clips and skips inside its own kernel.
 
-    Contract: ``step()`` calls :func:`take` once, first thing; with an :class:`AmpStep` it applies
-    it, else it follows ``torch.amp.GradScaler``'s protocol for optimizers that unscale themselves
+    Contract: ``step()`` reads :attr:`amp_step` once and sets it to None; with an :class:`AmpStep`
+    it applies it, else it follows ``torch.amp.GradScaler``'s protocol for optimizers that unscale themselves
     (``grad_scale`` / ``found_inf`` attributes, set by torch's scaler on ``fused=True``
     optimizers). :class:`fastamp.GradScaler` then skips its unscale pass for them."""
 
     # torch.amp.GradScaler's flag for that protocol (public in PyTorch's optimizer contract).
     _step_supports_amp_scaling = True
     #: The AmpStep :class:`fastamp.GradScaler` hands this optimizer for the ``step()`` it is
-    #: calling: set just before that call and cleared when it returns or raises (:func:`handing`),
-    #: taken by the step (:func:`take`); None at any other time.
+    #: calling: set just before that call and removed when it returns or raises, read (and set
+    #: to None) by the step; None at any other time.
     amp_step: AmpStep | None = None
 
     def amp_flat_grads(self) -> FlatGrads | None:
@@ -95,35 +93,6 @@ class AmpFusedOptimizer:
         ``unscale_``, write) in a few launches; None when they are not all views of the
         optimizer's flat grad buffers this step (the scaler then collects them per parameter)."""
         return None
-
-
-class handing:  # noqa: N801 (used as a function: ``with handing(opt, step): opt.step()``)
-    """Sets ``step`` as ``optimizer.amp_step`` inside the block, for its next :func:`take`.
-    Nothing stays behind when the block ends, whether or not ``step()`` ran or raised. (A class,
-    not a ``contextlib.contextmanager`` generator: one opens per training step, and the
-    generator's machinery costs about 1 us.)"""
-
-    __slots__ = ("optimizer", "step")
-
-    def __init__(self, optimizer: AmpFusedOptimizer, step: AmpStep) -> None:
-        self.optimizer = optimizer
-        self.step = step
-
-    def __enter__(self) -> None:
-        self.optimizer.amp_step = self.step
-
-    def __exit__(self, *_: object) -> Literal[False]:
-        vars(self.optimizer).pop("amp_step", None)
-        return False
-
-
-def take(optimizer: AmpFusedOptimizer) -> AmpStep | None:
-    """The :class:`AmpStep` handed to ``optimizer`` by the enclosing :func:`handing`, once: a
-    second call in the same block (a closure that steps again) gets None."""
-    step = optimizer.amp_step
-    if step is not None:
-        optimizer.amp_step = None
-    return step
 
 
 # ---------------------------------------------------------------------------- DDP -> scaler

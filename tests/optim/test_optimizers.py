@@ -206,6 +206,39 @@ def test_grads_are_never_written_with_clip():
         assert torch.equal(p.grad, g)  # still scaled: unscale and clip happened in registers
 
 
+def test_the_scalers_hand_off_is_for_one_step_call_only():
+    """fastamp.GradScaler hands AmpStep as the optimizer's visible ``amp_step`` attribute for
+    the one ``optimizer.step()`` call it makes: nothing stays behind after it returns or raises,
+    and a second step inside that call (a closure stepping again) gets no AmpStep."""
+    model = _model()
+    opt = fastamp.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = fastamp.GradScaler("cpu")
+    seen = []
+    inner = type(opt).step
+
+    def step(self, closure=None):
+        seen.append(self.amp_step)
+        out = inner(self, closure)
+        seen.append(self.amp_step)  # read and cleared by the step
+        return out
+
+    opt.step = step.__get__(opt)
+    scaler.scale(model(torch.randn(4, 12)).sum()).backward()
+    scaler.step(opt)
+    assert isinstance(seen[0], fastamp.handoff.AmpStep) and seen[1] is None
+    assert "amp_step" not in vars(opt) and opt.amp_step is None
+    scaler.update()
+
+    def failing(self, closure=None):
+        raise RuntimeError("planted")
+
+    opt.step = failing.__get__(opt)
+    scaler.scale(model(torch.randn(4, 12)).sum()).backward()
+    with pytest.raises(RuntimeError, match="planted"):
+        scaler.step(opt)
+    assert "amp_step" not in vars(opt) and opt.amp_step is None
+
+
 def test_driven_by_torch_grad_scaler_too():
     fm, tm = _model(), _model()
     fo = fastamp.optim.Adam(fm.parameters(), lr=1e-2)

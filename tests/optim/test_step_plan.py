@@ -303,3 +303,49 @@ def test_plan_sees_a_structural_option_edited(option):
                 opts[1].state[pb]["max_exp_avg_sq"], opts[0].state[pa]["max_exp_avg_sq"],
                 rtol=1e-4, atol=5e-5,
             )  # fmt: skip
+
+
+def test_the_traced_step_walk_is_the_one_docs_architecture_lists():
+    """docs/architecture.md lists the files a reader opens following one steady-state
+    ``scaler.step(optimizer)``: its Python part must be the files a traced step runs in, in the
+    order they first run."""
+    import pathlib
+    import re
+    import sys
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    walk = doc[doc.index("### Following one `scaler.step(optimizer)`") :]
+    walk = walk[: walk.index("\n\n", walk.index("| # | file |"))]
+    listed = re.findall(r"^\| \d+ \| `([\w/]+\.py)` \|", walk, flags=re.M)
+    params = [nn.Parameter(torch.randn(64)) for _ in range(8)]
+    opt = fastamp.optim.AdamW(params, lr=1e-3)
+    scaler = fastamp.GradScaler("cpu")
+
+    def iteration():
+        for p in params:
+            p.grad = torch.randn(64)
+        scaler.scale(torch.ones(()))
+
+    for _ in range(3):
+        iteration()
+        scaler.step(opt)
+        scaler.update()
+    iteration()
+    seen: list[str] = []
+
+    package = str(pathlib.Path(fastamp.__file__).resolve().parent) + "/"
+
+    def trace(frame, event, arg):
+        name = frame.f_code.co_filename
+        if name.startswith(package):
+            rel = name[len(package) :]
+            if rel not in seen:
+                seen.append(rel)
+
+    sys.settrace(trace)
+    try:
+        scaler.step(opt)
+    finally:
+        sys.settrace(None)
+    assert seen == listed
+    assert len(listed) <= 8

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp._plans import same_params
 from fastamp._sharding import is_dtensor
+from fastamp._step import same_params
 from fastamp.optim import _ops
 from fastamp.optim._plan import Structure
 

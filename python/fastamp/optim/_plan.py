@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp._plans import same_params
+from fastamp._step import same_params
 
 # Per-step hyper-parameters: read from the group at every step, so editing them (an LR
 # scheduler, a user changing weight decay) does not rebuild the plan.

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import torch
 from torch import Tensor
 
-from fastamp._devices import to_device
 from fastamp._library import backend_keyset, direct_call_allowed
 from fastamp._sharding import is_dtensor, local, local_param, local_state, wrap_like
-from fastamp.handoff import AmpFusedOptimizer, AmpStep, FlatGrads, take
+from fastamp._step import to_device
+from fastamp.handoff import AmpFusedOptimizer, AmpStep, FlatGrads
 from fastamp.optim import _family as family
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
@@ -395,8 +395,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        amp = take(self)
-        if amp is not None:  # from fastamp.GradScaler
+        amp = self.amp_step
+        if amp is not None:  # from fastamp.GradScaler, for this step only
+            self.amp_step = None  # (a closure that steps again gets none)
             self._fastamp_step(amp.inv_scale, amp.found_inf, amp.clip_coef)
         else:  # torch.amp.GradScaler's protocol for optimizers that unscale themselves
             grad_scale = getattr(self, "grad_scale", None)

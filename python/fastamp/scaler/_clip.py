@@ -13,8 +13,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fastamp._devices import to_device
 from fastamp._library import backend_keyset, direct_call_allowed
+from fastamp._step import to_device
 from fastamp.scaler import _ops
 from fastamp.scaler._grads import DeviceGrads
 

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from fastamp._plans import same_params
 from fastamp._sharding import ShardGroup, local, shard_group
+from fastamp._step import same_params
 from fastamp.handoff import FlatGrads
 
 

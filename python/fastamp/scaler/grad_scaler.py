@@ -14,10 +14,13 @@ accept it unchanged. What changes underneath:
 * the scale update runs on the device with optional hysteresis and bounds;
 * diagnostics: :meth:`last_step_skipped` (a device tensor, no sync) and :meth:`overflow_report`.
 
-One class in one file (the scaler's state machine is one concern): the clip's
-arithmetic (:mod:`fastamp.scaler._clip`), the per-iteration record and its all-or-nothing rule
-(:mod:`fastamp.scaler._transaction`) and the state_dict checks are functions and objects it calls
-with explicit inputs.
+One concern in one file, the scaler's state machine: :class:`GradScaler`, with what it keeps for
+one optimizer from its first ``unscale_`` / ``clip_grad_norm_`` / ``step`` of an iteration until
+``update()`` (:class:`OptimizerIteration`, beside PyTorch's own per-optimizer entry, which keeps
+PyTorch's keys only, and its :class:`ClipStep`: what ``clip_grad_norm_`` hands the fused step),
+and the all-or-nothing rule of its public calls (:class:`Transaction`: a call that raises before
+writing a grad leaves both as they were). The clip's arithmetic (:mod:`fastamp.scaler._clip`) and
+the state_dict checks are functions it calls with explicit inputs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import torch
@@ -34,9 +38,9 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from fastamp._checks import is_real, real
-from fastamp._devices import to_device
 from fastamp._library import backend_keyset, direct_call_allowed
-from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, handing
+from fastamp._step import to_device
+from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats
 from fastamp.scaler import _ops, _state, diagnostics
 from fastamp.scaler._clip import (
     GradNorm,
@@ -46,7 +50,6 @@ from fastamp.scaler._clip import (
     unscale_and_clip,
 )
 from fastamp.scaler._grads import DeviceGrads, GradPlan, collect_grads, flat_device_grads
-from fastamp.scaler._transaction import ClipStep, OptimizerIteration, Transaction
 from fastamp.scaler._validation import (
     FLOAT32_MAX,
     check_backoff_factor,
@@ -60,6 +63,80 @@ from fastamp.scaler.diagnostics import OverflowReport
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
 
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class ClipStep:
+    """What ``clip_grad_norm_`` leaves for a fused optimizer's step: the grads are still scaled,
+    and the kernel multiplies them by ``inv_scale * clip_coef``."""
+
+    inv_scale: Tensor
+    clip_coef: Tensor
+
+
+@dataclass
+class OptimizerIteration:
+    """fastamp's record of one optimizer's iteration (see the module docstring)."""
+
+    # Each device's grads with their per-grad inf flags (for overflow_report()).
+    flags: list[tuple[DeviceGrads, Tensor]] = field(default_factory=list)
+    # clip_grad_norm_'s result for a fused optimizer's step, until that step takes it.
+    clip: ClipStep | None = None
+    # The inf flags summed over devices, once the step began (step, last_step_skipped and
+    # update all read it; its inputs no longer change).
+    found_total: Tensor | None = None
+    # found_total > 0, once (the step's skip flag, and the overflow record at update()).
+    overflowed: Tensor | None = None
+
+    def copy(self) -> OptimizerIteration:
+        return OptimizerIteration(list(self.flags), self.clip, self.found_total, self.overflowed)
+
+
+class Transaction:
+    """One public call's changes to the per-iteration state of one optimizer, undone if the call
+    raises before it wrote a grad (:meth:`grads_written`): PyTorch leaves a fresh entry behind
+    (its ``_per_optimizer_states`` is a defaultdict), after which the scaler refuses to be pickled,
+    and a failing fused step would leave inf checks that a retry then mixes with new ones. Once a
+    grad has been written the new stage is the truth and is kept."""
+
+    def __init__(
+        self,
+        states: Any,
+        iterations: dict[int, OptimizerIteration],
+        key: int,
+        outer: Transaction | None,
+    ) -> None:
+        self.states = states
+        self.iterations = iterations
+        self.key = key
+        self.outer = outer
+        self.wrote = False
+        self._saved = None
+        if key in states:  # `in` does not create an entry
+            saved = dict(states[key])
+            if isinstance(saved.get("found_inf_per_device"), dict):
+                saved["found_inf_per_device"] = dict(saved["found_inf_per_device"])
+            self._saved = saved
+        record = iterations.get(key)
+        self._saved_record = None if record is None else record.copy()
+
+    def grads_written(self) -> None:
+        self.wrote = True
+        if self.outer is not None:
+            self.outer.grads_written()
+
+    def undo(self, states: Any) -> None:
+        """Puts the entries back (unless a grad was written, or update() replaced the dicts)."""
+        if states is not self.states or self.wrote:
+            return
+        if self._saved is None:
+            states.pop(self.key, None)
+        else:
+            states[self.key] = self._saved
+        if self._saved_record is None:
+            self.iterations.pop(self.key, None)
+        else:
+            self.iterations[self.key] = self._saved_record
 
 
 def _inverse(scale: Tensor) -> Tensor:
@@ -588,11 +665,17 @@ class GradScaler(torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded for this optimizer.")
         found = self._found_total(id(optimizer), state)
         assert isinstance(optimizer, AmpFusedOptimizer)  # step() calls this only for them
+        # Handed over as torch's scaler hands grad_scale / found_inf to its fused optimizers: a
+        # visible attribute of the optimizer, read by its step() (AmpFusedOptimizer.amp_step),
+        # here for this one call only (nothing stays behind, whether step() ran or raised).
         # Through optimizer.step() (not a private entry point), so wrappers such as the LR
         # schedulers' step counting see every step. PyTorch returns what optimizer.step returns
         # (a closure's loss) for optimizers that handle the scaling themselves.
-        with handing(optimizer, AmpStep(inv_scale, found, coef)):
+        optimizer.amp_step = AmpStep(inv_scale, found, coef)
+        try:
             retval: float | None = optimizer.step(*args, **kwargs)
+        finally:
+            vars(optimizer).pop("amp_step", None)
         state["stage"] = OptState.STEPPED
         self._last_skipped = self._overflowed(id(optimizer), state)
         return retval

@@ -1,13 +1,19 @@
-"""What the step plans of the optimizers (fastamp.optim._plan) and of the scaler
-(fastamp.scaler._grads) both check first: the param groups and their params are the ones the
-plan was built from."""
+"""What the step paths of the scaler and the optimizers share, both on every step:
+
+* :func:`same_params` -- what the step plans of the optimizers (fastamp.optim._plan,
+  fastamp.optim._flat) and of the scaler (fastamp.scaler._grads) check first: the param groups
+  and their params are the ones the plan was built from;
+* :func:`to_device` -- the step's small device tensors (scales, flags, norms) moved where a
+  kernel reads them.
+"""
 
 from __future__ import annotations
 
 from itertools import chain
 from operator import is_
-from typing import Any
+from typing import Any, overload
 
+import torch
 from torch import Tensor
 
 
@@ -28,3 +34,17 @@ def same_params(
     if len(current) != len(params) or not all(map(is_, current, params)):
         return None
     return current
+
+
+@overload
+def to_device(t: Tensor, device: torch.device) -> Tensor: ...
+@overload
+def to_device(t: Tensor | None, device: torch.device) -> Tensor | None: ...
+
+
+def to_device(t: Tensor | None, device: torch.device) -> Tensor | None:
+    """``t`` on ``device``, without a copy when it is already there (no sync either way); None
+    stays None."""
+    if t is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=True)
