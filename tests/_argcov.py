@@ -65,6 +65,16 @@ SCALAR_CLASSES: dict[tuple[str, str], dict[str, Callable[[Any], bool]]] = {
     ("sgd_lowbit_step_held_", "dampening"): _ZERO_OR_NOT,
     ("bucket_pack_", "scale"): {"1": lambda v: v == 1.0, "!=1": lambda v: v != 1.0},
     ("bucket_divide_stats_", "divisor"): {"1": lambda v: v == 1.0, "!=1": lambda v: v != 1.0},
+    ("clip_coef", "norm_type"): {
+        "2": lambda v: v == 2.0,
+        "inf": lambda v: math.isinf(v),
+        "1": lambda v: v == 1.0,
+    },
+    ("clip_coef", "max_norm"): {
+        "0": _zero,
+        "finite>0": lambda v: math.isfinite(v) and v > 0.0,
+        "inf": math.isinf,
+    },
     ("update_scale_", "hysteresis"): {"1": lambda v: v == 1, ">1": lambda v: v > 1},
     ("update_scale_", "min_scale"): _ZERO_OR_NOT,
     ("update_scale_", "max_scale"): {"inf": math.isinf, "finite": math.isfinite},

@@ -76,15 +76,36 @@ struct ChunkLists {
   }
 };
 
+// The bias corrections of one step count (two double pows), made once per run of params with the
+// same count: params stepped together share it, so a call over 121 params makes 2 pows, not 242.
+// The same inputs to the same arithmetic: the same bits as one adam_coefs per param.
+class AdamCoefsOfStep {
+ public:
+  const AdamCoefs& of(const AdamHyper& h, double lr, float old_step) {
+    if (!made_ || !(old_step == step_)) {  // (a NaN count is never equal: made anew)
+      coefs_ = adam_coefs(h, lr, static_cast<double>(old_step) + 1.0);
+      step_ = old_step;
+      made_ = true;
+    }
+    return coefs_;
+  }
+
+ private:
+  bool made_ = false;
+  float step_ = 0.0f;
+  AdamCoefs coefs_{};
+};
+
 // AdamW/Adam: the step's bias corrections per param (double pow), then the chunk kernel.
 struct AdamCpu : ChunkLists<AdamPlan> {
   AdamHyper h;
   std::vector<AdamCoefs> coefs;
+  AdamCoefsOfStep of_step;
 
   AdamCpu(const AdamPlan& p, const AdamHyper& hyper)
       : ChunkLists{p}, h(hyper), coefs(p.params.list_size()) {}
   void begin(size_t i, float old_step, int64_t, const CpuScalars& s) {
-    coefs[i] = adam_coefs(h, s.lr, static_cast<double>(old_step) + 1.0);
+    coefs[i] = of_step.of(h, s.lr, old_step);
   }
   void chunk(const Chunk& ch, const CpuScalars& s) const {
     const size_t it = static_cast<size_t>(ch.item);
@@ -149,6 +170,7 @@ struct AdamLowbitCpu : ChunkLists<LowbitPlan> {
   uint32_t seed;
   std::vector<AdamCoefs> coefs;
   std::vector<uint32_t> keys;
+  AdamCoefsOfStep of_step;
 
   AdamLowbitCpu(const LowbitPlan& p, const AdamHyper& hyper, int64_t seed_)
       : ChunkLists{p},
@@ -157,7 +179,7 @@ struct AdamLowbitCpu : ChunkLists<LowbitPlan> {
         coefs(p.params.list_size()),
         keys(p.params.list_size()) {}
   void begin(size_t i, float old_step, int64_t index, const CpuScalars& s) {
-    coefs[i] = adam_coefs(h, s.lr, static_cast<double>(old_step) + 1.0);
+    coefs[i] = of_step.of(h, s.lr, old_step);
     keys[i] = sr_key(seed, static_cast<uint32_t>(old_step + 1.0f), static_cast<uint32_t>(index));
   }
   void chunk(const Chunk& ch, const CpuScalars& s) const {

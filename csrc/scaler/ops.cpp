@@ -31,6 +31,18 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastamp, m) {
       "clip_unscale_(Tensor(a!)[] grads, Tensor inv_scale, Tensor total_norm, float max_norm) -> "
       "()");
 
+  // The clip's two scalars from the norm's power sum, in one launch (instead of one per
+  // elementwise op on a one-element tensor): total_norm = norm_pow_sum ** (1 / norm_type) (for
+  // norm_type 2 its IEEE square root, correctly rounded as CUDA's torch.sqrt (torch's CPU build
+  // takes MKL's, which can be one ulp off); for 1 and inf the sum or max itself) and clip_coef =
+  // min(max_norm / (total_norm + 1e-6), 1), rounded as torch.nn.utils.clip_grad_norm_ rounds it
+  // (a reciprocal, then a product). Reads norm_pow_sum (float32, one element: grad_stats' second
+  // output, summed over devices or shards); returns both as new float32 [] tensors on its
+  // device. norm_type must be 1, 2 or inf (the other roots are left to torch.pow).
+  m.def(
+      "clip_coef(Tensor norm_pow_sum, float norm_type, float max_norm) -> "
+      "(Tensor total_norm, Tensor clip_coef)");
+
   // Device-side dynamic loss-scale update: the job of torch._amp_update_scale_ plus optional
   // hysteresis and [min_scale, max_scale] bounds. Reads found_inf; updates scale (float32 []),
   // growth_tracker (int32 []) and hysteresis_tracker (int32 []) in place. With hysteresis=1,

@@ -63,6 +63,18 @@ FlatTensorList check_clip_unscale(TensorList grads, const Tensor& inv_scale,
   return list;
 }
 
+bool check_clip_coef(const Tensor& norm_pow_sum, double norm_type, double max_norm) {
+  constexpr const char* op = "fastamp::clip_coef";
+  FASTAMP_CHECK(norm_pow_sum.defined(), op, ": norm_pow_sum is undefined");
+  check_scalar_tensor(norm_pow_sum, op, "norm_pow_sum", norm_pow_sum.device(), kFloat, true);
+  FASTAMP_CHECK(norm_type == 1.0 || norm_type == 2.0 || (std::isinf(norm_type) && norm_type > 0.0),
+                op, ": norm_type must be 1, 2 or inf, got ", norm_type,
+                " (another norm's root is total.pow(1 / norm_type), left to torch)");
+  FASTAMP_CHECK(!std::isnan(max_norm) && max_norm >= 0.0, op,
+                ": max_norm must be a non-negative number, got ", max_norm);
+  return norm_type == 2.0;
+}
+
 void check_update_scale(const Tensor& scale, const Tensor& growth_tracker,
                         const Tensor& hysteresis_tracker, const Tensor& found_inf,
                         double growth_factor, double backoff_factor, int64_t growth_interval,

@@ -28,6 +28,10 @@ FlatTensorList check_unscale(TensorList grads, const Tensor& found_inf, const Te
 FlatTensorList check_clip_unscale(TensorList grads, const Tensor& inv_scale,
                                   const Tensor& total_norm, double max_norm);
 
+/// Whether the norm's root is a square root (norm_type 2); refuses a norm_type other than 1, 2
+/// or inf, a max_norm that is negative or NaN, and a norm_pow_sum that is not one float32.
+bool check_clip_coef(const Tensor& norm_pow_sum, double norm_type, double max_norm);
+
 void check_update_scale(const Tensor& scale, const Tensor& growth_tracker,
                         const Tensor& hysteresis_tracker, const Tensor& found_inf,
                         double growth_factor, double backoff_factor, int64_t growth_interval,

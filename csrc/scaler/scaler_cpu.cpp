@@ -104,6 +104,18 @@ void clip_unscale_cpu(TensorList grads, const Tensor& inv_scale, const Tensor& t
   list.write_back();
 }
 
+std::tuple<Tensor, Tensor> clip_coef_cpu(const Tensor& norm_pow_sum, double norm_type,
+                                         double max_norm) {
+  const bool l2 = check_clip_coef(norm_pow_sum, norm_type, max_norm);
+  const Device dev = norm_pow_sum.device();
+  Tensor total_norm = empty({}, kFloat, dev);
+  Tensor coef = empty({}, kFloat, dev);
+  const float total = norm_root(*norm_pow_sum.mutable_data_ptr<float>(), l2);
+  *total_norm.mutable_data_ptr<float>() = total;
+  *coef.mutable_data_ptr<float>() = clip_coef(total, static_cast<float>(max_norm));
+  return {total_norm, coef};
+}
+
 void update_scale_cpu(Tensor& scale, Tensor& growth_tracker, Tensor& hysteresis_tracker,
                       const Tensor& found_inf, double growth_factor, double backoff_factor,
                       int64_t growth_interval, int64_t hysteresis, double min_scale,
@@ -132,5 +144,6 @@ STABLE_TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
   m.impl("non_finite_check_and_unscale_",
          TORCH_BOX(&fastamp::scaler::non_finite_check_and_unscale_cpu));
   m.impl("clip_unscale_", TORCH_BOX(&fastamp::scaler::clip_unscale_cpu));
+  m.impl("clip_coef", TORCH_BOX(&fastamp::scaler::clip_coef_cpu));
   m.impl("update_scale_", TORCH_BOX(&fastamp::scaler::update_scale_cpu));
 }

@@ -88,6 +88,14 @@ struct ClipUnscaleOp {
   }
 };
 
+// One thread: the clip's two scalars (fastamp::clip_coef), as clip_coef_cpu computes them.
+__global__ void clip_coef_kernel(const float* norm_pow_sum, bool l2, float max_norm,
+                                 float* total_norm, float* coef) {
+  const float total = norm_root(*norm_pow_sum, l2);
+  *total_norm = total;
+  *coef = clip_coef(total, max_norm);
+}
+
 __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
                                     int32_t* hysteresis_tracker, const float* found_inf,
                                     double growth_factor, double backoff_factor,
@@ -161,6 +169,22 @@ void clip_unscale_cuda(TensorList grads, const Tensor& inv_scale, const Tensor& 
   list.write_back();
 }
 
+std::tuple<Tensor, Tensor> clip_coef_cuda(const Tensor& norm_pow_sum, double norm_type,
+                                          double max_norm) {
+  const bool l2 = check_clip_coef(norm_pow_sum, norm_type, max_norm);
+  const Device device = norm_pow_sum.device();
+  gpu::check_device(device, "fastamp::clip_coef", "norm_pow_sum");
+  gpu::DeviceGuard guard(device);
+  Tensor total_norm = empty({}, kFloat, device);
+  Tensor coef = empty({}, kFloat, device);
+  gpu::launch("clip_coef_kernel", &clip_coef_kernel, dim3(1), dim3(1),
+              gpu::current_stream(device),
+              static_cast<const float*>(norm_pow_sum.mutable_data_ptr<float>()), l2,
+              static_cast<float>(max_norm), total_norm.mutable_data_ptr<float>(),
+              coef.mutable_data_ptr<float>());
+  return {total_norm, coef};
+}
+
 void update_scale_cuda(Tensor& scale, Tensor& growth_tracker, Tensor& hysteresis_tracker,
                        const Tensor& found_inf, double growth_factor, double backoff_factor,
                        int64_t growth_interval, int64_t hysteresis, double min_scale,
@@ -187,5 +211,6 @@ FASTAMP_CUDA_KERNELS(m) {
   m.impl("non_finite_check_and_unscale_",
          TORCH_BOX(&fastamp::scaler::non_finite_check_and_unscale_cuda));
   m.impl("clip_unscale_", TORCH_BOX(&fastamp::scaler::clip_unscale_cuda));
+  m.impl("clip_coef", TORCH_BOX(&fastamp::scaler::clip_coef_cuda));
   m.impl("update_scale_", TORCH_BOX(&fastamp::scaler::update_scale_cuda));
 }

@@ -105,6 +105,12 @@ FASTAMP_HOST_DEVICE inline float clip_coef(float total_norm, float max_norm) {
   return c > 1.0f ? 1.0f : c;
 }
 
+/// The norm from its power sum for the norms fastamp::clip_coef takes: the IEEE square root for
+/// norm_type 2 (torch's Tensor.sqrt), the sum (norm_type 1) or max (inf) itself otherwise.
+FASTAMP_HOST_DEVICE inline float norm_root(float pow_sum, bool l2) {
+  return l2 ? std::sqrt(pow_sum) : pow_sum;
+}
+
 /// Dynamic loss-scale update.
 ///
 /// With hysteresis == 1, min_scale == 0 and max_scale == inf this is exactly

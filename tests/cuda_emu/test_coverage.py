@@ -57,6 +57,7 @@ def test_every_global_kernel_runs_under_the_emulator():
         "multi_tensor_apply_kernel",
         "combine_partials_kernel",
         "update_scale_kernel",
+        "clip_coef_kernel",
     } <= kernels
     f = torch.randn(5)
     emu.op("grad_stats")([f.clone()], torch.tensor(1.0), 2.0)
@@ -64,6 +65,7 @@ def test_every_global_kernel_runs_under_the_emulator():
         [f.clone()], torch.zeros(()), torch.tensor(1.0), torch.zeros(1, dtype=torch.bool)
     )
     emu.op("clip_unscale_")([f.clone()], torch.tensor(1.0), torch.tensor(2.0), 1.0)
+    emu.op("clip_coef")(torch.tensor(4.0), 2.0, 1.0)
     emu.op("update_scale_")(
         torch.tensor(2.0),
         torch.tensor(0, dtype=torch.int32),

@@ -133,6 +133,19 @@ def test_clip_unscale(case, total_norm, max_norm):
     run_case("clip_unscale_", build)
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize(
+    "pow_sum,max_norm",
+    [(1.0118544101715088, 1.0), (6822148.0, 5.3), (0.0, 0.0), (math.inf, 1.0), (math.nan, 0.7),
+     (1e-30, math.inf), (3.4e38, 1e9)],
+)  # fmt: skip
+def test_clip_coef(norm_type, pow_sum, max_norm):
+    def build(mem):
+        return mem.place(torch.tensor([pow_sum]), 1).view(()), norm_type, max_norm
+
+    run_case("clip_coef", build)
+
+
 # --- launch-table edges -------------------------------------------------------------------------
 
 

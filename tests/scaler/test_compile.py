@@ -12,7 +12,7 @@ from fastamp.testing import make_grads
 def _scaler_step(grads, scale, growth_tracker, hysteresis_tracker, max_norm: float):
     inv = scale.double().reciprocal().float()
     found, pow_sum, _ = torch.ops.fastamp.grad_stats(grads, inv, 2.0)
-    total = pow_sum.sqrt()
+    total, _ = torch.ops.fastamp.clip_coef(pow_sum, 2.0, max_norm)
     torch.ops.fastamp.clip_unscale_(grads, inv, total, max_norm)
     torch.ops.fastamp.update_scale_(
         scale, growth_tracker, hysteresis_tracker, found, 2.0, 0.5, 2, 1, 0.0, math.inf

@@ -181,16 +181,79 @@ def test_clip_unscale_matches_float64(device, dtype, max_norm):
         assert math.isclose(new_norm, 0.5, rel_tol=1e-2)
 
 
-def test_clip_unscale_fp32_bitwise_equals_torch_recipe(device):
+@pytest.mark.parametrize("max_norm", [1.0, 5.3])
+def test_clip_unscale_fp32_bitwise_equals_torch_recipe(device, max_norm):
     grads = make_grads(SHAPES, torch.float32, device, seed=13, scale=100.0)
     theirs = [g.clone() for g in grads]
     inv = torch.tensor(1.0 / 300.0, device=device)
     found = torch.zeros((), device=device)
     torch._amp_foreach_non_finite_check_and_unscale_(theirs, found, inv)
-    total = torch.nn.utils.clip_grad_norm_(_as_params(theirs), 1.0)
-    ops.clip_unscale_(grads, inv, total, 1.0)
+    total = torch.nn.utils.clip_grad_norm_(_as_params(theirs), max_norm)
+    ops.clip_unscale_(grads, inv, total, max_norm)
     for g, t in zip(grads, theirs):
         assert torch.equal(g, t)
+
+
+def _reference_clip(pow_sum: torch.Tensor, norm_type: float, max_norm: float):
+    """The root correctly rounded to fp32 (float64 sqrt of an fp32 value, rounded once: exact,
+    as IEEE sqrt is; CUDA's torch.sqrt is, the CPU build's MKL sqrt may be one ulp off), then
+    torch.nn.utils.clip_grad_norm_'s coefficient with torch's own ops on that root."""
+    v = float(pow_sum)
+    root = math.sqrt(v) if norm_type == 2.0 and v >= 0 else (math.nan if norm_type == 2.0 else v)
+    total = torch.tensor(root, dtype=torch.float32, device=pow_sum.device)
+    return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+CLIP_POW_SUMS = [0.0, 1e-30, 1e-12, 0.25, 1.0, 2.0, 3.0, 1e6, 3.4e38, math.inf, math.nan]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("max_norm", [0.0, 1.0, 5.3, 0.7, 1e9, math.inf])
+def test_clip_coef_equals_torch_bit_for_bit(device, norm_type, max_norm):
+    """The fused root + coefficient against the correctly rounded root and torch's own ops for
+    the coefficient, on fixed edges (0, tiny, inf, NaN, the largest float) and fresh random sums
+    over many magnitudes."""
+    gen = torch.Generator().manual_seed(int(1000 * norm_type if math.isfinite(norm_type) else 7))
+    rand = (torch.rand(300, generator=gen) * 10.0 ** torch.randint(-8, 9, (300,), generator=gen))
+    for v in CLIP_POW_SUMS + rand.tolist():
+        ps = torch.tensor(v, dtype=torch.float32, device=device)
+        total, coef = ops.clip_coef(ps, norm_type, max_norm)
+        t_total, t_coef = _reference_clip(ps, norm_type, max_norm)
+        assert total.shape == coef.shape == () and total.dtype == coef.dtype == torch.float32
+        assert total.device == coef.device == ps.device
+        torch.testing.assert_close(total, t_total, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(coef, t_coef, rtol=0, atol=0, equal_nan=True, msg=str(v))
+
+
+def test_clip_coef_matches_float64_within_one_rounding(device):
+    """Against the float64 formula: the root and the coefficient within the fp32 roundings."""
+    gen = torch.Generator().manual_seed(31)
+    sums = torch.rand(200, generator=gen, dtype=torch.float64) * 1e4
+    for v in sums.tolist():
+        ps = torch.tensor(v, dtype=torch.float32, device=device)
+        total, coef = ops.clip_coef(ps, 2.0, 3.7)
+        t64 = math.sqrt(float(ps))
+        c64 = min(3.7 / (t64 + 1e-6), 1.0)
+        assert math.isclose(float(total), t64, rel_tol=2**-23)
+        assert math.isclose(float(coef), c64, rel_tol=2**-21)
+
+
+def test_clip_coef_refuses_by_name(device):
+    ps = torch.tensor(4.0, device=device)
+    with pytest.raises(RuntimeError, match="norm_type must be 1, 2 or inf, got 3"):
+        ops.clip_coef(ps, 3.0, 1.0)
+    with pytest.raises(RuntimeError, match="norm_type must be 1, 2 or inf"):
+        ops.clip_coef(ps, -math.inf, 1.0)
+    for bad in (-1.0, math.nan):
+        with pytest.raises(RuntimeError, match="max_norm must be a non-negative number"):
+            ops.clip_coef(ps, 2.0, bad)
+    with pytest.raises(RuntimeError, match="norm_pow_sum has dtype"):
+        ops.clip_coef(ps.double(), 2.0, 1.0)
+    with pytest.raises(RuntimeError, match="norm_pow_sum has 2 elements"):
+        ops.clip_coef(torch.ones(2, device=device), 2.0, 1.0)
+    # a one-element [1] tensor is taken, as the other scalar arguments are
+    total, coef = ops.clip_coef(torch.tensor([16.0], device=device), 2.0, 1.0)
+    assert float(total) == 4.0 and float(coef) == torch.tensor(1.0 / (4.0 + 1e-6)).item()
 
 
 def _as_params(grads):
@@ -361,6 +424,14 @@ def test_opcheck_clip_unscale(device):
         torch.ops.fastamp.clip_unscale_.default,
         (grads, torch.tensor(0.5, device=device), torch.tensor(3.0, device=device), 1.0),
     )
+
+
+def test_opcheck_clip_coef(device):
+    for norm_type in (2.0, 1.0, math.inf):
+        _opcheck(
+            torch.ops.fastamp.clip_coef.default,
+            (torch.tensor(9.0, device=device), norm_type, 0.5),
+        )
 
 
 def test_opcheck_update_scale(device):

@@ -25,6 +25,7 @@ __all__ = [
     "grad_stats",
     "non_finite_check_and_unscale_",
     "clip_unscale_",
+    "clip_coef",
     "update_scale_",
 ]
 
@@ -92,6 +93,23 @@ def clip_unscale_(
 ) -> None:
     """``grads[i] *= inv_scale * min(max_norm / (total_norm + 1e-6), 1)`` in one write pass."""
     _on_dense("clip_unscale_", grads, inv_scale, total_norm, float(max_norm))
+
+
+def clip_coef(
+    norm_pow_sum: Tensor, norm_type: float, max_norm: float, keyset: Any = None
+) -> tuple[Tensor, Tensor]:
+    """``(total_norm, clip_coef)`` from the norm's power sum in one launch: the root (norm_type
+    2: the square root; 1 and inf: the sum or max itself) and ``min(max_norm / (total_norm +
+    1e-6), 1)`` rounded as torch.nn.utils.clip_grad_norm_ rounds it. With a backend ``keyset``
+    (see :func:`grad_stats`), straight to that kernel."""
+    if keyset is not None and type(norm_pow_sum) is Tensor and not norm_pow_sum.requires_grad:
+        direct: tuple[Tensor, Tensor] = call_direct(
+            torch.ops.fastamp.clip_coef.default, keyset, (), norm_pow_sum, float(norm_type),
+            float(max_norm),
+        )  # fmt: skip
+        return direct
+    out: tuple[Tensor, Tensor] = _raw.clip_coef(norm_pow_sum, float(norm_type), float(max_norm))
+    return out
 
 
 def update_scale_(
@@ -178,6 +196,17 @@ def _clip_unscale_fake(
         anchor="the device of inv_scale",
     )
     return None
+
+
+@register_fake("fastamp::clip_coef")
+def _clip_coef_fake(
+    norm_pow_sum: Tensor, norm_type: float, max_norm: float
+) -> tuple[Tensor, Tensor]:
+    dev = norm_pow_sum.device
+    return (
+        norm_pow_sum.new_empty((), dtype=torch.float32, device=dev),
+        norm_pow_sum.new_empty((), dtype=torch.float32, device=dev),
+    )
 
 
 @register_fake("fastamp::update_scale_")

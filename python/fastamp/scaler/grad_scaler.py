@@ -45,7 +45,6 @@ from fastamp.scaler import _ops, _state, diagnostics
 from fastamp.scaler._clip import (
     GradNorm,
     check_clip_arguments,
-    clip_coefficient,
     grad_norm,
     unscale_and_clip,
 )
@@ -555,20 +554,18 @@ class GradScaler(torch.amp.GradScaler):
                 params = [p for g in optimizer.param_groups for p in g["params"]]
                 if self._ddp_stats.current_for(params, self._scale):
                     reuse = (self._ddp_stats.found_inf, self._ddp_stats.sum_sq)
-            return grad_norm(per_device, invs, norm_type, scale.device, reuse)
+            return grad_norm(per_device, invs, norm_type, max_norm, scale.device, reuse)
 
         with torch.no_grad():
             if fused:  # the grads are only read here: their plan leaves the checks to the op
-                per_device, (found, flags, total_norm) = self._read_grads(
+                per_device, (found, flags, total_norm, coef) = self._read_grads(
                     optimizer, "clip_grad_norm_", read
                 )
             else:
                 per_device = self._collect(optimizer, already_unscaled, "clip_grad_norm_")
-                found, flags, total_norm = read(per_device)
+                found, flags, total_norm, coef = read(per_device)
             if fused:  # the step's scalars but found_inf (summed over devices at step())
-                self._iteration(optimizer).clip = ClipStep(
-                    inv_scale, clip_coefficient(total_norm, max_norm)
-                )
+                self._iteration(optimizer).clip = ClipStep(inv_scale, coef)
             else:
                 invs = {dev: to_device(inv_scale, dev) for dev in per_device}
                 unscale_and_clip(per_device, invs, total_norm, max_norm, tx.grads_written)
