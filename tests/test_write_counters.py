@@ -124,6 +124,7 @@ def _writing_calls():
     )
     cg = _lists()
     sgd = _adam()
+    rflags, rupdate = torch.zeros(3, dtype=torch.bool), torch.tensor(-1)
     return {
         "adam_step_": (lambda: ops.adam_step_(p, g, m, v, [], steps, [], 1e-2, None, 0.9, 0.99,
                        0.0, 1e-8, False, True, False, None, None, None), p + m + v + steps),
@@ -147,6 +148,9 @@ def _writing_calls():
                           1, 0.0, float("inf")), [scale, gt, hy]),
         "clip_unscale_": (lambda: ops.clip_unscale_(cg, torch.tensor(0.5), torch.tensor(2.0), 1.0),
                           cg),
+        "record_overflow_": (lambda: ops.record_overflow_(rflags, rupdate,
+                             torch.ones(3, dtype=torch.bool), torch.ones(()), torch.tensor(4)),
+                             [rflags, rupdate]),
     }  # fmt: skip
 
 

@@ -43,6 +43,15 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastamp, m) {
       "clip_coef(Tensor norm_pow_sum, float norm_type, float max_norm) -> "
       "(Tensor total_norm, Tensor clip_coef)");
 
+  // The overflow record of GradScaler.overflow_report, kept on the device in one launch (instead
+  // of a compare and two torch.where per step): when found_inf > 0 (the step overflowed),
+  // flags_record = flags (bool [n], which grads held inf/NaN) and update_record = update_count
+  // (int64 [], the index of this update()); otherwise nothing is written. Reads flags, found_inf
+  // (float32 []) and update_count.
+  m.def(
+      "record_overflow_(Tensor(a!) flags_record, Tensor(b!) update_record, Tensor flags, "
+      "Tensor found_inf, Tensor update_count) -> ()");
+
   // Device-side dynamic loss-scale update: the job of torch._amp_update_scale_ plus optional
   // hysteresis and [min_scale, max_scale] bounds. Reads found_inf; updates scale (float32 []),
   // growth_tracker (int32 []) and hysteresis_tracker (int32 []) in place. With hysteresis=1,

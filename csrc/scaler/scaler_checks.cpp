@@ -75,6 +75,31 @@ bool check_clip_coef(const Tensor& norm_pow_sum, double norm_type, double max_no
   return norm_type == 2.0;
 }
 
+void check_record_overflow(const Tensor& flags_record, const Tensor& update_record,
+                           const Tensor& flags, const Tensor& found_inf,
+                           const Tensor& update_count) {
+  constexpr const char* op = "fastamp::record_overflow_";
+  FASTAMP_CHECK(flags_record.defined(), op, ": flags_record is undefined");
+  const auto dev = flags_record.device();
+  check_scalar_tensor(update_record, op, "update_record", dev, kLong, true);
+  check_scalar_tensor(found_inf, op, "found_inf", dev, kFloat, true);
+  check_scalar_tensor(update_count, op, "update_count", dev, kLong, true);
+  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"flags_record", &flags_record},
+                                {"flags", &flags}}) {
+    FASTAMP_CHECK(t->defined() && t->device() == dev, op, ": ", name, " must be a tensor on ",
+                  dev);
+    FASTAMP_CHECK(t->scalar_type() == kBool, op, ": ", name, " has dtype ", t->scalar_type(),
+                  "; expected torch.bool");
+    FASTAMP_CHECK(t->dim() == 1 && t->is_contiguous(), op, ": ", name,
+                  " must be a contiguous 1-D tensor, got shape ", t->sizes());
+  }
+  FASTAMP_CHECK(flags.numel() == flags_record.numel(), op, ": flags has ", flags.numel(),
+                " elements and flags_record ", flags_record.numel(), "; expected the same number");
+  FASTAMP_CHECK(flags.mutable_data_ptr() != flags_record.mutable_data_ptr() ||
+                    flags.numel() == 0,
+                op, ": flags and flags_record must be different tensors");
+}
+
 void check_update_scale(const Tensor& scale, const Tensor& growth_tracker,
                         const Tensor& hysteresis_tracker, const Tensor& found_inf,
                         double growth_factor, double backoff_factor, int64_t growth_interval,

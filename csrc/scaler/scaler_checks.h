@@ -32,6 +32,12 @@ FlatTensorList check_clip_unscale(TensorList grads, const Tensor& inv_scale,
 /// or inf, a max_norm that is negative or NaN, and a norm_pow_sum that is not one float32.
 bool check_clip_coef(const Tensor& norm_pow_sum, double norm_type, double max_norm);
 
+/// The checks of fastamp::record_overflow_: the records, flags and scalars on one device, the
+/// flags and their record contiguous bool vectors of one length, the scalars one element each.
+void check_record_overflow(const Tensor& flags_record, const Tensor& update_record,
+                           const Tensor& flags, const Tensor& found_inf,
+                           const Tensor& update_count);
+
 void check_update_scale(const Tensor& scale, const Tensor& growth_tracker,
                         const Tensor& hysteresis_tracker, const Tensor& found_inf,
                         double growth_factor, double backoff_factor, int64_t growth_interval,

@@ -7,6 +7,8 @@
 #include "common/multi_tensor_apply_cpu.h"
 #include "scaler/scaler_checks.h"
 #include "scaler/scaler_cpu_kernels.h"
+
+#include <algorithm>
 #include "scaler/scaler_math.h"
 
 #include <vector>
@@ -116,6 +118,16 @@ std::tuple<Tensor, Tensor> clip_coef_cpu(const Tensor& norm_pow_sum, double norm
   return {total_norm, coef};
 }
 
+void record_overflow_cpu(Tensor& flags_record, Tensor& update_record, const Tensor& flags,
+                         const Tensor& found_inf, const Tensor& update_count) {
+  check_record_overflow(flags_record, update_record, flags, found_inf, update_count);
+  if (!(*found_inf.mutable_data_ptr<float>() > 0.0f)) return;
+  const bool* src = flags.mutable_data_ptr<bool>();
+  bool* dst = flags_record.mutable_data_ptr<bool>();
+  std::copy(src, src + flags.numel(), dst);
+  *update_record.mutable_data_ptr<int64_t>() = *update_count.mutable_data_ptr<int64_t>();
+}
+
 void update_scale_cpu(Tensor& scale, Tensor& growth_tracker, Tensor& hysteresis_tracker,
                       const Tensor& found_inf, double growth_factor, double backoff_factor,
                       int64_t growth_interval, int64_t hysteresis, double min_scale,
@@ -145,5 +157,6 @@ STABLE_TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
          TORCH_BOX(&fastamp::scaler::non_finite_check_and_unscale_cpu));
   m.impl("clip_unscale_", TORCH_BOX(&fastamp::scaler::clip_unscale_cpu));
   m.impl("clip_coef", TORCH_BOX(&fastamp::scaler::clip_coef_cpu));
+  m.impl("record_overflow_", TORCH_BOX(&fastamp::scaler::record_overflow_cpu));
   m.impl("update_scale_", TORCH_BOX(&fastamp::scaler::update_scale_cpu));
 }

@@ -96,6 +96,16 @@ __global__ void clip_coef_kernel(const float* norm_pow_sum, bool l2, float max_n
   *coef = clip_coef(total, max_norm);
 }
 
+// One block: the overflow record (fastamp::record_overflow_), written only when found_inf > 0.
+constexpr int kRecordThreads = 256;
+__global__ void record_overflow_kernel(bool* flags_record, int64_t* update_record,
+                                       const bool* flags, int64_t n, const float* found_inf,
+                                       const int64_t* update_count) {
+  if (!(*found_inf > 0.0f)) return;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) flags_record[i] = flags[i];
+  if (threadIdx.x == 0) *update_record = *update_count;
+}
+
 __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
                                     int32_t* hysteresis_tracker, const float* found_inf,
                                     double growth_factor, double backoff_factor,
@@ -185,6 +195,20 @@ std::tuple<Tensor, Tensor> clip_coef_cuda(const Tensor& norm_pow_sum, double nor
   return {total_norm, coef};
 }
 
+void record_overflow_cuda(Tensor& flags_record, Tensor& update_record, const Tensor& flags,
+                          const Tensor& found_inf, const Tensor& update_count) {
+  check_record_overflow(flags_record, update_record, flags, found_inf, update_count);
+  const Device device = flags_record.device();
+  gpu::check_device(device, "fastamp::record_overflow_", "flags_record");
+  gpu::DeviceGuard guard(device);
+  gpu::launch("record_overflow_kernel", &record_overflow_kernel, dim3(1), dim3(kRecordThreads),
+              gpu::current_stream(device), flags_record.mutable_data_ptr<bool>(),
+              update_record.mutable_data_ptr<int64_t>(),
+              static_cast<const bool*>(flags.mutable_data_ptr<bool>()), flags.numel(),
+              static_cast<const float*>(found_inf.mutable_data_ptr<float>()),
+              static_cast<const int64_t*>(update_count.mutable_data_ptr<int64_t>()));
+}
+
 void update_scale_cuda(Tensor& scale, Tensor& growth_tracker, Tensor& hysteresis_tracker,
                        const Tensor& found_inf, double growth_factor, double backoff_factor,
                        int64_t growth_interval, int64_t hysteresis, double min_scale,
@@ -212,5 +236,6 @@ FASTAMP_CUDA_KERNELS(m) {
          TORCH_BOX(&fastamp::scaler::non_finite_check_and_unscale_cuda));
   m.impl("clip_unscale_", TORCH_BOX(&fastamp::scaler::clip_unscale_cuda));
   m.impl("clip_coef", TORCH_BOX(&fastamp::scaler::clip_coef_cuda));
+  m.impl("record_overflow_", TORCH_BOX(&fastamp::scaler::record_overflow_cuda));
   m.impl("update_scale_", TORCH_BOX(&fastamp::scaler::update_scale_cuda));
 }

@@ -58,6 +58,7 @@ def test_every_global_kernel_runs_under_the_emulator():
         "combine_partials_kernel",
         "update_scale_kernel",
         "clip_coef_kernel",
+        "record_overflow_kernel",
     } <= kernels
     f = torch.randn(5)
     emu.op("grad_stats")([f.clone()], torch.tensor(1.0), 2.0)
@@ -66,6 +67,13 @@ def test_every_global_kernel_runs_under_the_emulator():
     )
     emu.op("clip_unscale_")([f.clone()], torch.tensor(1.0), torch.tensor(2.0), 1.0)
     emu.op("clip_coef")(torch.tensor(4.0), 2.0, 1.0)
+    emu.op("record_overflow_")(
+        torch.zeros(2, dtype=torch.bool),
+        torch.tensor(-1),
+        torch.ones(2, dtype=torch.bool),
+        torch.ones(()),
+        torch.tensor(0),
+    )
     emu.op("update_scale_")(
         torch.tensor(2.0),
         torch.tensor(0, dtype=torch.int32),

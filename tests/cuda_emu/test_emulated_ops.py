@@ -146,6 +146,22 @@ def test_clip_coef(norm_type, pow_sum, max_norm):
     run_case("clip_coef", build)
 
 
+@pytest.mark.parametrize("n", [0, 1, 5, 257, 1000])
+@pytest.mark.parametrize("found", [0.0, 1.0, 2.0, math.nan])
+def test_record_overflow(n, found):
+    def build(mem):
+        flags = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5
+        return (
+            mem.place(torch.zeros(n, dtype=torch.bool), 1),
+            mem.place(torch.tensor([-1], dtype=torch.int64), 2).view(()),
+            flags,
+            torch.tensor(found),
+            torch.tensor(n + 3, dtype=torch.int64),
+        )
+
+    run_case("record_overflow_", build)
+
+
 # --- launch-table edges -------------------------------------------------------------------------
 
 

@@ -140,7 +140,8 @@ def test_every_cuda_op_has_a_traffic_case():
     ops = {n.split(".")[0] for n in emu.fastamp_ops()}
     host_only = {"_cpu_capability", "rng_get_state", "rng_set_state", "shared_memory_pair"}
     host_only |= {"hold_tensors", "release_tensors", "held_moved"}
-    scalar_only = {"update_scale_", "clip_coef"}  # one thread: three scalars / two scalars
+    # one thread: three scalars / two scalars; one block: n bools copied on an overflowed step
+    scalar_only = {"update_scale_", "clip_coef", "record_overflow_"}
     # A held variant (adam_step_held_) calls its list-taking op's launcher with the same
     # arguments struct: its traffic is that op's case (the harness runs every differential case
     # through both, bit for bit).

@@ -214,7 +214,7 @@ def test_clip_coef_equals_torch_bit_for_bit(device, norm_type, max_norm):
     the coefficient, on fixed edges (0, tiny, inf, NaN, the largest float) and fresh random sums
     over many magnitudes."""
     gen = torch.Generator().manual_seed(int(1000 * norm_type if math.isfinite(norm_type) else 7))
-    rand = (torch.rand(300, generator=gen) * 10.0 ** torch.randint(-8, 9, (300,), generator=gen))
+    rand = torch.rand(300, generator=gen) * 10.0 ** torch.randint(-8, 9, (300,), generator=gen)
     for v in CLIP_POW_SUMS + rand.tolist():
         ps = torch.tensor(v, dtype=torch.float32, device=device)
         total, coef = ops.clip_coef(ps, norm_type, max_norm)
@@ -432,6 +432,62 @@ def test_opcheck_clip_coef(device):
             torch.ops.fastamp.clip_coef.default,
             (torch.tensor(9.0, device=device), norm_type, 0.5),
         )
+
+
+def _record(device, n=5):
+    return (
+        torch.zeros(n, dtype=torch.bool, device=device),
+        torch.tensor(-1, device=device),
+    )
+
+
+@pytest.mark.parametrize("found", [0.0, 1.0, 3.0, math.nan, -1.0])
+def test_record_overflow_writes_only_on_an_overflowed_step(device, found):
+    """As ``torch.where(found > 0, flags, record)`` for both records (what it replaces)."""
+    flags_record, update_record = _record(device)
+    flags_record[1] = True
+    flags = torch.tensor([True, False, False, True, True], device=device)
+    found_t = torch.tensor(found, device=device)
+    count = torch.tensor(7, device=device)
+    want_flags = torch.where(found_t > 0, flags, flags_record)
+    want_update = torch.where(found_t > 0, count, update_record)
+    ops.record_overflow_(flags_record, update_record, flags, found_t, count)
+    assert torch.equal(flags_record, want_flags) and torch.equal(update_record, want_update)
+    assert float(found_t) == found or math.isnan(found)  # inputs untouched
+    assert int(count) == 7 and torch.equal(
+        flags, torch.tensor([1, 0, 0, 1, 1], device=device).bool()
+    )
+
+
+def test_record_overflow_refuses_by_name_and_writes_nothing(device):
+    rec, upd = _record(device)
+    flags = torch.ones(5, dtype=torch.bool, device=device)
+    one, count = torch.ones((), device=device), torch.tensor(2, device=device)
+    cases = [
+        ((rec, upd, torch.ones(4, dtype=torch.bool, device=device), one, count),
+         "flags has 4 elements and flags_record 5"),
+        ((rec, upd, flags.float(), one, count), "flags has dtype"),
+        ((rec, upd, flags, one.double(), count), "found_inf has dtype"),
+        ((rec, upd.int(), flags, one, count), "update_record has dtype"),
+        ((rec, upd, flags, one, count.float()), "update_count has dtype"),
+        ((rec.view(5, 1), upd, flags.view(5, 1), one, count), "flags_record must be a contiguous 1-D"),
+        ((rec, upd, rec, one, count), "flags and flags_record must be different tensors"),
+    ]  # fmt: skip
+    for args, msg in cases:
+        before = [rec.clone(), upd.clone()]
+        with pytest.raises(RuntimeError, match=msg):
+            ops.record_overflow_(*args)
+        assert torch.equal(rec, before[0]) and torch.equal(upd, before[1])
+
+
+def test_opcheck_record_overflow(device):
+    for found in (0.0, 1.0):
+        rec, upd = _record(device)
+        _opcheck(
+            torch.ops.fastamp.record_overflow_.default,
+            (rec, upd, torch.ones(5, dtype=torch.bool, device=device),
+             torch.tensor(found, device=device), torch.tensor(3, device=device)),
+        )  # fmt: skip
 
 
 def test_opcheck_update_scale(device):

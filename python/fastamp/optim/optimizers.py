@@ -134,7 +134,10 @@ class _FusedOptimizer(AmpFusedOptimizer):
     _default_seed: int
     _step_checks: StepChecks
     _load_checks: StateDictChecks
-    stepped: Tensor | None
+    # What ``stepped`` is made from: the last step's found_inf (None: an unconditional step) and
+    # its device, or None before any step; the compare is made when ``stepped`` is first read.
+    _stepped_from: tuple[Tensor | None, torch.device] | None
+    _stepped_value: Tensor | None
     # The steady state's launches (fastamp.optim._plan), or None: the next step is a full one.
     _plan: StepPlan | None
     # flat_buffers=True (Adam/AdamW): the params' flat layout (fastamp.optim._flat), made by the
@@ -168,7 +171,8 @@ class _FusedOptimizer(AmpFusedOptimizer):
             )
         self._step_checks = StepChecks(name, self._FAMILY, self._master_weights)
         self._load_checks = StateDictChecks(name, self._FAMILY, self._master_weights)
-        self.stepped = None
+        self._stepped_from = None
+        self._stepped_value = None
         self._plan = None
 
     def _fastamp_defaults(self) -> None:
@@ -186,6 +190,8 @@ class _FusedOptimizer(AmpFusedOptimizer):
         state.pop("_plan", None)  # rebuilt by the first step
         state.pop("_flat", None)  # remade from the params by the first step
         state.pop("_flat_handoff", None)
+        state.pop("_stepped_from", None)  # kept as what it gives, `stepped`
+        state.pop("_stepped_value", None)
         state.update(
             _master_weights=self._master_weights,
             _default_format=self._default_format,
@@ -199,7 +205,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
         self.__dict__.setdefault("_master_weights", False)
         self.__dict__.setdefault("_default_format", FLOAT32)
         self.__dict__.setdefault("_default_seed", 0)
-        self.__dict__.setdefault("stepped", None)
+        stepped = self.__dict__.pop("stepped", None)  # kept as the tensor it was
+        self._stepped_from = None
+        self._stepped_value = stepped
         self.__dict__.setdefault("_flat_buffers", False)
         self._plan = None
         self._flat = None
@@ -454,7 +462,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
                     return False
                 # The plan checked every grad before the first launch: not expected.
                 raise self._step_checks.kernel_error(e, launch.g, launch.places, first=False) from e
-        self.stepped = self._stepped(found_inf, plan.launches[0].device)
+        self._stepped_from, self._stepped_value = (found_inf, plan.launches[0].device), None
         return True
 
     # ------------------------------------------------------------------ flat buffers
@@ -518,8 +526,8 @@ class _FusedOptimizer(AmpFusedOptimizer):
         # The params are views made with .data: their own write counters are bumped here (what
         # autograd checks when a graph saved one of them).
         torch.autograd.graph.increment_version(flat.inside)
-        self.stepped = self._stepped(found_inf, flat.segments[0].param.device if flat.segments
-                                     else torch.device("cpu"))  # fmt: skip
+        dev = flat.segments[0].param.device if flat.segments else torch.device("cpu")
+        self._stepped_from, self._stepped_value = (found_inf, dev), None
 
     def _flat_first_launch(self, flat: FlatBuffers, seg: FlatSegment, amp: AmpStep) -> bool:
         """A segment's launch as the full step makes it: with no state yet, it runs once and its
@@ -543,11 +551,18 @@ class _FusedOptimizer(AmpFusedOptimizer):
         seg.grads = [seg.grad]
         return fresh
 
-    @staticmethod
-    def _stepped(found_inf: Tensor | None, dev: torch.device) -> Tensor:
-        if found_inf is None:
-            return torch.ones((), dtype=torch.bool, device=dev)
-        return found_inf == 0
+    @property
+    def stepped(self) -> Tensor | None:
+        """A device bool tensor: whether the last ``step()`` updated the params (``found_inf
+        == 0``, made when first read after that step; no sync); None before any step."""
+        if self._stepped_value is None and self._stepped_from is not None:
+            found_inf, dev = self._stepped_from
+            self._stepped_value = (
+                torch.ones((), dtype=torch.bool, device=dev)
+                if found_inf is None
+                else found_inf == 0
+            )
+        return self._stepped_value
 
     def _full_step(
         self, inv_scale: Tensor | None, found_inf: Tensor | None, clip_coef: Tensor | None
@@ -581,14 +596,14 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 launches.append(self._launch(fmt, g, group, ps, ix))
                 amps.append(amp)
             if stepped is None:
-                stepped = self._stepped(found_inf, dev)
+                stepped = (found_inf, dev)
         for k, (launch, amp) in enumerate(zip(launches, amps)):
             try:
                 launch.run(amp)
             except (RuntimeError, TypeError, ValueError) as e:
                 raise checks.kernel_error(e, launch.g, launch.places, first=k == 0) from e
             self._commit(launch)
-        self.stepped = stepped
+        self._stepped_from, self._stepped_value = stepped, None
         # No plan from a traced step: its held lists would hold FakeTensors, and a compiled step
         # is a graph already.
         plannable = (

@@ -26,6 +26,7 @@ __all__ = [
     "non_finite_check_and_unscale_",
     "clip_unscale_",
     "clip_coef",
+    "record_overflow_",
     "update_scale_",
 ]
 
@@ -110,6 +111,26 @@ def clip_coef(
         return direct
     out: tuple[Tensor, Tensor] = _raw.clip_coef(norm_pow_sum, float(norm_type), float(max_norm))
     return out
+
+
+def record_overflow_(
+    flags_record: Tensor,
+    update_record: Tensor,
+    flags: Tensor,
+    found_inf: Tensor,
+    update_count: Tensor,
+    keyset: Any = None,
+) -> None:
+    """When ``found_inf > 0``: ``flags_record[:] = flags`` and ``update_record = update_count``,
+    on the device in one launch; else nothing is written. With a backend ``keyset`` (see
+    :func:`grad_stats`), straight to that kernel when the five tensors are plain ones."""
+    args = (flags_record, update_record, flags, found_inf, update_count)
+    if keyset is not None and all(type(t) is Tensor and not t.requires_grad for t in args):
+        call_direct(
+            torch.ops.fastamp.record_overflow_.default, keyset, (flags_record, update_record), *args
+        )
+        return
+    _raw.record_overflow_(*args)
 
 
 def update_scale_(
@@ -207,6 +228,29 @@ def _clip_coef_fake(
         norm_pow_sum.new_empty((), dtype=torch.float32, device=dev),
         norm_pow_sum.new_empty((), dtype=torch.float32, device=dev),
     )
+
+
+@register_fake("fastamp::record_overflow_")
+def _record_overflow_fake(
+    flags_record: Tensor,
+    update_record: Tensor,
+    flags: Tensor,
+    found_inf: Tensor,
+    update_count: Tensor,
+) -> None:
+    check_fake_devices(
+        "record_overflow_",
+        flags_record.device,
+        (),
+        {
+            "update_record": update_record,
+            "flags": flags,
+            "found_inf": found_inf,
+            "update_count": update_count,
+        },
+        anchor="the device of flags_record",
+    )
+    return None
 
 
 @register_fake("fastamp::update_scale_")

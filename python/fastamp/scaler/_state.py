@@ -63,6 +63,7 @@ def pickled(state: dict[str, Any], enabled: bool, hysteresis_tracker: int | None
         state["_init_hysteresis_tracker"] = hysteresis_tracker
     state["_hysteresis_tracker"] = None
     state["_last_skipped"] = None
+    state["_last_found"] = None
     state["_update_count"] = None
     state["_diag"] = {}
     state["_ddp_stats"] = None
@@ -82,6 +83,7 @@ def unpickled(state: dict[str, Any]) -> dict[str, Any]:
         "_init_hysteresis_tracker": state.get("_hysteresis", 1),
         "_hysteresis_tracker": None,
         "_last_skipped": None,
+        "_last_found": None,
         "_update_count": None,
         "_diag": {},
         "_warned_small_scale": False,

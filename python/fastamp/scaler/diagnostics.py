@@ -12,9 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import is_
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from fastamp.scaler import _ops
 
 __all__ = ["OverflowRecord", "OverflowReport", "record", "report"]
 
@@ -72,14 +75,17 @@ def record(
     ids: Sequence[list[int]],
     places: Sequence[list[tuple[int, int]]],
     flags: Tensor,
-    overflowed: Tensor,
+    found_inf: Tensor,
     update_count: Tensor,
     repeats: list[int] | None = None,
+    keyset: Any = None,
 ) -> None:
     """Keeps ``flags`` (one per parameter, on ``update_count``'s device) as optimizer
-    ``opt_id``'s record when ``overflowed`` (a device bool): device ops only. ``ids`` and
-    ``places`` are the parameter ids and (group, index) of each device's grads, in the order of
-    ``flags``; with flat buffers a flag stands for ``repeats[k]`` params (None: one each)."""
+    ``opt_id``'s record when ``found_inf > 0`` (the step overflowed): one device op
+    (``fastamp::record_overflow_``, straight to the ``keyset``'s kernel when given), no sync.
+    ``ids`` and ``places`` are the parameter ids and (group, index) of each device's grads, in
+    the order of ``flags``; with flat buffers a flag stands for ``repeats[k]`` params (None: one
+    each)."""
     rec = records.get(opt_id)
     if rec is None or len(rec.sources) != len(ids) or not all(map(is_, rec.sources, ids)):
         keys = tuple(chain.from_iterable(ids))
@@ -93,8 +99,7 @@ def record(
             records[opt_id] = rec
         rec.sources = list(ids)
         rec.repeats = repeats
-    rec.flags = torch.where(overflowed, flags, rec.flags)
-    rec.update = torch.where(overflowed, update_count, rec.update)
+    _ops.record_overflow_(rec.flags, rec.update, flags, found_inf, update_count, keyset)
 
 
 def report(

@@ -84,11 +84,9 @@ class OptimizerIteration:
     # The inf flags summed over devices, once the step began (step, last_step_skipped and
     # update all read it; its inputs no longer change).
     found_total: Tensor | None = None
-    # found_total > 0, once (the step's skip flag, and the overflow record at update()).
-    overflowed: Tensor | None = None
 
     def copy(self) -> OptimizerIteration:
-        return OptimizerIteration(list(self.flags), self.clip, self.found_total, self.overflowed)
+        return OptimizerIteration(list(self.flags), self.clip, self.found_total)
 
 
 class Transaction:
@@ -246,6 +244,8 @@ class GradScaler(torch.amp.GradScaler):
         self._max_scale = hi
         self._init_hysteresis_tracker = hysteresis
         self._hysteresis_tracker: Tensor | None = None
+        # The last step's inf flags summed (its skip), and `> 0` of it once read.
+        self._last_found: Tensor | None = None
         self._last_skipped: Tensor | None = None
         self._update_count: Tensor | None = None
         self._diag: dict[int, diagnostics.OverflowRecord] = {}
@@ -616,12 +616,11 @@ class GradScaler(torch.amp.GradScaler):
             record.found_total = total
         return record.found_total
 
-    def _overflowed(self, key: int, optimizer_state: dict[str, Any]) -> Tensor:
-        """``_found_total(...) > 0`` (a device bool), computed once per iteration."""
-        record = self._iterations.setdefault(key, OptimizerIteration())
-        if record.overflowed is None:
-            record.overflowed = self._found_total(key, optimizer_state) > 0
-        return record.overflowed
+    def _skipped_if(self, found: Tensor) -> None:
+        """The last step skipped iff ``found > 0``: kept as ``found`` (the inf flags summed, not
+        written again), the compare made when :meth:`last_step_skipped` is first read."""
+        self._last_found = found
+        self._last_skipped = None
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         if not self._enabled:
@@ -634,7 +633,7 @@ class GradScaler(torch.amp.GradScaler):
         if self._enabled:
             state = self._optimizer_state(optimizer)
             if state["found_inf_per_device"]:
-                self._last_skipped = self._overflowed(id(optimizer), state)
+                self._skipped_if(self._found_total(id(optimizer), state))
         return retval
 
     def _fused_step(
@@ -674,7 +673,7 @@ class GradScaler(torch.amp.GradScaler):
         finally:
             vars(optimizer).pop("amp_step", None)
         state["stage"] = OptState.STEPPED
-        self._last_skipped = self._overflowed(id(optimizer), state)
+        self._skipped_if(found)
         return retval
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
@@ -726,6 +725,7 @@ class GradScaler(torch.amp.GradScaler):
 
     def _record_overflow(self, update_count: Tensor) -> None:
         """Keeps, per optimizer, the flags of its last overflowing step; device ops only."""
+        keyset = backend_keyset(update_count.device) if direct_call_allowed() else None
         for opt_id, state in self._per_optimizer_states.items():
             record = self._iterations.get(opt_id)
             entries = record.flags if record is not None else None
@@ -743,8 +743,8 @@ class GradScaler(torch.amp.GradScaler):
                 ids=[entry.param_ids for entry, _ in entries],
                 places=[entry.places for entry, _ in entries],
                 flags=flags[0] if len(flags) == 1 else torch.cat(flags),
-                overflowed=self._overflowed(opt_id, state), update_count=update_count,
-                repeats=repeats,
+                found_inf=to_device(self._found_total(opt_id, state), dev),
+                update_count=update_count, repeats=repeats, keyset=keyset,
             )  # fmt: skip
 
     # ------------------------------------------------------------------ state
@@ -805,6 +805,8 @@ class GradScaler(torch.amp.GradScaler):
         Reading it does not sync until you turn it into a Python bool. False before any step and
         when the scaler is disabled.
         """
+        if self._last_skipped is None and self._last_found is not None:
+            self._last_skipped = self._last_found > 0
         if self._last_skipped is not None:
             return self._last_skipped
         scale = getattr(self, "_scale", None)
