@@ -84,10 +84,9 @@ void check_record_overflow(const Tensor& flags_record, const Tensor& update_reco
   check_scalar_tensor(update_record, op, "update_record", dev, kLong, true);
   check_scalar_tensor(found_inf, op, "found_inf", dev, kFloat, true);
   check_scalar_tensor(update_count, op, "update_count", dev, kLong, true);
-  for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"flags_record", &flags_record},
-                                {"flags", &flags}}) {
-    FASTAMP_CHECK(t->defined() && t->device() == dev, op, ": ", name, " must be a tensor on ",
-                  dev);
+  for (const auto& [name, t] :
+       {std::pair<const char*, const Tensor*>{"flags_record", &flags_record}, {"flags", &flags}}) {
+    FASTAMP_CHECK(t->defined() && t->device() == dev, op, ": ", name, " must be a tensor on ", dev);
     FASTAMP_CHECK(t->scalar_type() == kBool, op, ": ", name, " has dtype ", t->scalar_type(),
                   "; expected torch.bool");
     FASTAMP_CHECK(t->dim() == 1 && t->is_contiguous(), op, ": ", name,
@@ -95,8 +94,7 @@ void check_record_overflow(const Tensor& flags_record, const Tensor& update_reco
   }
   FASTAMP_CHECK(flags.numel() == flags_record.numel(), op, ": flags has ", flags.numel(),
                 " elements and flags_record ", flags_record.numel(), "; expected the same number");
-  FASTAMP_CHECK(flags.mutable_data_ptr() != flags_record.mutable_data_ptr() ||
-                    flags.numel() == 0,
+  FASTAMP_CHECK(flags.mutable_data_ptr() != flags_record.mutable_data_ptr() || flags.numel() == 0,
                 op, ": flags and flags_record must be different tensors");
 }
 

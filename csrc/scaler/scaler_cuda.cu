@@ -187,8 +187,7 @@ std::tuple<Tensor, Tensor> clip_coef_cuda(const Tensor& norm_pow_sum, double nor
   gpu::DeviceGuard guard(device);
   Tensor total_norm = empty({}, kFloat, device);
   Tensor coef = empty({}, kFloat, device);
-  gpu::launch("clip_coef_kernel", &clip_coef_kernel, dim3(1), dim3(1),
-              gpu::current_stream(device),
+  gpu::launch("clip_coef_kernel", &clip_coef_kernel, dim3(1), dim3(1), gpu::current_stream(device),
               static_cast<const float*>(norm_pow_sum.mutable_data_ptr<float>()), l2,
               static_cast<float>(max_norm), total_norm.mutable_data_ptr<float>(),
               coef.mutable_data_ptr<float>());
