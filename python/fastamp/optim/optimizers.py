@@ -564,6 +564,10 @@ class _FusedOptimizer(AmpFusedOptimizer):
             )
         return self._stepped_value
 
+    @stepped.setter
+    def stepped(self, value: Tensor | None) -> None:
+        self._stepped_from, self._stepped_value = None, value
+
     def _full_step(
         self, inv_scale: Tensor | None, found_inf: Tensor | None, clip_coef: Tensor | None
     ) -> None:
