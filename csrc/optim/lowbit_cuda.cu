@@ -282,6 +282,12 @@ __device__ __forceinline__ float* block_scales(int which) {
 
 template <bool kInt8, bool kMaster>
 struct AdamLowbitOp {
+  // The lists of a block, by name, in the order run_update forms them: params, grads, the
+  // plan's state (LowbitPlan: the two moments' codes), master params, then the side lists.
+  static constexpr int kParams = 0;
+  static constexpr int kGrads = 1;
+  static constexpr int kExpAvgCodes = 2;
+  static constexpr int kExpAvgSqCodes = 3;
   static constexpr int kCodes = 4;  // lists before master/side
   static constexpr int kMasterList = kCodes;
   static constexpr int kSide = kInt8 ? 2 : 0;
@@ -337,10 +343,10 @@ struct AdamLowbitOp {
         __syncthreads();
       }
 
-      T* const p = blk.template ptr<T>(0);
-      const T* const g = blk.template ptr<T>(1);
-      S* const m = blk.template ptr<S>(2);
-      S* const v = blk.template ptr<S>(3);
+      T* const p = blk.template ptr<T>(kParams);
+      const T* const g = blk.template ptr<T>(kGrads);
+      S* const m = blk.template ptr<S>(kExpAvgCodes);
+      S* const v = blk.template ptr<S>(kExpAvgSqCodes);
       float* mp = nullptr;
       if constexpr (kMaster) mp = blk.template ptr<float>(kMasterList);
       bool vec = aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v);
@@ -414,8 +420,8 @@ struct AdamLowbitOp {
     constexpr int kWarpsPerBlock = kQuantBlock / 32;
     __shared__ uint32_t warp_m[kWarps];
     __shared__ uint32_t warp_v[kWarps];
-    S* const mq = blk.template ptr<S>(2);
-    S* const vq = blk.template ptr<S>(3);
+    S* const mq = blk.template ptr<S>(kExpAvgCodes);
+    S* const vq = blk.template ptr<S>(kExpAvgSqCodes);
     const int t = static_cast<int>(threadIdx.x);
     const int lane = t & 31;
     const int warp = t >> 5;
@@ -592,8 +598,12 @@ struct AdamLowbitOp {
 // 8 elements per lane, as the bfloat16 Adam state.
 template <bool kMaster>
 struct SgdLowbitOp {
-  static constexpr int kDepth = 3 + (kMaster ? 1 : 0);
+  // The lists of a block, by name: params, grads, the bfloat16 momentum buffers, master params.
+  static constexpr int kParams = 0;
+  static constexpr int kGrads = 1;
+  static constexpr int kMomentumBuffers = 2;
   static constexpr int kMasterList = 3;
+  static constexpr int kDepth = kMasterList + (kMaster ? 1 : 0);
   static constexpr int G = 8;
   static constexpr int kTile = 32 * G;
 
@@ -622,9 +632,9 @@ struct SgdLowbitOp {
       __syncthreads();
       if (shared.skip) return;
       const BlockScalars b = shared;
-      T* const p = blk.template ptr<T>(0);
-      const T* const g = blk.template ptr<T>(1);
-      uint16_t* const buf = blk.template ptr<uint16_t>(2);
+      T* const p = blk.template ptr<T>(kParams);
+      const T* const g = blk.template ptr<T>(kGrads);
+      uint16_t* const buf = blk.template ptr<uint16_t>(kMomentumBuffers);
       float* mp = nullptr;
       if constexpr (kMaster) mp = blk.template ptr<float>(kMasterList);
       bool vec = aligned16(p) && aligned16(g) && aligned16(buf);

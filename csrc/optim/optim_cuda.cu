@@ -83,8 +83,15 @@ __device__ __forceinline__ void store_pack(T* p, int e, int valid, bool vec,
 
 template <bool kAmsgrad, bool kMaster>
 struct AdamOp {
-  static constexpr int kDepth = 4 + (kAmsgrad ? 1 : 0) + (kMaster ? 1 : 0);
+  // The lists of a block, by name, in the order run_update forms them: params, grads, the plan's
+  // state (AdamPlan: exp_avgs, exp_avg_sqs, max_exp_avg_sqs when amsgrad), master params.
+  static constexpr int kParams = 0;
+  static constexpr int kGrads = 1;
+  static constexpr int kExpAvgs = 2;
+  static constexpr int kExpAvgSqs = 3;
+  static constexpr int kMaxExpAvgSqs = 4;  // with kAmsgrad only
   static constexpr int kMasterList = 4 + (kAmsgrad ? 1 : 0);
+  static constexpr int kDepth = kMasterList + (kMaster ? 1 : 0);
 
   AdamHyper h;
   StepScalars s;       // device pointers, each may be null
@@ -107,13 +114,13 @@ struct AdamOp {
       const float inv = s.inv_scale != nullptr ? *s.inv_scale : 1.0f;
       const float coef = s.clip_coef != nullptr ? *s.clip_coef : 1.0f;
 
-      T* const p = blk.template ptr<T>(0);
-      const T* const g = blk.template ptr<T>(1);
-      S* const m = blk.template ptr<S>(2);
-      S* const v = blk.template ptr<S>(3);
+      T* const p = blk.template ptr<T>(kParams);
+      const T* const g = blk.template ptr<T>(kGrads);
+      S* const m = blk.template ptr<S>(kExpAvgs);
+      S* const v = blk.template ptr<S>(kExpAvgSqs);
       // Lists that the instantiation does not have are never formed (their slot may not exist).
       S* vm = nullptr;
-      if constexpr (kAmsgrad) vm = blk.template ptr<S>(4);
+      if constexpr (kAmsgrad) vm = blk.template ptr<S>(kMaxExpAvgSqs);
       float* mp = nullptr;
       if constexpr (kMaster) mp = blk.template ptr<float>(kMasterList);
       bool aligned = pack_aligned(g) && pack_aligned(m) && pack_aligned(v);
@@ -156,8 +163,13 @@ struct AdamOp {
 
 template <bool kMomentum, bool kMaster>
 struct SgdOp {
-  static constexpr int kDepth = 2 + (kMomentum ? 1 : 0) + (kMaster ? 1 : 0);
+  // The lists of a block, by name, in the order run_update forms them: params, grads, the plan's
+  // state (SgdPlan: momentum_buffers when momentum != 0), master params.
+  static constexpr int kParams = 0;
+  static constexpr int kGrads = 1;
+  static constexpr int kMomentumBuffers = 2;  // with kMomentum only
   static constexpr int kMasterList = 2 + (kMomentum ? 1 : 0);
+  static constexpr int kDepth = kMasterList + (kMaster ? 1 : 0);
 
   SgdHyper h;
   StepScalars s;
@@ -174,10 +186,10 @@ struct SgdOp {
       const float inv = s.inv_scale != nullptr ? *s.inv_scale : 1.0f;
       const float coef = s.clip_coef != nullptr ? *s.clip_coef : 1.0f;
 
-      T* const p = blk.template ptr<T>(0);
-      const T* const g = blk.template ptr<T>(1);
+      T* const p = blk.template ptr<T>(kParams);
+      const T* const g = blk.template ptr<T>(kGrads);
       S* buf = nullptr;
-      if constexpr (kMomentum) buf = blk.template ptr<S>(2);
+      if constexpr (kMomentum) buf = blk.template ptr<S>(kMomentumBuffers);
       float* mp = nullptr;
       if constexpr (kMaster) mp = blk.template ptr<float>(kMasterList);
       bool aligned = pack_aligned(p) && pack_aligned(g);
