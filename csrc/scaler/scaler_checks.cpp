@@ -94,8 +94,14 @@ void check_record_overflow(const Tensor& flags_record, const Tensor& update_reco
   }
   FASTAMP_CHECK(flags.numel() == flags_record.numel(), op, ": flags has ", flags.numel(),
                 " elements and flags_record ", flags_record.numel(), "; expected the same number");
-  FASTAMP_CHECK(flags.mutable_data_ptr() != flags_record.mutable_data_ptr() || flags.numel() == 0,
-                op, ": flags and flags_record must be different tensors");
+  // The records are written and flags read in one pass: no two of them may share an element
+  // (the copy would read what it wrote, or both records would be written twice).
+  const Tensor all[] = {flags_record, update_record, flags};
+  const std::vector<int64_t> shared = find_shared_memory(TensorList(all, 3));
+  constexpr const char* names[] = {"flags_record", "update_record", "flags"};
+  FASTAMP_CHECK(shared.empty(), op, ": ", shared.empty() ? "" : names[shared[1]], " and ",
+                shared.empty() ? "" : names[shared[0]],
+                " must be different tensors that share no memory");
 }
 
 void check_update_scale(const Tensor& scale, const Tensor& growth_tracker,

@@ -472,6 +472,7 @@ def test_record_overflow_refuses_by_name_and_writes_nothing(device):
         ((rec, upd, flags, one, count.float()), "update_count has dtype"),
         ((rec.view(5, 1), upd, flags.view(5, 1), one, count), "flags_record must be a contiguous 1-D"),
         ((rec, upd, rec, one, count), "flags and flags_record must be different tensors"),
+        ((rec[:3], upd, rec[2:], one, count), "flags and flags_record must be different tensors"),
     ]  # fmt: skip
     for args, msg in cases:
         before = [rec.clone(), upd.clone()]
