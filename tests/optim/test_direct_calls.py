@@ -2,8 +2,9 @@
 read-only grad plan (GradPlan.collect(read_only=True)).
 
 - A planned step calls the backend kernels of ``grad_stats``, the held step ops and
-  ``update_scale_`` directly; it must give the bits, the write counters and the exceptions of the
-  same step through the dispatcher (forced by making ``direct_call_allowed`` say no).
+  ``update_scale_`` directly (with flat buffers too: the scaler reads the grad buffers
+  directly); it must give the bits, the write counters and the exceptions of the same step
+  through the dispatcher (forced by making ``direct_call_allowed`` say no).
 - Anything on the thread that would see the call (a TorchDispatchMode, inference mode) or a
   tensor subclass among the arguments sends the call through the dispatcher.
 - The fused path's grad plan compares only the grads' types; a grad whose dtype, layout or
@@ -36,6 +37,8 @@ def _setup(name: str = "AdamW", **options):
     model = _model()
     table = {"AdamW": fastamp.optim.AdamW, "SGD": fastamp.optim.SGD}
     extra = {"momentum": 0.9} if name == "SGD" else {}
+    if name == "AdamW-flat":  # flat buffers: the scaler reads the optimizer's grad buffers
+        name, extra = "AdamW", {"flat_buffers": True}
     opt = table[name](model.parameters(), lr=1e-2, **extra, **options)
     scaler = fastamp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     return model, opt, scaler
@@ -76,7 +79,7 @@ def _versions(model, opt, scaler) -> list[int]:
     return out + [scaler._scale._version, scaler._growth_tracker._version]
 
 
-@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+@pytest.mark.parametrize("name", ["AdamW", "SGD", "AdamW-flat"])
 @pytest.mark.parametrize("clip", [True, False])
 def test_direct_steps_equal_dispatched_steps_bits_and_write_counters(monkeypatch, name, clip):
     runs = []

@@ -134,13 +134,20 @@ def flat_device_grads(flat: FlatGrads, allow_fp16: bool) -> dict[torch.device, D
         if g.dtype is torch.float16 and not allow_fp16:
             return None
         entry = per_device.get(g.device)
+        # The buffers are the optimizer's own plain dense tensors: the scaler's ops may call
+        # their backend kernel directly (DeviceGrads.plain), as for a GradPlan's grads.
+        plain = type(g) is Tensor and g.layout is torch.strided
         if entry is None:
-            per_device[g.device] = DeviceGrads([g], list(ids), list(places), None, [counts])
+            per_device[g.device] = DeviceGrads(
+                [g], list(ids), list(places), None, [counts], plain=plain
+            )
         else:
             entry.grads.append(g)
             entry.param_ids.extend(ids)
             entry.places.extend(places)
             entry.counts.append(counts)  # type: ignore[union-attr]
+            if entry.plain and not plain:
+                per_device[g.device] = entry._replace(plain=False)
     return per_device
 
 
