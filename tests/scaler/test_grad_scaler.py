@@ -442,6 +442,48 @@ def test_clip_coefficient_rounds_as_torch(max_norm):
                 assert torch.equal(a, b), (trial, (a - b).abs().max())
 
 
+@pytest.mark.parametrize("variant", ["SGD", "AdamW", "AdamW-flat", "torch-SGD"])
+def test_a_second_clip_in_one_iteration_clips_what_torch_would(variant):
+    """Two ``clip_grad_norm_`` calls in one iteration (a library clips, then the user): torch's
+    recipe unscales once, clips, then clips the clipped grads. With a fastamp optimizer the first
+    call leaves its write pass to the fused step; the second must make it first (it used to clip
+    the still-scaled grads and step with both coefficients)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 16, generator=gen)
+    runs = []
+    for recipe in ("torch", "fastamp"):
+        m = _model(4)
+        name = variant.split("-")[-1] if variant != "AdamW-flat" else "AdamW"
+        extra = {"momentum": 0.9} if name == "SGD" else {}
+        if recipe == "torch" or variant.startswith("torch"):
+            opt = getattr(torch.optim, name)(m.parameters(), lr=0.1, **extra)
+        else:
+            flat = {"flat_buffers": True} if variant == "AdamW-flat" else {}
+            opt = getattr(fastamp.optim, name)(m.parameters(), lr=0.1, **extra, **flat)
+        s = (torch.amp.GradScaler if recipe == "torch" else fastamp.GradScaler)(
+            "cpu", init_scale=2.0**10
+        )
+        norms = []
+        for step in range(3):
+            opt.zero_grad()
+            s.scale(m(x * (step + 1)).square().sum()).backward()
+            if recipe == "torch":
+                s.unscale_(opt)
+                norms.append(nn.utils.clip_grad_norm_(list(m.parameters()), 5.0))
+                norms.append(nn.utils.clip_grad_norm_(list(m.parameters()), 1.0))
+            else:
+                norms.append(s.clip_grad_norm_(opt, 5.0))
+                norms.append(s.clip_grad_norm_(opt, 1.0))
+            s.step(opt)
+            s.update()
+        runs.append((norms, [p.detach().clone() for p in m.parameters()]))
+    (n1, p1), (n2, p2) = runs
+    for a, b in zip(n1, n2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
+    for a, b in zip(p1, p2):  # (Adam's update rounds in another order than torch's foreach)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_clip_after_unscale_keeps_the_inf_check_of_unscale():
     """unscale_ saw an inf; the user then repairs the grads and clips. torch skips the step (its
     found_inf came from unscale_); so must fastamp, whose clip merges its own check into it."""

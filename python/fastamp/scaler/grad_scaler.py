@@ -67,10 +67,14 @@ _T = TypeVar("_T")
 @dataclass(frozen=True)
 class ClipStep:
     """What ``clip_grad_norm_`` leaves for a fused optimizer's step: the grads are still scaled,
-    and the kernel multiplies them by ``inv_scale * clip_coef``."""
+    and the kernel multiplies them by ``inv_scale * clip_coef``. ``total_norm`` and ``max_norm``
+    are kept for a second ``clip_grad_norm_`` in the same iteration, which first makes this
+    write pass itself (the grads as torch's ``unscale_`` + ``clip_grad_norm_`` leave them)."""
 
     inv_scale: Tensor
     clip_coef: Tensor
+    total_norm: Tensor
+    max_norm: float
 
 
 @dataclass
@@ -532,6 +536,19 @@ class GradScaler(torch.amp.GradScaler):
                 "scaler.update() it may be called again)"
             )
         already_unscaled = state["stage"] is OptState.UNSCALED
+        pending = self._iteration(optimizer).clip if already_unscaled else None
+        if pending is not None:
+            # A second clip in this iteration, after one whose write pass was left to the fused
+            # step: that pass is made now (unscale and clip, as the first call would have made
+            # it for a torch optimizer), so this call clips the grads torch's recipe would see
+            # and the step takes them as they are.
+            with torch.no_grad():
+                per_device = self._collect(optimizer, True, "clip_grad_norm_")
+                invs = {dev: to_device(pending.inv_scale, dev) for dev in per_device}
+                unscale_and_clip(
+                    per_device, invs, pending.total_norm, pending.max_norm, tx.grads_written
+                )
+            self._iteration(optimizer).clip = None
         # A fastamp fused optimizer takes the clip coefficient into its own kernel: the grads are
         # only read here (so fp16 grads are fine), and unscaled + clipped in the update pass.
         fused = isinstance(optimizer, AmpFusedOptimizer) and not already_unscaled
@@ -565,7 +582,7 @@ class GradScaler(torch.amp.GradScaler):
                 per_device = self._collect(optimizer, already_unscaled, "clip_grad_norm_")
                 found, flags, total_norm, coef = read(per_device)
             if fused:  # the step's scalars but found_inf (summed over devices at step())
-                self._iteration(optimizer).clip = ClipStep(inv_scale, coef)
+                self._iteration(optimizer).clip = ClipStep(inv_scale, coef, total_norm, max_norm)
             else:
                 invs = {dev: to_device(inv_scale, dev) for dev in per_device}
                 unscale_and_clip(per_device, invs, total_norm, max_norm, tx.grads_written)
