@@ -271,6 +271,41 @@ def test_frozen_params_stay_outside_and_are_skipped():
     assert torch.equal(frozen, before) and frozen not in opt.state
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("clear_grad", [True, False])
+def test_a_param_frozen_then_unfrozen_after_the_layout_steps_as_torch(set_to_none, clear_grad):
+    """Fine-tuning's freeze after the optimizer was made: torch skips a param whose grad is None
+    and steps one whose grad is a zeroed tensor. The flat zero_grad leaves a frozen param's grad
+    as torch's zero_grad does (it used to put the zeroed view back, so a frozen param kept moving
+    with momentum and weight decay), and the layout is built again without it, then with it once
+    unfrozen."""
+    runs = []
+    for kind in ("torch", "flat"):
+        model = _model()
+        opt = _optimizer(kind, model)
+        scaler = _scaler(kind)
+        first = list(model[0].parameters())
+        for s in range(7):
+            if s == 2:
+                for p in first:
+                    p.requires_grad_(False)
+                    if clear_grad:
+                        p.grad = None
+            if s == 5:
+                for p in first:
+                    p.requires_grad_(True)
+            opt.zero_grad(set_to_none=set_to_none)
+            x, y = _data(s)
+            scaler.scale(((model(x) - y) ** 2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            runs.append((kind, s, [p.detach().clone() for p in model.parameters()]))
+    half = len(runs) // 2
+    for (_, s, a), (_, _, b) in zip(runs[:half], runs[half:]):
+        for pa, pb in zip(a, b):
+            torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {s}: {m}")
+
+
 def test_add_param_group_flattens_the_new_params():
     ref_model, flat_model = _model(), _model()
     ref = torch.optim.AdamW(list(ref_model.parameters())[:2], lr=1e-2, fused=True)

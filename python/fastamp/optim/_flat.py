@@ -58,6 +58,15 @@ _GRAD = attrgetter("grad")
 _data_ptr = Tensor.data_ptr
 
 
+def _zero_as_torch(grad: Tensor) -> None:
+    """What torch's ``zero_grad(set_to_none=False)`` does to a grad it keeps."""
+    if grad.grad_fn is not None:
+        grad.detach_()
+    else:
+        grad.requires_grad_(False)
+    grad.zero_()
+
+
 def _dense_strides(p: Tensor) -> tuple[int, ...]:
     """The strides of a dense tensor laid out as ``p`` (channels_last kept; a tensor with gaps or
     overlaps gets contiguous strides)."""
@@ -199,6 +208,9 @@ class FlatBuffers:
         self.held_params = _ops.HeldTensors((inside,))
         self.held_views = _ops.HeldTensors((gviews,))
         self.views_moved = False
+        # A param frozen or unfrozen since this layout was built (seen by zero_grad): the layout
+        # no longer holds.
+        self.stale = False
         self.segments = [
             FlatSegment(
                 g, groups[g], b, self.param_buffers[b][start:stop],
@@ -299,7 +311,7 @@ class FlatBuffers:
         what that read depends on: the same params in the same groups, whose grads
         :meth:`sync_grads` then checks. The step itself asks for everything (the params'
         storage, the group options, the state), touching each param once more."""
-        if groups is not self.groups:
+        if groups is not self.groups or self.stale:
             return False
         if same_params(groups, self.group_dicts, self.params) is None:
             return False
@@ -366,15 +378,31 @@ class FlatBuffers:
             self.inside[k].grad = self.views[k]
         return True
 
-    def zero_grad(self) -> None:
-        """Zeroes the grad buffers (one op each) and puts every view back as its param's grad."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the grad buffers (one op each) and puts every view back as its param's grad,
+        whatever ``set_to_none`` says, for the params that still require grad. A param frozen
+        since the layout was built (``requires_grad_(False)``) is left as torch's ``zero_grad``
+        leaves it (None with ``set_to_none``, else its grad zeroed or None as it was), so the
+        next step skips it as torch's does; the layout is then ``stale`` and built again, with
+        that param outside, at the next step (so is one with a param unfrozen since)."""
         torch._foreach_zero_(self.grad_buffers)
-        if not all(map(is_, map(_GRAD, self.inside), self.views)):
-            for p, v in zip(self.inside, self.views):
-                if p.grad is not v:
-                    p.grad = v
-        for p in self.outside:
-            p.grad = None
+        trainable = [p.requires_grad for p in self.inside]
+        if not all(trainable) or any(p.requires_grad for p in self.outside):
+            self.stale = True
+        if not all(map(is_, map(_GRAD, self.inside), self.views)) or self.stale:
+            for p, v, t in zip(self.inside, self.views, trainable):
+                if t:
+                    if p.grad is not v:
+                        p.grad = v
+                elif set_to_none:
+                    p.grad = None
+                elif p.grad is not None and p.grad is not v:  # (the view: zeroed above)
+                    _zero_as_torch(p.grad)
+        for p in self.outside:  # (frozen when the layout was built: as torch's zero_grad)
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                _zero_as_torch(p.grad)
 
     def after_per_tensor(self, had_grad: list[bool]) -> None:
         """After a per-parameter step: a segment whose params all had a grad advanced (or held)

@@ -227,7 +227,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         ``fused=None``, which would make torch's method zero them one by one)."""
         if self._flat_buffers and not torch.compiler.is_compiling():
             # The views stay: set_to_none would make autograd allocate new grads.
-            self._flat_layout().zero_grad()
+            self._flat_layout().zero_grad(set_to_none)
             return
         if set_to_none:
             super().zero_grad(set_to_none=True)  # type: ignore[misc]

@@ -89,7 +89,9 @@ def record(
     rec = records.get(opt_id)
     if rec is None or len(rec.sources) != len(ids) or not all(map(is_, rec.sources, ids)):
         keys = tuple(chain.from_iterable(ids))
-        if rec is None or rec.keys != keys:
+        # (The same params with another number of flags: a flat-buffer step, one flag per
+        # buffer, after a per-parameter one, or the other way round.)
+        if rec is None or rec.keys != keys or rec.flags.shape != flags.shape:
             rec = OverflowRecord(
                 keys,
                 list(chain.from_iterable(places)),
