@@ -306,6 +306,26 @@ def test_a_param_frozen_then_unfrozen_after_the_layout_steps_as_torch(set_to_non
             torch.testing.assert_close(pb, pa, rtol=1e-5, atol=1e-6, msg=lambda m: f"step {s}: {m}")
 
 
+@pytest.mark.parametrize("which", ["one", "all"])
+def test_a_step_count_written_in_place_is_what_the_next_step_uses(which):
+    """``opt.state[p]["step"].fill_(0)`` (restarting Adam's bias correction): with flat buffers
+    the step views are refreshed from the segment's own count after each launch, which used to
+    discard the write; the layout now sees it (the step buffer's write counter) and is built
+    again from the counts as they are (per parameter when they differ)."""
+
+    def restart(s, model, opt):
+        if s == 3:
+            params = list(model.parameters())
+            for p in params[:1] if which == "one" else params:
+                opt.state[p]["step"].fill_(0.0)
+
+    ref, ref_opt, _ = _run("torch", hook=restart)
+    flat, opt, _ = _run("flat", hook=restart)
+    _assert_params(flat, ref, exact=False)
+    for p, q in zip(flat.parameters(), ref.parameters()):
+        assert float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"])
+
+
 def test_add_param_group_flattens_the_new_params():
     ref_model, flat_model = _model(), _model()
     ref = torch.optim.AdamW(list(ref_model.parameters())[:2], lr=1e-2, fused=True)

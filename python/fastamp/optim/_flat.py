@@ -58,6 +58,13 @@ _GRAD = attrgetter("grad")
 _data_ptr = Tensor.data_ptr
 
 
+def _version(t: Tensor) -> int:
+    """``t``'s write counter (autograd's; shared by its views)."""
+    # private-ok: Tensor._version, autograd's write counter, has no public spelling.
+    version: int = t._version
+    return version
+
+
 def _zero_as_torch(grad: Tensor) -> None:
     """What torch's ``zero_grad(set_to_none=False)`` does to a grad it keeps."""
     if grad.grad_fn is not None:
@@ -91,9 +98,18 @@ class FlatSegment:
     state: dict[str, Any] | None = None
     steps: Tensor | None = None
     diverged: bool = False
+    # steps' write counter after fastamp's own last write: another value means a write into a
+    # param's state["step"] (a view of steps), which the layout then no longer holds.
+    steps_version: int = -1
     call: Any = None
     grads: list[Tensor] = field(default_factory=list)
     written: list[Tensor] = field(default_factory=list)
+
+    def copy_steps(self) -> None:
+        """After a launch: the segment's step count into each param's ``state["step"]`` view."""
+        assert self.steps is not None and self.state is not None
+        self.steps.copy_(self.state["step"])
+        self.steps_version = _version(self.steps)
 
 
 class FlatBuffers:
@@ -274,6 +290,7 @@ class FlatBuffers:
                 flat["step"] = steps[0].clone()
             seg.state = flat
             seg.steps = steps
+            seg.steps_version = _version(steps)
             for j, p in enumerate(params):
                 state[p].update({k: (steps[j] if k == "step" else views[k][j]) for k in names})
             seg.call = None
@@ -284,6 +301,7 @@ class FlatBuffers:
         seg.state = dict(new)
         n = len(seg.members)
         seg.steps = seg.state["step"].reshape(1).repeat(n)
+        seg.steps_version = _version(seg.steps)
         for j, m in enumerate(seg.members):
             p = self.inside[m]
             gv = self.views[m]
@@ -322,6 +340,11 @@ class FlatBuffers:
         if state is not self.state:
             return False
         if not all(st.holds(grp) for grp, st in zip(groups, self.structure)):
+            return False
+        if any(
+            seg.steps is not None and _version(seg.steps) != seg.steps_version
+            for seg in self.segments
+        ):  # a param's step count written in place (state[p]["step"].fill_(...))
             return False
         if self.held_params.moved() >= 0:  # a param re-pointed (p.data = ..., model.to(...))
             return False
@@ -412,5 +435,6 @@ class FlatBuffers:
                 continue
             if all(had_grad[m] for m in seg.members):
                 seg.state["step"].copy_(seg.steps[0])
+                seg.steps_version = _version(seg.steps)  # (advanced by the per-param kernels)
             elif any(had_grad[m] for m in seg.members):
                 seg.diverged = True

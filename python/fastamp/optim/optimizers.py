@@ -520,7 +520,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 adopted = True  # it ran: its state is new
                 continue
             seg.call(seg.grads, seg.group, amp, backend_keyset(dev) if direct else None)
-            seg.steps.copy_(seg.state["step"])  # type: ignore[index, union-attr]
+            seg.copy_steps()
         if adopted:
             flat.snapshot(self.state)
         # The params are views made with .data: their own write counters are bumped here (what
