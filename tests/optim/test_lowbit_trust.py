@@ -523,7 +523,10 @@ def test_state_is_updated_in_place_and_checked_for_its_device(fmt):
     st["exp_avg"] = st["exp_avg"].to("meta")
     before = m.weight.detach().clone()
     with pytest.raises(
-        TypeError, match=r"\['exp_avg'\] is on meta; expected the parameter's device"
+        RuntimeError, match=r"\['exp_avg'\] is on meta; expected the parameter's device"
     ):
         o.step()
     assert_bitwise_equal(m.weight, before)
+    t.state[t_m.weight]["exp_avg"] = t.state[t_m.weight]["exp_avg"].to("meta")
+    with pytest.raises(RuntimeError):  # torch's class for the same state
+        t.step()

@@ -155,9 +155,10 @@ def _(lib):
 
 @case(
     "adamw_amsgrad_state_replaced_by_one_of_another_shape",
-    ValueError,
+    RuntimeError,
     r"state\['max_exp_avg_sq'\] of param_groups\[0\]\['params'\]\[0\] has shape \(48,\)",
     r"the state belongs to another model",
+    like_torch="type",
 )
 def _(lib):
     # Between steps, amsgrad's maximum replaced by hand with one of the same size but another
@@ -165,6 +166,21 @@ def _(lib):
     model, opt, sc = _trained(lib, opt_kw={"amsgrad": True})
     st = opt.state[model[0].weight]
     st["max_exp_avg_sq"] = st["max_exp_avg_sq"].reshape(-1).clone()
+    return _world(model, opt, sc), lambda: opt.step()
+
+
+@case(
+    "adamw_param_data_of_another_shape",
+    RuntimeError,
+    r"param_groups\[0\]\['params'\]\[0\]\['exp_avg'\] has shape \(8, 6\)",
+    r"the state belongs to another model",
+    like_torch="type",
+)
+def _(lib):
+    # p.data re-pointed at a tensor of another shape between steps: the state no longer fits.
+    model, opt, sc = _trained(lib)
+    model[0].weight.data = torch.zeros(6, 8)
+    model[0].weight.grad = torch.ones(6, 8)
     return _world(model, opt, sc), lambda: opt.step()
 
 

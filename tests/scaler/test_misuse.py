@@ -149,6 +149,18 @@ def _(lib):
     return _world(model, opt, sc), lambda: sc.update(new_scale=0.0)
 
 
+@case("scaler_update_new_scale_int", AttributeError, r"new_scale", r"512\.0", like_torch="type")
+def _(lib):
+    model, opt, sc = _trained(lib, backward=False)
+    return _world(model, opt, sc), lambda: sc.update(new_scale=512)
+
+
+@case("scaler_update_new_scale_str", AttributeError, r"new_scale", r"float", like_torch="type")
+def _(lib):
+    model, opt, sc = _trained(lib, backward=False)
+    return _world(model, opt, sc), lambda: sc.update(new_scale="2.0")
+
+
 @case(
     "scaler_update_new_scale_two_elements",
     AssertionError,
@@ -467,9 +479,9 @@ def test_misuse_raises_a_clear_error_and_changes_nothing(c: Case):
 # ------------------------------------------------------------------ the checks let valid input through
 
 
-def test_scaler_accepts_what_pytorch_does_and_an_int_new_scale():
+def test_scaler_accepts_what_pytorch_does():
     model, opt, sc = _trained(FASTAMP, backward=False)
-    sc.update(new_scale=512)  # PyTorch fails on an int (AttributeError); a number is a number
+    sc.update(new_scale=512.0)
     assert sc.get_scale() == 512.0
     sc.load_state_dict(torch.amp.GradScaler("cpu", init_scale=64.0).state_dict())
     assert sc.get_scale() == 64.0

@@ -245,14 +245,16 @@ class StepChecks:
 def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype) -> None:
     if not isinstance(v, Tensor):
         raise TypeError(f"{what} is a {type(v).__name__}; expected a tensor like the parameter")
+    # RuntimeError for a tensor of another shape, dtype or device: what torch's update raises
+    # at that step (its elementwise ops refuse the mismatch).
     if v.shape != p.shape:
-        raise ValueError(
+        raise RuntimeError(
             f"{what} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}: "
             "the state belongs to another model (or to parameters in another order). Expected "
             "state made for these parameters: load the state_dict saved with this model, or "
             "start from a fresh optimizer"
         )
-    raise TypeError(
+    raise RuntimeError(
         f"{what} is a {v.dtype} tensor on {v.device}; expected {want} on {p.device} (the "
         "parameter's device, and float32 with master_weights=True)"
     )

@@ -483,11 +483,14 @@ def _present(state: Mapping[str, Any], key: str, where: object) -> Tensor:
 
 
 def _check_like(v: Tensor, p: Tensor, what: str, any_device: bool) -> None:
+    # At a step (any_device False), RuntimeError: what torch's update raises there (its
+    # elementwise ops refuse the mismatch); at load_state_dict, where torch loads such a state
+    # and fails only at the step, ValueError.
     if v.shape != p.shape:
-        raise ValueError(
+        raise (ValueError if any_device else RuntimeError)(
             f"{what} has shape {tuple(v.shape)} but the parameter has shape {tuple(p.shape)}: "
             "the state belongs to another model (or to parameters in another order). Expected "
             "the state saved with this model"
         )
     if v.device != p.device and not any_device:
-        raise TypeError(f"{what} is on {v.device}; expected the parameter's device {p.device}")
+        raise RuntimeError(f"{what} is on {v.device}; expected the parameter's device {p.device}")

@@ -698,13 +698,17 @@ class GradScaler(torch.amp.GradScaler):
             return
         if new_scale is not None:
             self._check_scale_growth_tracker("update")  # PyTorch's error first
-            if is_real(new_scale):
-                # PyTorch fills a float as is (0, inf and NaN included) and fails on an int.
+            if isinstance(new_scale, float):
+                # PyTorch fills a float as is; 0, inf, NaN and past float32's range are refused.
                 new_scale = check_scale(new_scale, "GradScaler.update", "new_scale")
             elif not isinstance(new_scale, Tensor):
-                raise TypeError(
-                    "GradScaler.update: new_scale must be a float or a one-element float tensor, "
-                    f"got {type(new_scale).__name__}"
+                # PyTorch takes anything else for a tensor and fails reading its .device: the
+                # same class, with what was expected.
+                hint = f" (pass {float(new_scale)!r})" if is_real(new_scale) else ""
+                raise AttributeError(
+                    "GradScaler.update: new_scale must be a Python float or a one-element float32 "
+                    f"tensor, got {type(new_scale).__name__} {new_scale!r}{hint}; "
+                    "torch.amp.GradScaler raises AttributeError here too"
                 )
             super().update(new_scale)
             self._iterations = {}
