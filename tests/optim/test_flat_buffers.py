@@ -326,6 +326,25 @@ def test_a_step_count_written_in_place_is_what_the_next_step_uses(which):
         assert float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"])
 
 
+def test_amsgrad_switched_on_mid_training_raises_as_torch_before_stepping():
+    """torch's AdamW raises KeyError at the step after ``amsgrad`` is switched on in a group
+    whose state has no ``max_exp_avg_sq``; the flat layout built again for the new options
+    used to make zeros for it and step. Now its first launch checks the state first."""
+    errors = []
+    for kind in ("torch", "flat"):
+        model = _model()
+        opt = _optimizer(kind, model)
+        _train(kind, model, opt, _scaler(kind), 2)
+        opt.param_groups[0]["amsgrad"] = True
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(KeyError) as info:
+            opt.step()
+        errors.append(info.value)
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p, b)
+    assert "max_exp_avg_sq" in str(errors[1])
+
+
 def test_add_param_group_flattens_the_new_params():
     ref_model, flat_model = _model(), _model()
     ref = torch.optim.AdamW(list(ref_model.parameters())[:2], lr=1e-2, fused=True)

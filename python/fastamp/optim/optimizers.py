@@ -506,6 +506,12 @@ class _FusedOptimizer(AmpFusedOptimizer):
             self._per_param_step(inv_scale, found_inf, clip_coef)
             flat.after_per_tensor(had_grad)
             return
+        if any(seg.call is None for seg in flat.segments):
+            # A new layout's first launch takes the state as it is: checked first, as the
+            # per-parameter step checks it (e.g. amsgrad switched on with no max_exp_avg_sq:
+            # KeyError, as torch's), before any segment is stepped.
+            for g, group in enumerate(self.param_groups):
+                self._step_checks.params(g, group, self.state)
         amps: dict[torch.device, AmpStep] = {}
         adopted = False
         direct = not torch.is_grad_enabled() and direct_call_allowed()
