@@ -123,6 +123,38 @@ def test_state_dict_interchangeable_both_ways(kind):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("reset", ["clear", "del_param", "del_buffer", "replace_buffer"])
+def test_sgd_momentum_restarts_when_its_state_is_reset_as_torch(reset):
+    """torch's SGD gives a momentum buffer its first value (the grad, no dampening) when the
+    param has none: after ``opt.state.clear()``, ``del opt.state[p]`` or ``del
+    opt.state[p]["momentum_buffer"]``; a buffer put in the state by hand counts as one that had
+    its first value. fastamp's update counts live beside the state and used to survive the reset
+    (dampening applied to a new zero buffer)."""
+    runs = []
+    for lib in (torch.optim, fastamp.optim):
+        model = _model()
+        opt = lib.SGD(model.parameters(), lr=0.05, momentum=0.9, dampening=0.5)
+        gen = torch.Generator().manual_seed(4)
+        for step in range(5):
+            opt.zero_grad()
+            x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            if step == 2:
+                p = next(model.parameters())
+                if reset == "clear":
+                    opt.state.clear()
+                elif reset == "del_param":
+                    del opt.state[p]
+                elif reset == "del_buffer":
+                    del opt.state[p]["momentum_buffer"]
+                else:
+                    opt.state[p]["momentum_buffer"] = torch.full_like(p, 0.01)
+        runs.append([q.detach().clone() for q in model.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def test_no_host_sync_and_no_scheduler_warning_when_steps_skip():
     model = _model()
     opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)

@@ -30,6 +30,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from operator import is_
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
@@ -779,6 +780,11 @@ class _AdamBase(_FusedOptimizer):
         )  # fmt: skip
 
 
+def _counted_for(state: Mapping[str, Any]) -> tuple[Any, Any]:
+    """The state tensors an SGD update count stands for (compared by identity)."""
+    return state.get("momentum_buffer"), state.get("step")
+
+
 class Adam(_AdamBase, torch.optim.Adam):
     """Fused :class:`torch.optim.Adam` (see the module docstring); ``master_weights``,
     ``state_dtype``, ``state_seed`` and ``flat_buffers`` are extra."""
@@ -837,7 +843,10 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
     """
 
     _FAMILY = family.SGD
-    _updates: dict[Tensor, Tensor]
+    # Each param's update count, with the state tensors it counts for (the momentum buffer and
+    # a saved count): a state cleared, deleted or replaced since (opt.state.clear(), del
+    # opt.state[p]["momentum_buffer"]) makes the count start again as torch's None buffer does.
+    _updates: dict[Tensor, tuple[Tensor, Tensor | None, Tensor | None]]
 
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float | Tensor = 0.0,
@@ -861,7 +870,9 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
-        self.__dict__.setdefault("_updates", {})
+        # (A pickle from before the counts kept their state tensors: counted again from them.)
+        updates = self.__dict__.get("_updates") or {}
+        self._updates = {p: n for p, n in updates.items() if isinstance(n, tuple)}
 
     def _after_load(self) -> None:
         self._updates = {}
@@ -869,17 +880,17 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
     def _updates_of(
         self, p: Tensor, state: Mapping[str, Any], new_counts: dict[Tensor, Tensor]
     ) -> Tensor:
-        n = self._updates.get(p)
-        if n is None:
-            saved = state.get("step")  # kept in the state with state_dtype=torch.bfloat16
-            if isinstance(saved, Tensor) and saved.numel() == 1:
-                n = new_counts[p] = (
-                    saved.detach().to(device=p.device, dtype=torch.float32).reshape(())
-                )
-                return n
-            # A buffer loaded from a checkpoint has had its first value already.
-            first = 0.0 if state.get("momentum_buffer") is None else 1.0
-            n = new_counts[p] = torch.full((), first, dtype=torch.float32, device=p.device)
+        known = self._updates.get(p)
+        if known is not None and all(map(is_, _counted_for(state), known[1:])):
+            return known[0]
+        saved = state.get("step")  # kept in the state with state_dtype=torch.bfloat16
+        if isinstance(saved, Tensor) and saved.numel() == 1:
+            n = new_counts[p] = saved.detach().to(device=p.device, dtype=torch.float32).reshape(())
+            return n
+        # A buffer loaded from a checkpoint (or put in the state by hand) has had its first
+        # value already; no buffer: the next update gives it its first.
+        first = 0.0 if state.get("momentum_buffer") is None else 1.0
+        n = new_counts[p] = torch.full((), first, dtype=torch.float32, device=p.device)
         return n
 
     def _launch(
@@ -960,4 +971,5 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
 
     def _commit(self, launch: _Launch) -> None:
         super()._commit(launch)
-        self._updates.update(launch.counts)
+        for p, n in launch.counts.items():
+            self._updates[p] = (n, *_counted_for(self.state.get(p) or {}))
