@@ -155,6 +155,49 @@ def test_sgd_momentum_restarts_when_its_state_is_reset_as_torch(reset):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["AdamW", "Adam", "SGD"])
+@pytest.mark.parametrize("resume_in", ["torch", "fastamp"])
+def test_a_skipped_first_step_leaves_no_state_in_the_state_dict(kind, resume_in):
+    """The scaler skips the first step (inf grads): torch's optimizer never ran and has no state;
+    fastamp's fused kernel made (and skipped) it. The state_dict leaves such never-updated state
+    out, so a resumed SGD with dampening gives the buffer its first value as torch's does (it
+    used to take the saved zero buffer for a started one)."""
+    kw = dict(lr=0.1, momentum=0.9, dampening=0.5) if kind == "SGD" else dict(lr=0.1)
+    finals, dicts = [], []
+    for lib in (torch.optim, fastamp.optim):
+        model = _model()
+        opt = getattr(lib, kind)(model.parameters(), **kw)
+        scaler = (torch.amp.GradScaler if lib is torch.optim else fastamp.GradScaler)("cpu")
+        gen = torch.Generator().manual_seed(9)
+        x, y = torch.randn(8, 12, generator=gen), torch.randn(8, 3, generator=gen)
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        next(model.parameters()).grad.view(-1)[0] = math.inf
+        scaler.step(opt)
+        scaler.update()
+        sd = copy.deepcopy(opt.state_dict())
+        dicts.append(sd["state"])
+        resumed = getattr(torch.optim if resume_in == "torch" else fastamp.optim, kind)(
+            model.parameters(), **kw
+        )
+        resumed.load_state_dict(sd)
+        for _ in range(3):
+            resumed.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            resumed.step()
+        finals.append([p.detach().clone() for p in model.parameters()])
+    assert dicts[0] == {} and dicts[1] == {}
+    for a, b in zip(*finals):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_state_dict_after_a_real_step_keeps_every_entry():
+    model = _model()
+    opt = fastamp.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    nn.functional.mse_loss(model(torch.randn(4, 12)), torch.randn(4, 3)).backward()
+    opt.step()
+    assert sorted(opt.state_dict()["state"]) == list(range(len(list(model.parameters()))))
+
+
 def test_no_host_sync_and_no_scheduler_warning_when_steps_skip():
     model = _model()
     opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)

@@ -352,8 +352,37 @@ class _FusedOptimizer(AmpFusedOptimizer):
             out = {k: v for k, v in st.items() if k not in lowbit.moment_keys(moments)}
             out.update({k: wrap_like(p, v.reshape(local(p).shape)) for k, v in floats.items()})
             state[pid] = out
+        for pid in self._never_updated(params, sd["state"]):
+            del state[pid]
         sd["state"] = state
         return sd
+
+    def _update_count(self, p: Tensor, state: Mapping[str, Any]) -> Any:
+        """How many updates ``p``'s state has had (a number or a one-element tensor; None:
+        unknown): Adam's ``step``."""
+        return state.get("step")
+
+    def _never_updated(self, params: list[Tensor], saved: Mapping[Any, Any]) -> list[Any]:
+        """The entries of ``saved`` (state_dict()['state']) whose param was never updated: the
+        state a fused kernel made for a first step it then skipped (inf/NaN grads). torch's
+        optimizers leave no state for a step the scaler skipped, so the state_dict leaves it
+        out too (a resumed torch SGD would take a zero momentum buffer for one that had its
+        first value). One host read of the counts, per device."""
+        by_device: dict[torch.device, list[tuple[Any, Tensor]]] = defaultdict(list)
+        never: list[Any] = []
+        for pid in saved:
+            p = params[pid] if isinstance(pid, int) and pid < len(params) else None
+            if p is None:
+                continue
+            n = self._update_count(p, self.state.get(p) or {})
+            if isinstance(n, Tensor) and n.numel() == 1 and not is_dtensor(n):
+                by_device[n.device].append((pid, n))
+            elif isinstance(n, (int, float)) and n == 0:
+                never.append(pid)
+        for items in by_device.values():
+            counts = torch.stack([n.detach().reshape(()).to(torch.float64) for _, n in items])
+            never += [pid for (pid, _), c in zip(items, counts.tolist()) if c == 0]
+        return never
 
     def _after_load(self) -> None:
         """What an optimizer resets after a load (SGD: its update counts)."""
@@ -876,6 +905,16 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
 
     def _after_load(self) -> None:
         self._updates = {}
+
+    def _update_count(self, p: Tensor, state: Mapping[str, Any]) -> Any:
+        """SGD's count: the one kept beside the state for these state tensors (or in it, with
+        bfloat16 buffers)."""
+        if "step" in state:
+            return state["step"]
+        known = self._updates.get(p)
+        if known is not None and all(map(is_, _counted_for(state), known[1:])):
+            return known[0]
+        return None
 
     def _updates_of(
         self, p: Tensor, state: Mapping[str, Any], new_counts: dict[Tensor, Tensor]
