@@ -185,6 +185,23 @@ def _(lib):
 
 
 @case(
+    "adamw_model_half_after_the_state_was_made",
+    RuntimeError,
+    r"param_groups\[0\]\['params'\]\[0\]\['exp_avg'\] is a torch.float32 tensor",
+    r"optimizer made after the conversion",
+    like_torch="type",
+)
+def _(lib):
+    # model.half() between steps: torch's AdamW fails at the step; fastamp used to convert the
+    # moments to float16 and step on.
+    model, opt, sc = _trained(lib, backward=False)
+    model.half()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    return _world(model, opt, sc), lambda: opt.step()
+
+
+@case(
     "optim_load_state_of_another_model",
     ValueError,
     r"state_dict\['state'\]\[0\]\['exp_avg'\] has shape \(6, 8\)",

@@ -198,6 +198,30 @@ def test_a_state_dict_after_a_real_step_keeps_every_entry():
     assert sorted(opt.state_dict()["state"]) == list(range(len(list(model.parameters()))))
 
 
+@pytest.mark.parametrize("kind", ["SGD", "AdamW"])
+def test_a_model_converted_after_its_state_was_made_is_refused_before_stepping(kind):
+    """model.half() between steps: torch's AdamW fails at the step (RuntimeError) and its SGD
+    steps on with float32 momentum; fastamp used to convert the moments to float16 silently. It
+    refuses (RuntimeError naming the entry) with params, grads and state unchanged (README)."""
+    model = _model()
+    kw = dict(lr=0.05, momentum=0.9) if kind == "SGD" else dict(lr=0.05)
+    opt = getattr(fastamp.optim, kind)(model.parameters(), **kw)
+    nn.functional.mse_loss(model(torch.randn(4, 12)), torch.randn(4, 3)).backward()
+    opt.step()
+    model.half()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()}
+    with pytest.raises(RuntimeError, match=r"is a torch.float32 tensor.*model.half\(\)"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    after = opt.state[next(model.parameters())]
+    assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype for k, v in state.items())
+    opt.load_state_dict(opt.state_dict())  # cast to the params' dtype, as torch's load does
+    opt.step()
+
+
 def test_no_host_sync_and_no_scheduler_warning_when_steps_skip():
     model = _model()
     opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)

@@ -173,6 +173,12 @@ class StepChecks:
             where = _Where(name, g, i)
             # Moments in any format (the step converts and re-strides them), complete.
             lowbit.check_any(state, p, moments, where)
+            own = fmt if fmt.applies_to(p) else lowbit.FLOAT32
+            if own is lowbit.FLOAT32 and lowbit.format_of(state, moments) is lowbit.FLOAT32:
+                for key in moments:
+                    v = state.get(key)
+                    if isinstance(v, Tensor) and v.dtype != want:
+                        _moment_dtype_error(where, key, v, p, master)
             for key in others + (("master_param",) if master else ()):
                 v = state.get(key)
                 if v is None:
@@ -240,6 +246,20 @@ class StepChecks:
             )
         except Exception:  # an exception type that takes other arguments
             return e
+
+
+def _moment_dtype_error(where: object, key: str, v: Tensor, p: Tensor, master: bool) -> None:
+    """Moments of another float dtype than the step keeps them in: a model converted
+    (``model.half()``, ``.to(dtype)``) after the optimizer made its state. torch's Adam fails
+    at that step (RuntimeError) and its SGD steps on in the old dtype; fastamp refuses rather
+    than convert the moments silently."""
+    kept = "float32 (master_weights=True)" if master else f"the parameter's dtype {p.dtype}"
+    raise RuntimeError(
+        f"{where}[{key!r}] is a {v.dtype} tensor, but the step "
+        f"keeps it in {kept}: was the model converted (model.half(), .to(dtype)) after the "
+        "optimizer made its state? Expected the optimizer made after the conversion, or its "
+        "state_dict() loaded again (load_state_dict casts the state to the params' dtype)"
+    )
 
 
 def _state_error(what: str, v: Any, p: Tensor, want: torch.dtype) -> None:

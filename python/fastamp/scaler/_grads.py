@@ -147,7 +147,9 @@ def flat_device_grads(flat: FlatGrads, allow_fp16: bool) -> dict[torch.device, D
             entry.places.extend(places)
             entry.counts.append(counts)  # type: ignore[union-attr]
             if entry.plain and not plain:
-                per_device[g.device] = entry._replace(plain=False)
+                per_device[g.device] = DeviceGrads(
+                    entry.grads, entry.param_ids, entry.places, entry.shard, entry.counts
+                )  # (plain=False)
     return per_device
 
 
