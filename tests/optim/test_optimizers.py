@@ -222,6 +222,18 @@ def test_a_model_converted_after_its_state_was_made_is_refused_before_stepping(k
     opt.step()
 
 
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_a_new_state_has_torchs_keys_in_torchs_order(amsgrad):
+    keys = []
+    for lib in (torch.optim, fastamp.optim):
+        w = nn.Parameter(torch.ones(3))
+        opt = lib.AdamW([w], amsgrad=amsgrad)
+        w.grad = torch.ones(3)
+        opt.step()
+        keys.append(list(opt.state_dict()["state"][0]))
+    assert keys[0] == keys[1]
+
+
 def test_no_host_sync_and_no_scheduler_warning_when_steps_skip():
     model = _model()
     opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)

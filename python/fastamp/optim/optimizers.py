@@ -738,6 +738,8 @@ class _AdamBase(_FusedOptimizer):
             st = self.state.get(p) if given_states is None else given_states[k]
             lp, state = local_param(p, st or {})
             new: dict[str, Any] = {}
+            # The step count first: a new state's keys in torch's order (step, exp_avg, ...).
+            steps.append(self._step_tensor(lp, state, new))
             kp = kernel_view(lp)
             if kp is not lp:
                 staged.append((lp, kp))
@@ -751,7 +753,6 @@ class _AdamBase(_FusedOptimizer):
                 elif mx.stride() != like.stride():  # re-strided, as the moments
                     mx = new["max_exp_avg_sq"] = torch.empty_like(like).copy_(mx)
                 max_sqs.append(mx)
-            steps.append(self._step_tensor(lp, state, new))
             kparams.append(kp)
             grad = p.grad if given_grads is None else given_grads[k]
             assert grad is not None  # StepChecks.params keeps the params that have a grad
