@@ -165,6 +165,7 @@ def test_interrupted_distributed_save_and_world_size_change_are_refused(tmp_path
         "step": 1,
         "extra": {},
         "model": net.state_dict(),
+        "sharded": None,
         "ddp_buckets": None,
         "optimizer": None,
         "scaler": None,
@@ -596,7 +597,7 @@ def test_format_1_checkpoint_without_checksums_is_refused(tmp_path):
     # checksums of the earlier digest (before tensor_digest2): refused by name, nothing restored
     fastamp.save_training_state(path, model=net, optimizer=opt, scaler=scaler, step=1)
     earlier = torch.load(path, weights_only=True)
-    assert earlier["checksums"]["algorithm"] == "fastamp.tensor_digest2+blake2b-64"
+    assert earlier["checksums"]["algorithm"] == "fastamp.tensor_digest2+blake2b-64+names"
     earlier["checksums"]["algorithm"] = "fastamp.tensor_digest+blake2b-64"
     torch.save(earlier, path)
     with pytest.raises(
@@ -608,3 +609,55 @@ def test_format_1_checkpoint_without_checksums_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="is damaged: its 'checksums' entry is missing"):
         fastamp.load_training_state(path, model=net, optimizer=opt, scaler=scaler)
     assert_bitwise_equal(_snapshot(net, opt, scaler), before)
+
+
+@pytest.mark.parametrize("entry", [b"extra", b"step", b"ddp_buckets", b"lr_scheduler"])
+def test_a_bit_flipped_in_an_entry_name_is_refused_before_anything_is_restored(tmp_path, entry):
+    """pickle writes each string once: an entry's name and the key of its recorded digest are the
+    same bytes in the file, so a bit flipped there renamed both and a digest of the value alone
+    still matched; the load then restored everything and failed on the missing entry (or, for
+    ddp_buckets, skipped it). The digests cover the names now."""
+    net, scaler, opt, _ = _make()
+    path = tmp_path / "c.pt"
+    fastamp.save_training_state(path, model=net, optimizer=opt, scaler=scaler, step=1)
+    data = bytearray(path.read_bytes())
+    at = data.find(entry)
+    assert at >= 0
+    data[at + 1] ^= 0x01  # e.g. "extra" -> "eytra"
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(bytes(data))
+    net2, scaler2, opt2, _ = _make(seed=7)
+    before = _snapshot(net2, opt2, scaler2)
+    with pytest.raises(RuntimeError, match="is damaged"):
+        fastamp.load_training_state(bad, model=net2, optimizer=opt2, scaler=scaler2)
+    assert_bitwise_equal(_snapshot(net2, opt2, scaler2), before)
+
+
+def test_a_file_whose_digests_left_out_the_names_loads_and_is_checked_for_every_entry(tmp_path):
+    """Files saved before the digests covered the entry names still verify (their algorithm is
+    recorded); a renamed entry in one is refused by name before anything is restored."""
+    from fastamp.resume import _checksums
+
+    net, scaler, opt, _ = _make()
+    path = tmp_path / "c.pt"
+    fastamp.save_training_state(path, model=net, optimizer=opt, scaler=scaler, step=4)
+    obj = torch.load(path, weights_only=True)
+    obj.pop("checksums")
+
+    def old_seal(o):
+        entries = _checksums._checksums(o, names=False)
+        return {**o, "checksums": {"algorithm": "fastamp.tensor_digest2+blake2b-64",
+                                   "entries": entries}}  # fmt: skip
+
+    torch.save(old_seal(obj), path)
+    net2, scaler2, opt2, _ = _make(seed=7)
+    got = fastamp.load_training_state(path, model=net2, optimizer=opt2, scaler=scaler2)
+    assert got.step == 4
+    assert_bitwise_equal(_snapshot(net2, opt2, scaler2), _snapshot(net, opt, scaler))
+    renamed = {("eytra" if k == "extra" else k): v for k, v in obj.items()}
+    torch.save(old_seal(renamed), path)
+    net3, scaler3, opt3, _ = _make(seed=8)
+    before = _snapshot(net3, opt3, scaler3)
+    with pytest.raises(KeyError, match=r"has no \['extra'\] entry"):
+        fastamp.load_training_state(path, model=net3, optimizer=opt3, scaler=scaler3)
+    assert_bitwise_equal(_snapshot(net3, opt3, scaler3), before)

@@ -41,7 +41,12 @@ from fastamp.checkpoint import ops as checkpoint_ops
 __all__ = ["ALGORITHM", "ChecksumError", "file_digests", "seal", "verify", "verify_files"]
 
 # What the digests are, recorded beside them: a checkpoint hashed otherwise is refused by name.
-ALGORITHM = "fastamp.tensor_digest2+blake2b-64"
+# "+names": each top-level entry's digest covers its name too. pickle writes a string once and
+# refers back to it, so the name of an entry and the key of its recorded digest are the same bytes
+# in the file: a bit flipped there renames both, and a digest of the value alone still matched.
+ALGORITHM = "fastamp.tensor_digest2+blake2b-64+names"
+# The same digests without the names (files saved before): verified as they were computed.
+_WITHOUT_NAMES = "fastamp.tensor_digest2+blake2b-64"
 # Digests earlier development builds recorded (tensor_digest's first term, a splitmix64 mix of each
 # word): their files cannot be verified by this version, and are refused by name.
 _EARLIER = ("fastamp.tensor_digest+blake2b-64",)
@@ -117,15 +122,17 @@ def _tensor_digests(tensors: list[Tensor]) -> list[int]:
     return out
 
 
-def _checksums(obj: Mapping[str, Any]) -> dict[str, int]:
-    """Entry name -> digest: ``"<key>"`` for the non-tensor content of each top-level entry,
-    ``"<key>.<path>"`` for each tensor in it."""
+def _checksums(obj: Mapping[str, Any], names: bool = True) -> dict[str, int]:
+    """Entry name -> digest: ``"<key>"`` for the non-tensor content of each top-level entry (and,
+    with ``names``, the key itself), ``"<key>.<path>"`` for each tensor in it."""
     out: dict[str, int] = {}
     tensors: list[tuple[str, Tensor]] = []
     for key, value in obj.items():
         if key == _KEY:
             continue
         h = hashlib.blake2b(digest_size=8)
+        if names:
+            _leaf(key, h)
         _walk(value, str(key), h, tensors)
         out[str(key)] = int.from_bytes(h.digest(), "little")
     for (name, _), d in zip(tensors, _tensor_digests([t for _, t in tensors])):
@@ -159,12 +166,12 @@ def verify(obj: Mapping[str, Any], path: str) -> None:
         )
     if (
         not isinstance(recorded, Mapping)
-        or recorded.get("algorithm") != ALGORITHM
+        or recorded.get("algorithm") not in (ALGORITHM, _WITHOUT_NAMES)
         or not isinstance(recorded.get("entries"), Mapping)
     ):
         raise _damaged(path, f"its {_KEY!r} entry is missing or unreadable ({recorded!r:.120})")
     want = recorded["entries"]
-    got = _checksums(obj)
+    got = _checksums(obj, names=recorded["algorithm"] == ALGORITHM)
     for name in list(want) + [n for n in got if n not in want]:
         if name not in got:
             raise _damaged(path, f"its entry {name!r} is missing (a checksum was recorded for it)")

@@ -63,6 +63,13 @@ __all__ = ["TrainingState", "load_training_state", "save_training_state"]
 # (fastamp before 0.1.0, which has not been released) have none and are refused: their bytes
 # cannot be verified.
 _FORMAT = 2
+# The entries save_training_state writes: the checkpoint (and "rng" in a one-process save), and
+# each rank's own file of a multi-process save.
+_CHECKPOINT_ENTRIES: tuple[str, ...] = (
+    "world_size", "step", "extra", "model", "sharded", "ddp_buckets", "optimizer", "scaler",
+    "lr_scheduler", "torch_version",
+)  # fmt: skip
+_RANK_ENTRIES: tuple[str, ...] = ("rank", "world_size", "rng")
 
 
 @dataclass
@@ -217,8 +224,11 @@ def _load(path: str, what: str, map_location: Any) -> dict[str, Any]:
             "it must be written by fastamp.save_training_state"
         )
     verify(obj, path)  # its content is what the save wrote, before anything reads it
-    # What every file of the format holds (the checkpoint also its model), named when missing.
-    required = ("world_size", "model") if what == "checkpoint" else ("world_size", "rng")
+    # Every entry a file of the format holds, named when missing: all of them are read only
+    # after the checks (some only once the objects were restored), so none may be found missing
+    # then (a renamed entry in a file saved before the digests covered the names).
+    # (A one-process checkpoint's "rng" is checked where the RNG is restored, before any is.)
+    required = _CHECKPOINT_ENTRIES if what == "checkpoint" else _RANK_ENTRIES
     missing = [k for k in required if k not in obj]
     if missing:
         raise KeyError(
