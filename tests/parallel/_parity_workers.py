@@ -276,6 +276,19 @@ def reentrant_backward(rank, world, init_file):
     nn.functional.mse_loss(f(x), y).backward()
     nn.functional.mse_loss(t(x), y).backward()
     _same_grads(f.module, t.module, "after the refused second backward")
+    # a gradient penalty (WGAN-GP, R1): torch.autograd.grad of the output w.r.t. the input with
+    # create_graph, then one backward of the loss and the penalty. The first pass reaches no
+    # parameter and synchronises nothing: torch runs it, and so must fastamp (it used to take
+    # the first pass for the synchronised backward and refuse the real one as a second).
+    pair = [cls(copy.deepcopy(base2)) for cls in (TDDP, FDDP)]
+    for x, y in data:
+        for m in pair:
+            m.zero_grad()
+            xi = x.clone().requires_grad_()
+            out = m(xi)
+            (g,) = torch.autograd.grad(out.sum(), xi, create_graph=True)
+            (nn.functional.mse_loss(out, y) + g.square().sum()).backward()
+        _same_grads(pair[1].module, pair[0].module, "gradient penalty")
     _finish()
 
 

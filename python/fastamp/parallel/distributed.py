@@ -48,6 +48,11 @@ else:
 _TorchDDP = torch.nn.parallel.DistributedDataParallel
 
 
+# private-ok: whether this backward runs a given autograd node; torch.autograd.graph's
+# register_multi_grad_hook uses it, and it has no public spelling.
+_will_execute = torch._C._will_engine_execute_node
+
+
 def _call(method: weakref.WeakMethod[Callable[[], None]]) -> None:
     fn = method()
     if fn is not None:
@@ -198,6 +203,8 @@ class DistributedDataParallel(_TorchDDP):
         )
         # Tells a second backward through a synchronised forward's output from the first.
         self._forward_tokens: list[list[int | None]] = []
+        # The reduced parameters' grad accumulators (made at the first armed forward).
+        self._accumulators: list[Any] | None = None
         # (torch.distributed imports it from its C module without re-exporting it)
         dist._register_comm_hook(  # type: ignore[attr-defined]
             self.reducer, self._bucket_stats, fastamp_comm_hook
@@ -222,10 +229,19 @@ class DistributedDataParallel(_TorchDDP):
 
         token: list[int | None] = [None]
         check = weakref.WeakMethod(self._check_reduced)  # the graph must not keep self alive
+        accumulators = self._grad_accumulators()
 
         def prehook(grads: Any, token: list[int | None] = token) -> None:
             # private-ok: autograd's current graph task has no public spelling.
             task = torch._C._current_graph_task_id()
+            if token[0] == task:
+                return
+            # A pass that reaches no parameter (torch.autograd.grad of the output w.r.t. the
+            # inputs: a gradient penalty) runs no reducer hook and synchronises nothing: it
+            # neither takes the token nor is refused, as torch's DDP lets it run. (torch's
+            # register_multi_grad_hook asks the engine the same question.)
+            if not any(map(_will_execute, accumulators)):
+                return
             if token[0] is None:
                 token[0] = task
                 # After everything the backward queues (the reducer's finalisation included).
@@ -241,6 +257,19 @@ class DistributedDataParallel(_TorchDDP):
         for t in _find_tensors(output):
             if t.grad_fn is not None:
                 t.grad_fn.register_prehook(prehook)
+
+    def _grad_accumulators(self) -> list[Any]:
+        """The autograd nodes that accumulate the reduced parameters' grads (the reducer's hooks
+        sit on them), made once, as torch's reducer holds them."""
+        accs = self._accumulators
+        if accs is None:
+            accs = []
+            for p in self._bucket_stats.params:
+                fn = p.view_as(p).grad_fn  # (made in a forward with grad enabled)
+                if p.requires_grad and fn is not None:
+                    accs.append(fn.next_functions[0][0])
+            self._accumulators = accs
+        return accs
 
     def _check_reduced(self) -> None:
         """End of a synchronised backward: every bucket was reduced, or raise now, naming the
