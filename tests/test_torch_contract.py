@@ -203,6 +203,26 @@ def test_the_ddp_helpers_fastamp_reads_exist(one_rank_group):
     assert callable(torch.autograd.Variable._execution_engine.queue_callback)
 
 
+def test_the_autograd_engine_privates_fastamps_ddp_reads_answer_as_it_assumes():
+    """DDP's output pre-hook reads the current graph task and asks whether the pass runs a
+    parameter's grad accumulator (a gradient penalty's autograd.grad w.r.t. the input does not)."""
+    w = nn.Parameter(torch.ones(3))
+    acc = w.view_as(w).grad_fn.next_functions[0][0]
+    seen: list[tuple[int, bool]] = []
+    x = torch.ones(3, requires_grad=True)
+    out = (w * x).sum() * 1.0
+    out.grad_fn.register_prehook(
+        lambda g: seen.append(
+            (torch._C._current_graph_task_id(), torch._C._will_engine_execute_node(acc))
+        )
+    )
+    torch.autograd.grad(out, x, retain_graph=True)
+    out.backward()
+    assert [s[1] for s in seen] == [False, True]
+    assert seen[0][0] != seen[1][0] and seen[0][0] >= 0
+    assert torch._C._current_graph_task_id() == -1  # outside a backward
+
+
 # --- tensors, DTensor, checkpoint -------------------------------------------------------------
 
 
