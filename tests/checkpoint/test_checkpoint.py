@@ -255,3 +255,28 @@ def test_torch_compile_gives_the_same_grads():
     got, _ = _grads(model, x, torch.compile(run, backend="aot_eager"), autocast=False)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+def test_checkpoint_sequential_takes_the_keywords_torchs_takes(segments):
+    """torch's checkpoint_sequential takes preserve_rng_state by keyword and raises ValueError
+    for any other before running anything; fastamp passed them on to the blocks (a TypeError from
+    inside the first segment) or, with one segment, ignored them."""
+    import torch.utils.checkpoint as tcp
+
+    from fastamp.checkpoint import checkpoint_sequential
+
+    calls = []
+    seq = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(4)])
+    for block in seq:
+        block.register_forward_hook(lambda *a: calls.append(1))
+    x = torch.randn(2, 4, requires_grad=True)
+    for fn in (tcp.checkpoint_sequential, checkpoint_sequential):
+        with pytest.raises(ValueError, match="Unexpected keyword arguments: foo"):
+            fn(seq, segments, x, use_reentrant=False, foo=1)
+    assert calls == []  # (refused before any block ran)
+    torch.manual_seed(0)
+    a = tcp.checkpoint_sequential(seq, segments, x, use_reentrant=False, preserve_rng_state=False)
+    torch.manual_seed(0)
+    b = checkpoint_sequential(seq, segments, x, use_reentrant=False, preserve_rng_state=False)
+    assert torch.equal(a, b)

@@ -256,6 +256,13 @@ def checkpoint_sequential(
                 f"checkpoint_sequential: functions[{bad}] is a {type(fns[bad]).__name__}, not "
                 "callable; expected modules or functions applied in order"
             )
+    # torch's checkpoint_sequential takes preserve_rng_state and nothing else by keyword.
+    preserve = kwargs.pop("preserve_rng_state", True)
+    if kwargs:
+        raise ValueError(
+            "Unexpected keyword arguments: " + ",".join(kwargs) + " (checkpoint_sequential "
+            "takes functions, segments, input, use_reentrant and preserve_rng_state, as torch's)"
+        )
     if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
         raise ValueError(f"checkpoint_sequential: segments must be an int >= 1, got {segments!r}")
     if segments > len(fns):
@@ -274,6 +281,9 @@ def checkpoint_sequential(
     size = len(fns) // segments
     start = 0
     for _ in range(segments - 1):
-        input = checkpoint(run(start, start + size), input, use_reentrant=use_reentrant, **kwargs)
+        input = checkpoint(
+            run(start, start + size), input, use_reentrant=use_reentrant,
+            preserve_rng_state=preserve,
+        )  # fmt: skip
         start += size
     return run(start, len(fns))(input)
