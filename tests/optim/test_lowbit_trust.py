@@ -530,3 +530,25 @@ def test_state_is_updated_in_place_and_checked_for_its_device(fmt):
     t.state[t_m.weight]["exp_avg"] = t.state[t_m.weight]["exp_avg"].to("meta")
     with pytest.raises(RuntimeError):  # torch's class for the same state
         t.step()
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32 + 3, 1.5, True, None])
+def test_a_state_seed_edited_into_a_group_is_checked_before_the_step(seed):
+    """The constructor refuses these seeds; one written into param_groups between steps was
+    taken as int(seed) (or raised from inside the launch). The step checks it as the
+    constructor does, before anything changes."""
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(100))
+    b = nn.Parameter(torch.randn(64, 128))
+    opt = fastamp.optim.AdamW([{"params": [a]}, {"params": [b], "state_dtype": "int8"}], lr=1e-2)
+    for p in (a, b):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[1]["state_seed"] = seed
+    before = [a.detach().clone(), b.detach().clone(), opt.state[a]["step"].clone()]
+    with pytest.raises(
+        ValueError, match=r"param group 1.*state_seed.*must be an int in \[0, 2\*\*32\)"
+    ):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+    assert torch.equal(opt.state[a]["step"], before[2])

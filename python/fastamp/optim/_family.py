@@ -62,6 +62,8 @@ class OptimizerFamily:
     def check_group_options(self, where: str, options: Mapping[str, Any], fmt: StateFormat) -> None:
         """Raises for options that cannot go with ``fmt`` (run when a group is made, and again
         before a step: param groups are dicts a user may edit)."""
+        if "state_seed" in options:  # (an int the rounding is keyed by: as the constructor's)
+            lowbit.check_seed(options["state_seed"], f"{where}: ['state_seed']")
         if self.amsgrad and fmt.lowbit and options.get("amsgrad"):
             raise ValueError(
                 f"{where}: amsgrad=True needs float32 state (it keeps the running maximum of "
