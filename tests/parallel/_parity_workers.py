@@ -628,6 +628,13 @@ def constructor_keywords(rank, world, init_file):
             for opt in opts:
                 opt.step()
         _same_state(f.module, t.module, name)
+    # a process_group that is not one: torch's binding raises TypeError; fastamp raised an
+    # AttributeError from its own model check (now: TypeError naming the argument, first)
+    te, fe = (
+        _raises(lambda: TDDP(copy.deepcopy(base), process_group=3)),
+        _raises(lambda: FDDP(copy.deepcopy(base), process_group=3)),
+    )
+    assert te[0] is fe[0] is TypeError and "process_group" in fe[1], (te, fe)
     _finish()
 
 

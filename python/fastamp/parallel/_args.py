@@ -84,6 +84,13 @@ def check_arguments(
         )
     if process_group is not None and device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        # TypeError, as torch's parameter check raises for it (later, from its C++ binding).
+        raise TypeError(
+            f"DistributedDataParallel: process_group must be a torch.distributed.ProcessGroup "
+            f"(e.g. dist.new_group(ranks)) or None, got {type(process_group).__name__} "
+            f"{process_group!r}"
+        )
     if device_mesh is not None:
         if device_mesh.ndim != 1:
             raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
