@@ -552,3 +552,27 @@ def test_a_state_seed_edited_into_a_group_is_checked_before_the_step(seed):
         opt.step()
     assert torch.equal(a, before[0]) and torch.equal(b, before[1])
     assert torch.equal(opt.state[a]["step"], before[2])
+
+
+@pytest.mark.parametrize("fmt", [torch.bfloat16, "int8"])
+def test_the_state_lists_params_in_torchs_order_with_mixed_formats(fmt):
+    """A group whose large params keep low-bit state and small ones float32 is launched format
+    by format; the state is still made in the params' order, as torch's (state_dict()["state"]
+    listed [1, 0, 2] for a small, a large and a small param)."""
+    torch.manual_seed(0)
+    ps = [
+        nn.Parameter(torch.randn(10)),
+        nn.Parameter(torch.randn(64, 128)),
+        nn.Parameter(torch.randn(7)),
+    ]
+    ref = [nn.Parameter(p.detach().clone()) for p in ps]
+    opt = fastamp.optim.AdamW(ps, lr=1e-2, state_dtype=fmt)
+    topt = torch.optim.AdamW(ref, lr=1e-2)
+    for group in (ps, ref):
+        for p in group:
+            p.grad = torch.ones_like(p)
+    opt.step()
+    topt.step()
+    assert list(opt.state_dict()["state"]) == list(topt.state_dict()["state"]) == [0, 1, 2]
+    assert list(opt.state) == ps
+    opt.step()  # the planned step after it

@@ -637,12 +637,21 @@ class _FusedOptimizer(AmpFusedOptimizer):
                 amps.append(amp)
             if stepped is None:
                 stepped = (found_inf, dev)
+        # Params whose state this step makes: launched by format (float32 first), they are put
+        # in self.state afterwards in the params' order, as torch's step makes them.
+        fresh = [p for launch in launches for p in launch.params if p not in self.state]
         for k, (launch, amp) in enumerate(zip(launches, amps)):
             try:
                 launch.run(amp)
             except (RuntimeError, TypeError, ValueError) as e:
                 raise checks.kernel_error(e, launch.g, launch.places, first=k == 0) from e
             self._commit(launch)
+        if len(launches) > 1 and len(fresh) > 1:
+            order = {
+                id(p): k for k, p in enumerate(p for g in self.param_groups for p in g["params"])
+            }
+            for p in sorted((p for p in fresh if p in self.state), key=lambda p: order[id(p)]):
+                self.state[p] = self.state.pop(p)  # (the new entries are last: moved in order)
         self._stepped_from, self._stepped_value = stepped, None
         # No plan from a traced step: its held lists would hold FakeTensors, and a compiled step
         # is a graph already.
