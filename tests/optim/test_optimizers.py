@@ -234,6 +234,27 @@ def test_a_new_state_has_torchs_keys_in_torchs_order(amsgrad):
     assert keys[0] == keys[1]
 
 
+@pytest.mark.parametrize("kind", ["SGD", "Adam", "AdamW"])
+def test_constructor_defaults_are_torchs_values_of_torchs_types(kind):
+    """The defaults land in opt.defaults, the param groups and state_dict(): 0 and 0.0 compare
+    equal but print and serialise differently (repr(opt), a JSON dump of the groups)."""
+    import inspect
+
+    t = inspect.signature(getattr(torch.optim, kind).__init__).parameters
+    f = inspect.signature(getattr(fastamp.optim, kind).__init__).parameters
+    for name, param in t.items():
+        if name in ("self", "params"):
+            continue
+        assert type(f[name].default) is type(param.default), name
+        assert f[name].default == param.default, name
+    m = _model()
+    a = getattr(torch.optim, kind)(m.parameters())
+    b = getattr(fastamp.optim, kind)(m.parameters())
+    for k, v in a.param_groups[0].items():
+        if k != "params":
+            assert repr(b.param_groups[0][k]) == repr(v), k
+
+
 def test_no_host_sync_and_no_scheduler_warning_when_steps_skip():
     model = _model()
     opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)

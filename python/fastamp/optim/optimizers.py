@@ -832,7 +832,7 @@ class Adam(_AdamBase, torch.optim.Adam):
 
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3,
                  betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 weight_decay: float = 0, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False,
                  differentiable: bool = False, fused: bool | None = None,
                  decoupled_weight_decay: bool = False, master_weights: bool = False,
@@ -887,8 +887,8 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
     # opt.state[p]["momentum_buffer"]) makes the count start again as torch's None buffer does.
     _updates: dict[Tensor, tuple[Tensor, Tensor | None, Tensor | None]]
 
-    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, momentum: float = 0.0,
-                 dampening: float = 0.0, weight_decay: float | Tensor = 0.0,
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, momentum: float = 0,
+                 dampening: float = 0, weight_decay: float | Tensor = 0,
                  nesterov: bool = False, *, maximize: bool = False, foreach: bool | None = None,
                  differentiable: bool = False, fused: bool | None = None,
                  master_weights: bool = False, state_dtype: _StateDtype = torch.float32,
