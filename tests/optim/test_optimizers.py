@@ -255,6 +255,42 @@ def test_constructor_defaults_are_torchs_values_of_torchs_types(kind):
             assert repr(b.param_groups[0][k]) == repr(v), k
 
 
+@pytest.mark.parametrize("kind", ["AdamW", "SGD"])
+def test_state_dict_hooks_see_and_change_what_torchs_do(kind):
+    """A load_state_dict post-hook that edits the loaded state (zeroes a moment) takes effect, as
+    with torch (fastamp put the loaded state in place after the hooks ran, undoing the edit);
+    a state_dict post-hook sees the dict fastamp returns and may return another (fastamp
+    post-processed the hook's result: KeyError 'state' for a wrapped dict)."""
+    key = "momentum_buffer" if kind == "SGD" else "exp_avg"
+    kw = dict(lr=0.1, momentum=0.9) if kind == "SGD" else dict(lr=0.1)
+    out = []
+    for lib in (torch.optim, fastamp.optim):
+        model = _model()
+        opt = getattr(lib, kind)(model.parameters(), **kw)
+        nn.functional.mse_loss(model(torch.randn(4, 12)), torch.randn(4, 3)).backward()
+        opt.step()
+        sd = copy.deepcopy(opt.state_dict())
+        other = getattr(lib, kind)(model.parameters(), **kw)
+        seen = []
+
+        def zero(o, key=key):
+            for st in o.state.values():
+                st[key].zero_()
+
+        other.register_load_state_dict_post_hook(zero)
+        other.load_state_dict(sd)
+        wrap = other.register_state_dict_post_hook(
+            lambda o, d: seen.append(sorted(d["state"])) or {"wrapped": d}
+        )
+        wrapped = other.state_dict()
+        wrap.remove()
+        assert list(wrapped) == ["wrapped"] and seen == [list(range(len(list(model.parameters()))))]
+        other.step()
+        out.append(([st[key].clone() for st in other.state.values()], seen))
+    for a, b in zip(out[0][0], out[1][0]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
 def test_no_host_sync_and_no_scheduler_warning_when_steps_skip():
     model = _model()
     opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)

@@ -124,6 +124,8 @@ class _FusedOptimizer(AmpFusedOptimizer):
     state: defaultdict[Tensor, Any]
     defaults: dict[str, Any]
     register_load_state_dict_pre_hook: Callable[..., Any]
+    register_load_state_dict_post_hook: Callable[..., Any]
+    register_state_dict_post_hook: Callable[..., Any]
 
     _FAMILY: OptimizerFamily  # set by each optimizer class
     # Each optimizer's: the launch of one group's params of one state format, made before any
@@ -312,22 +314,27 @@ class _FusedOptimizer(AmpFusedOptimizer):
             self._load_checks.check(self.param_groups, sd)
             prepared[:] = self._load_checks.prepare(self.param_groups, sd)
 
+        def put_in_place(optimizer: Any) -> None:
+            # A post-hook put before the user's: they see (and may change) the state as loaded.
+            self._plan = None
+            for group, opts in zip(self.param_groups, options):
+                group.pop("state_dtype", None)
+                group.pop("state_seed", None)
+                group.update(opts)
+            for p, final in prepared:
+                state = self.state[p]
+                for key in lowbit.moment_keys(self._FAMILY.moments):
+                    state.pop(key, None)
+                state.update(final)
+            self._after_load()
+
         handle = self.register_load_state_dict_pre_hook(check)
+        after = self.register_load_state_dict_post_hook(put_in_place, prepend=True)
         try:
             super().load_state_dict(state_dict)  # type: ignore[misc]
         finally:
             handle.remove()
-        self._plan = None
-        for group, opts in zip(self.param_groups, options):
-            group.pop("state_dtype", None)
-            group.pop("state_seed", None)
-            group.update(opts)
-        for p, final in prepared:
-            state = self.state[p]
-            for key in lowbit.moment_keys(self._FAMILY.moments):
-                state.pop(key, None)
-            state.update(final)
-        self._after_load()
+            after.remove()
         if self._flat_buffers:
             self._flat_layout()
 
@@ -340,7 +347,17 @@ class _FusedOptimizer(AmpFusedOptimizer):
         ``torch.distributed.checkpoint`` can neither tell apart nor reshard. Decoded moments
         reshard like any DTensor, and :meth:`load_state_dict` encodes them again (the codec
         maps its own decoded values back to the same codes and scales)."""
-        sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
+        # fastamp's part runs as a post-hook put before the user's (they see the dict as it is
+        # returned, and may return another).
+        hook = self.register_state_dict_post_hook(_FusedOptimizer._own_state_dict, prepend=True)
+        try:
+            sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
+        finally:
+            hook.remove()
+        return sd
+
+    def _own_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """torch's state_dict as fastamp returns it (see :meth:`state_dict`)."""
         params = [p for group in self.param_groups for p in group["params"]]
         moments = self._FAMILY.moments
         state = dict(sd["state"])
