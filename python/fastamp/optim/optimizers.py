@@ -349,7 +349,9 @@ class _FusedOptimizer(AmpFusedOptimizer):
         maps its own decoded values back to the same codes and scales)."""
         # fastamp's part runs as a post-hook put before the user's (they see the dict as it is
         # returned, and may return another).
-        hook = self.register_state_dict_post_hook(_FusedOptimizer._own_state_dict, prepend=True)
+        hook = self.register_state_dict_post_hook(
+            lambda optimizer, sd: self._own_state_dict(sd), prepend=True
+        )
         try:
             sd: dict[str, Any] = super().state_dict()  # type: ignore[misc]
         finally:
