@@ -280,3 +280,39 @@ def test_checkpoint_sequential_takes_the_keywords_torchs_takes(segments):
     torch.manual_seed(0)
     b = checkpoint_sequential(seq, segments, x, use_reentrant=False, preserve_rng_state=False)
     assert torch.equal(a, b)
+
+
+def test_apply_leaves_the_global_rng_and_the_buffers_as_they_were():
+    """apply() measures with a forward of the sample input (dropout draws from the RNG): the
+    random stream after it is the one a run without it has (it used to be advanced)."""
+    import contextlib
+    import io
+
+    from fastamp.checkpoint import apply
+
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)) for _ in range(3)])
+    torch.manual_seed(1)
+    want = torch.rand(3)
+    torch.manual_seed(1)
+    with contextlib.redirect_stdout(io.StringIO()):
+        plan = apply(m, budget_bytes=10**9, sample_input=torch.ones(4, 8))
+    assert torch.equal(torch.rand(3), want)
+    plan.remove()
+
+
+def test_offload_takes_conjugate_and_negative_views_as_torchs_save_on_cpu():
+    """A saved tensor that is a lazy conjugate (z.conj()) or negative view (z.conj().imag): the
+    offload copied it with .view(), which such views refuse (a RuntimeError in the forward)."""
+    from fastamp.checkpoint import offload_activations
+
+    z = torch.randn(6, dtype=torch.cfloat, generator=torch.Generator().manual_seed(3))
+    z.requires_grad_()
+
+    def loss():
+        c = z.conj()
+        return (c * c).abs().sum() + (c.imag * c.imag.exp()).sum()
+
+    want = torch.autograd.grad(loss(), z)[0]
+    with offload_activations(min_bytes=0, device_types=("cpu",)):
+        out = loss()
+    assert torch.equal(torch.autograd.grad(out, z)[0], want)

@@ -122,6 +122,8 @@ class offload_activations(torch.autograd.graph.saved_tensors_hooks):
         ):
             return t
         src = t.detach()
+        if src.is_conj() or src.is_neg():  # lazy conjugate/negative views: their values, as
+            src = src.resolve_conj().resolve_neg()  # torch's save_on_cpu copies them
         if not src.is_contiguous():
             src = src.contiguous()
         buf = self.pool.take(src.nbytes)

@@ -145,10 +145,14 @@ def measure_blocks(
     measure_selective: bool = True,
 ) -> tuple[list[BlockStats], int]:
     """Runs one forward of ``model(sample_input)`` and returns per-block stats and the total; with
-    ``measure_selective``, also each block once under selective checkpointing."""
+    ``measure_selective``, also each block once under selective checkpointing. The model's
+    buffers and the global RNG are as they were afterwards."""
     names = _check_blocks(model, blocks) if blocks is not None else _default_blocks(model)
     modules = {n: model.get_submodule(n) for n in names}
-    with _scratch_buffers(model):
+    # The measuring forwards draw from the RNG (dropout): on forks of the CPU generator and of
+    # the model's CUDA devices', so the run's random stream is as if they never ran.
+    cuda = sorted({t.device.index or 0 for t in model.parameters() if t.device.type == "cuda"})
+    with _scratch_buffers(model), torch.random.fork_rng(devices=cuda):
         return _measure(model, sample_input, names, modules, measure_selective)
 
 
