@@ -940,6 +940,10 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
         bfloat16 buffers)."""
         if "step" in state:
             return state["step"]
+        return self._known_count(p, state)
+
+    def _known_count(self, p: Tensor, state: Mapping[str, Any]) -> Tensor | None:
+        """The count kept for ``p`` while its state holds the tensors it was kept for."""
         known = self._updates.get(p)
         if known is not None and all(map(is_, _counted_for(state), known[1:])):
             return known[0]
@@ -948,9 +952,9 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
     def _updates_of(
         self, p: Tensor, state: Mapping[str, Any], new_counts: dict[Tensor, Tensor]
     ) -> Tensor:
-        known = self._updates.get(p)
-        if known is not None and all(map(is_, _counted_for(state), known[1:])):
-            return known[0]
+        known = self._known_count(p, state)
+        if known is not None:
+            return known
         saved = state.get("step")  # kept in the state with state_dtype=torch.bfloat16
         if isinstance(saved, Tensor) and saved.numel() == 1:
             n = new_counts[p] = saved.detach().to(device=p.device, dtype=torch.float32).reshape(())
