@@ -31,21 +31,30 @@ else:
     from fastamp import checkpoint, cuda, memory, optim, parallel  # noqa: E402
     from fastamp.accumulation import GradientAccumulator, scale_lr  # noqa: E402
     from fastamp.resume import TrainingState, load_training_state, save_training_state  # noqa: E402
-    from fastamp.scaler import GradScaler, OptState  # noqa: E402
+    from fastamp.scaler import (  # noqa: E402
+        GradScaler,
+        NonfiniteGuard,
+        OptState,
+        clip_grad_norm_,
+        nonfinite_guard,
+    )
     from fastamp.scaler import ops as scaler_ops  # noqa: E402
     from fastamp.scaler.grad_scaler import OverflowReport  # noqa: E402
 
 __all__ = [
     "GradScaler",
     "GradientAccumulator",
+    "NonfiniteGuard",
     "OptState",
     "OverflowReport",
     "TrainingState",
     "build_info",
     "checkpoint",
+    "clip_grad_norm_",
     "cuda",
     "memory",
     "load_training_state",
+    "nonfinite_guard",
     "optim",
     "parallel",
     "scale_lr",

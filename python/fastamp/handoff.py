@@ -16,6 +16,8 @@ another's private attributes (``tests/test_architecture.py`` checks the sources)
 * :class:`GradStats` -- DDP to the scaler, through :meth:`GradStatsConsumer.note_grad_stats`.
 * :class:`FlatGrads` -- an optimizer with flat buffers to the scaler, through
   :meth:`AmpFusedOptimizer.amp_flat_grads`: its grads as a few flat tensors to measure.
+* :class:`PendingClip` -- the scaler-free clip (:func:`fastamp.clip_grad_norm_`) to a
+  :class:`AmpFusedOptimizer`, left as its ``pending_clip`` attribute for the next ``step()``.
 * :class:`AmpStep` -- the scaler to a :class:`AmpFusedOptimizer`, for exactly one ``step()`` call:
   the scaler sets it as the optimizer's ``amp_step`` attribute while it calls ``optimizer.step()``
   (the public entry point, so LR schedulers and wrappers see the step) and removes it when that
@@ -28,9 +30,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter, is_
 from typing import Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
+
+from fastamp._step import to_device
 
 __all__ = [
     "AmpFusedOptimizer",
@@ -38,6 +44,7 @@ __all__ = [
     "FlatGrads",
     "GradStats",
     "GradStatsConsumer",
+    "PendingClip",
 ]
 
 
@@ -58,6 +65,56 @@ class AmpStep:
     inv_scale: Tensor | None
     found_inf: Tensor | None
     clip_coef: Tensor | None = None
+
+    def to(self, device: torch.device) -> AmpStep:
+        """These scalars where a kernel on ``device`` reads them (no copy of one already there,
+        no sync either way)."""
+        inv, found, coef = self.inv_scale, self.found_inf, self.clip_coef
+        moved = (to_device(inv, device), to_device(found, device), to_device(coef, device))
+        if moved[0] is inv and moved[1] is found and moved[2] is coef:
+            return self
+        return AmpStep(*moved)
+
+
+@dataclass(frozen=True, eq=False)
+class PendingClip:
+    """What :func:`fastamp.clip_grad_norm_` (the scaler-free clip) leaves on a fused optimizer for
+    its next ``step()``: the grads were only read, and the step's kernel multiplies each by
+    ``amp.clip_coef`` in registers (``amp.inv_scale`` is None: nothing to unscale); with
+    ``skip_nonfinite=True``, ``amp.found_inf`` makes the kernel write nothing when the norm was
+    inf/NaN. ``total_norm``/``max_norm`` let a second clip before the step make this write pass
+    itself first. ``grads``/``versions`` are the grads it measured and their write counters: a
+    step or clip that finds any of them replaced or written since refuses the stale
+    coefficient (torch's clip had already scaled them; an accumulation since cannot be
+    reproduced)."""
+
+    amp: AmpStep
+    total_norm: Tensor
+    max_norm: float
+    params: tuple[Tensor, ...]
+    grads: tuple[Tensor | None, ...]
+    versions: tuple[int, ...] | None
+
+    @classmethod
+    def of(
+        cls, amp: AmpStep, total_norm: Tensor, max_norm: float, params: Sequence[Tensor]
+    ) -> PendingClip:
+        """The clip of ``params``' grads as they are now (not tracked while torch.compile traces:
+        clip and step are then one graph, with nothing between them)."""
+        if torch.compiler.is_compiling():
+            return cls(amp, total_norm, max_norm, (), (), None)
+        grads = tuple(map(_GRAD, params))
+        versions = tuple(map(_VERSION, [g for g in grads if g is not None]))
+        return cls(amp, total_norm, max_norm, tuple(params), grads, versions)
+
+    def current(self) -> bool:
+        """Whether every param still has the grad that was measured, unwritten since."""
+        if self.versions is None:
+            return True
+        if not all(map(is_, map(_GRAD, self.params), self.grads)):
+            return False
+        live = [g for g in self.grads if g is not None]
+        return tuple(map(_VERSION, live)) == self.versions
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +144,9 @@ class AmpFusedOptimizer:
     #: calling: set just before that call and removed when it returns or raises, read (and set
     #: to None) by the step; None at any other time.
     amp_step: AmpStep | None = None
+    #: What :func:`fastamp.clip_grad_norm_` measured for the next ``step()``, which takes it (and
+    #: sets it to None); ``zero_grad`` drops it with the grads it was for.
+    pending_clip: PendingClip | None = None
 
     def amp_flat_grads(self) -> FlatGrads | None:
         """The grads as flat buffers, for :class:`fastamp.GradScaler` to measure (and, for
@@ -152,6 +212,11 @@ class GradStats:
             if g is None or ref() is not g or _version(g) != v:
                 return False
         return True
+
+
+_GRAD = attrgetter("grad")
+# private-ok: Tensor._version is PyTorch's in-place write counter (see _version below).
+_VERSION = attrgetter("_version")
 
 
 def _version(t: Tensor) -> int:

@@ -194,7 +194,7 @@ def test_read_only_grad_plan_then_a_changed_grad_is_handled_as_without_a_plan(ch
     model, opt, scaler = _setup()
     for k in range(3):
         _step(model, opt, scaler, k, clip=clip)
-    assert scaler._grad_plans.get(opt) is not None
+    assert scaler._reader.plans.get(opt) is not None
     fresh_model = copy.deepcopy(model)
     fresh_opt = fastamp.optim.AdamW(fresh_model.parameters(), lr=1e-2)
     fresh_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own state tensors

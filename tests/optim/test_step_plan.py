@@ -256,7 +256,7 @@ def test_grad_plan_sees_an_fp16_grad_for_unscale():
         scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
-    assert len(scaler._grad_plans) == 1
+    assert len(scaler._reader.plans) == 1
     _grads([model], 9)
     model[2].half()  # params and grads: a float16 grad where a float32 one was
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):

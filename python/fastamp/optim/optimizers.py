@@ -39,7 +39,7 @@ from torch import Tensor
 from fastamp._library import backend_keyset, direct_call_allowed
 from fastamp._sharding import is_dtensor, local, local_param, local_state, wrap_like
 from fastamp._step import to_device
-from fastamp.handoff import AmpFusedOptimizer, AmpStep, FlatGrads
+from fastamp.handoff import AmpFusedOptimizer, AmpStep, FlatGrads, PendingClip
 from fastamp.optim import _family as family
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
@@ -228,6 +228,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         ``torch._foreach_zero_`` per device and dtype, as torch does for its fused and foreach
         optimizers (a fastamp optimizer is fused, but its ``defaults`` keep torch's
         ``fused=None``, which would make torch's method zero them one by one)."""
+        self.pending_clip = None  # the clip was of these grads
         if self._flat_buffers and not torch.compiler.is_compiling():
             # The views stay: set_to_none would make autograd allocate new grads.
             self._flat_layout().zero_grad(set_to_none)
@@ -453,7 +454,16 @@ class _FusedOptimizer(AmpFusedOptimizer):
             with torch.enable_grad():
                 loss = closure()
         amp = self.amp_step
-        if amp is not None:  # from fastamp.GradScaler, for this step only
+        clip = self.pending_clip
+        if clip is not None:  # from fastamp.clip_grad_norm_, the scaler-free clip
+            current = clip.current()
+            self._check_pending_clip(clip, amp, current)
+            if current:
+                self._fastamp_step(None, clip.amp.found_inf, clip.amp.clip_coef)
+            # (else no param has a grad left: a pickled copy, say; torch's step does nothing)
+            self.pending_clip = None
+            self.amp_step = None
+        elif amp is not None:  # from fastamp.GradScaler, for this step only
             self.amp_step = None  # (a closure that steps again gets none)
             self._fastamp_step(amp.inv_scale, amp.found_inf, amp.clip_coef)
         else:  # torch.amp.GradScaler's protocol for optimizers that unscale themselves
@@ -462,6 +472,26 @@ class _FusedOptimizer(AmpFusedOptimizer):
             inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
             self._fastamp_step(inv_scale, found_inf, None)
         return loss
+
+    def _check_pending_clip(self, clip: PendingClip, amp: AmpStep | None, current: bool) -> None:
+        """Raises, changing nothing, when the clip coefficient ``fastamp.clip_grad_norm_`` left
+        cannot be applied as torch's clip would have applied it."""
+        name = f"fastamp.optim.{type(self).__name__}.step"
+        if amp is not None or getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError(
+                f"{name}: fastamp.clip_grad_norm_ measured this optimizer's grads, and a "
+                "GradScaler is stepping it: the grads were scaled, so that norm was of the scaled "
+                "grads. Expected scaler.clip_grad_norm_(optimizer, max_norm) with a GradScaler, "
+                "fastamp.clip_grad_norm_ without one"
+            )
+        if not current and any(p.grad is not None for p in clip.params):
+            raise RuntimeError(
+                f"{name}: a grad was written or replaced after fastamp.clip_grad_norm_ measured "
+                "it. fastamp applies the clip coefficient inside the step (the grads are only "
+                "read by the clip), so a change made between clip and step would be clipped "
+                "with a stale coefficient. Expected clip_grad_norm_ after the last change to the "
+                "grads (call it again now), or optimizer.zero_grad() to drop it"
+            )
 
     def _fastamp_step(
         self, inv_scale: Tensor | None, found_inf: Tensor | None, clip_coef: Tensor | None

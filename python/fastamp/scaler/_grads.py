@@ -178,7 +178,7 @@ def collect_grads(
                 raise ValueError(msg)
             if param.grad.device.type == "meta":
                 raise RuntimeError(
-                    f"GradScaler.{caller}: the grad of optimizer.param_groups[{g}]['params'][{i}] "
+                    f"{_who(caller)}: the grad of optimizer.param_groups[{g}]['params'][{i}] "
                     "is on the meta device, which holds no data: it cannot be checked for "
                     "inf/NaN or unscaled. Expected grads on a real device: materialise the "
                     "model before training (model.to_empty(device=...), then initialise or "
@@ -220,12 +220,12 @@ def _shard_groups(
             if param.grad is None:
                 continue
             where = f"optimizer.param_groups[{g}]['params'][{i}]"
-            sg = shard_group(param.grad, f"GradScaler.{caller}: the grad of {where}")
+            sg = shard_group(param.grad, f"{_who(caller)}: the grad of {where}")
             dev = local(param.grad).device
             first = seen.setdefault(dev, (sg, (g, i)))
             if first[0] != sg:
                 raise NotImplementedError(
-                    f"GradScaler.{caller}: the grads on {dev} are sharded differently: "
+                    f"{_who(caller)}: the grads on {dev} are sharded differently: "
                     f"{where} {_describe(sg)}, but optimizer.param_groups[{first[1][0]}]"
                     f"['params'][{first[1][1]}] {_describe(first[0])}. fastamp reduces the inf "
                     "check and the norm of a device's grads over one set of ranks. Expected "
@@ -239,3 +239,8 @@ def _describe(sg: ShardGroup | None) -> str:
     if sg is None:
         return "is not sharded (a plain tensor or a replicated DTensor)"
     return f"is sharded over dimensions {sg.dims} of {sg.mesh}"
+
+
+def _who(caller: str) -> str:
+    """The name errors give the caller: a GradScaler method, or a function's full name."""
+    return caller if "." in caller else f"GradScaler.{caller}"

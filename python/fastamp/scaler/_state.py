@@ -8,10 +8,10 @@ what a pickled scaler keeps (:func:`pickled`) and the defaults an older pickle l
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
+from fastamp.scaler._reader import GradReader
 from fastamp.scaler._validation import check_state_dict
 
 # PyTorch's five entries of GradScaler.state_dict().
@@ -69,8 +69,7 @@ def pickled(state: dict[str, Any], enabled: bool, hysteresis_tracker: int | None
     state["_ddp_stats"] = None
     state["_iterations"] = {}
     state["_transaction"] = None
-    state.pop("_grad_plans", None)  # weak references; rebuilt by the next step
-    state["_flat_grads"] = None
+    state.pop("_reader", None)  # caches of weak references and a lock; remade empty
     return state
 
 
@@ -90,9 +89,10 @@ def unpickled(state: dict[str, Any]) -> dict[str, Any]:
         "_ddp_stats": None,
         "_iterations": {},
         "_transaction": None,
-        "_grad_plans": weakref.WeakKeyDictionary(),
-        "_flat_grads": None,
     }
     for k, v in defaults.items():
         state.setdefault(k, v)
+    state.pop("_grad_plans", None)  # (a pickle from before the reader held the caches)
+    state.pop("_flat_grads", None)
+    state["_reader"] = GradReader()
     return state

@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import math
 import warnings
-import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -48,7 +47,8 @@ from fastamp.scaler._clip import (
     grad_norm,
     unscale_and_clip,
 )
-from fastamp.scaler._grads import DeviceGrads, GradPlan, collect_grads, flat_device_grads
+from fastamp.scaler._grads import DeviceGrads
+from fastamp.scaler._reader import GradReader
 from fastamp.scaler._validation import (
     FLOAT32_MAX,
     check_backoff_factor,
@@ -60,8 +60,6 @@ from fastamp.scaler._validation import (
 from fastamp.scaler.diagnostics import OverflowReport
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -259,11 +257,8 @@ class GradScaler(torch.amp.GradScaler):
         # _per_optimizer_states, which keeps PyTorch's keys only), and the call in progress.
         self._iterations: dict[int, OptimizerIteration] = {}
         self._transaction: Transaction | None = None
-        # Each optimizer's grads as the last step found them (GradPlan), to collect them again
-        # with no per-grad checks while nothing they depend on changed.
-        self._grad_plans: weakref.WeakKeyDictionary[Any, GradPlan] = weakref.WeakKeyDictionary()
-        # The last flat-buffer grads handed over, grouped by device (FlatGrads, allow_fp16, ...).
-        self._flat_grads: tuple[Any, bool, dict[torch.device, DeviceGrads]] | None = None
+        # How the passes get each optimizer's grads (with the caches that skip their checks).
+        self._reader = GradReader()
 
     # ------------------------------------------------------------------ lazy state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -361,67 +356,9 @@ class GradScaler(torch.amp.GradScaler):
         return self._scale, self._growth_tracker
 
     def _collect(
-        self,
-        optimizer: torch.optim.Optimizer,
-        allow_fp16: bool,
-        caller: str = "unscale_",
-        read_only: bool = False,
+        self, optimizer: torch.optim.Optimizer, allow_fp16: bool, caller: str = "unscale_"
     ) -> dict[torch.device, DeviceGrads]:
-        """:func:`collect_grads`, through the optimizer's :class:`GradPlan` while it holds (not
-        while torch.compile traces: the plan is host-side bookkeeping a graph need not repeat).
-        ``read_only``: see :meth:`_read_grads`, the one caller that passes it."""
-        if torch.compiler.is_compiling():
-            return collect_grads(optimizer, allow_fp16, caller)
-        if isinstance(optimizer, AmpFusedOptimizer):
-            flat = optimizer.amp_flat_grads()
-            if flat is not None:
-                cached = self._flat_grads
-                if cached is not None and cached[0] is flat and cached[1] == allow_fp16:
-                    return cached[2]
-                per_device = flat_device_grads(flat, allow_fp16)
-                if per_device is not None:
-                    self._flat_grads = (flat, allow_fp16, per_device)
-                    return per_device
-        try:
-            plan = self._grad_plans.get(optimizer)
-        except TypeError:  # an optimizer that takes no weak reference: no plan
-            return collect_grads(optimizer, allow_fp16, caller)
-        if plan is not None:
-            per_device = plan.collect(optimizer, allow_fp16, read_only)
-            if per_device is not None:
-                return per_device
-        return self._collect_in_full(optimizer, allow_fp16, caller)
-
-    def _collect_in_full(
-        self, optimizer: torch.optim.Optimizer, allow_fp16: bool, caller: str
-    ) -> dict[torch.device, DeviceGrads]:
-        """:func:`collect_grads`, keeping a new :class:`GradPlan` when the grads allow one."""
-        per_device = collect_grads(optimizer, allow_fp16, caller)
-        if GradPlan.plannable(optimizer):
-            self._grad_plans[optimizer] = GradPlan(optimizer, per_device)
-        else:
-            self._grad_plans.pop(optimizer, None)
-        return per_device
-
-    def _read_grads(
-        self,
-        optimizer: torch.optim.Optimizer,
-        caller: str,
-        read: Callable[[dict[torch.device, DeviceGrads]], _T],
-    ) -> tuple[dict[torch.device, DeviceGrads], _T]:
-        """The optimizer's grads (any dtype) and ``read(grads)``, an op pass that only reads
-        them. The grads' plan then compares their types only (:meth:`GradPlan.collect`'s
-        ``read_only``) and leaves devices, dtypes and layouts to the op's own checks: if the op
-        refuses them, nothing was written, and the grads are collected in full (which raises
-        what it finds, or groups them anew) and read again."""
-        per_device = self._collect(optimizer, True, caller, read_only=True)
-        try:
-            return per_device, read(per_device)
-        except (RuntimeError, TypeError, ValueError):
-            if all(entry.checked for entry in per_device.values()):
-                raise
-        per_device = self._collect_in_full(optimizer, True, caller)
-        return per_device, read(per_device)
+        return self._reader.collect(optimizer, allow_fp16, caller)
 
     def _unscale_grads_(
         self,
@@ -468,7 +405,7 @@ class GradScaler(torch.amp.GradScaler):
             return found, flags
 
         with torch.no_grad():
-            per_device, (found, flags) = self._read_grads(optimizer, "unscale_", read)
+            per_device, (found, flags) = self._reader.read(optimizer, "unscale_", read)
         self._optimizer_state(optimizer)["found_inf_per_device"] = found
         self._record_flags(optimizer, per_device, flags)
         return found
@@ -575,7 +512,7 @@ class GradScaler(torch.amp.GradScaler):
 
         with torch.no_grad():
             if fused:  # the grads are only read here: their plan leaves the checks to the op
-                per_device, (found, flags, total_norm, coef) = self._read_grads(
+                per_device, (found, flags, total_norm, coef) = self._reader.read(
                     optimizer, "clip_grad_norm_", read
                 )
             else:
