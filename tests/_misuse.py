@@ -126,10 +126,10 @@ def _tensor_leaf(t: torch.Tensor) -> tuple:
     return head + (repr(t),)
 
 
-# Step plans (fastamp.optim._plan.StepPlan, the scaler's GradReader with its GradPlans): caches of what a
+# Replays (fastamp.optim._replay.StepReplay, the scaler's GradReader with its GradPlans): caches of what a
 # full step computed, replaced when what they were built from changes, never observable state
 # (tests/optim/test_step_plan.py shows each change is seen). A refused call may keep or drop one.
-_CACHE_ATTRS = frozenset({"_plan", "_reader"})
+_CACHE_ATTRS = frozenset({"replay", "_reader"})
 
 
 class _Flattener:

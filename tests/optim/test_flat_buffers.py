@@ -108,8 +108,8 @@ def test_matches_torch_and_the_per_parameter_path(clip, two_groups):
     # Unclipped, flat and per-parameter steps are the same element math; the clip's norm is
     # summed over other chunks (one flat tensor), so it may differ in the last bit.
     _assert_params(flat, per, exact=clip is None)
-    assert opt._flat is not None and opt._flat.usable
-    assert len(opt._flat.segments) == (2 if two_groups else 1)
+    assert opt._stepper.flat is not None and opt._stepper.flat.usable
+    assert len(opt._stepper.flat.segments) == (2 if two_groups else 1)
 
 
 def test_amsgrad_and_adam_match_torch():
@@ -166,7 +166,7 @@ def test_torch_state_dict_loads_into_flat_and_continues():
     flat_model = copy.deepcopy(ref_model)
     opt = fastamp.optim.AdamW(flat_model.parameters(), lr=1e-2, flat_buffers=True)
     opt.load_state_dict(copy.deepcopy(ref.state_dict()))
-    flat = opt._flat
+    flat = opt._stepper.flat
     assert flat.usable and flat.segments[0].state is not None
     p0 = next(flat_model.parameters())
     # the loaded moments are views of the flat state now
@@ -207,8 +207,8 @@ def test_a_grad_or_param_that_stops_being_its_view_steps_right(hook, clip):
     # (Clipped, the norm sums in another order over one buffer: equal within rounding.)
     _assert_params(flat, ref, exact=clip is None)
     # and the layout is whole again: grads are views, params in one buffer
-    assert opt._flat.usable
-    assert all(p.grad is v for p, v in zip(opt._flat.inside, opt._flat.views))
+    assert opt._stepper.flat.usable
+    assert all(p.grad is v for p, v in zip(opt._stepper.flat.inside, opt._stepper.flat.views))
     assert len({p.untyped_storage().data_ptr() for p in flat.parameters()}) == 1
 
 
@@ -225,8 +225,8 @@ def test_a_change_between_clip_and_step_is_seen_by_the_step(hook):
     ref, _, _ = _run("fastamp", clip=0.5, after_clip=hook)
     flat, opt, _ = _run("flat", clip=0.5, after_clip=hook)
     _assert_params(flat, ref, exact=False)
-    assert opt._flat.usable
-    assert all(p.grad is v for p, v in zip(opt._flat.inside, opt._flat.views))
+    assert opt._stepper.flat.usable
+    assert all(p.grad is v for p, v in zip(opt._stepper.flat.inside, opt._stepper.flat.views))
     assert len({p.untyped_storage().data_ptr() for p in flat.parameters()}) == 1
 
 
@@ -240,7 +240,7 @@ def test_a_none_grad_steps_per_parameter_as_torch_skips_it():
     _assert_params(flat, ref, exact=False)
     steps = [float(opt.state[p]["step"]) for p in flat.parameters()]
     assert steps == [STEPS] * (len(steps) - 1) + [STEPS - 1]
-    assert not opt._flat.usable  # counts diverged: stepped per parameter from then on
+    assert not opt._stepper.flat.usable  # counts diverged: stepped per parameter from then on
 
 
 def test_overflow_skips_the_step():
@@ -357,7 +357,7 @@ def test_add_param_group_flattens_the_new_params():
     _train("torch", ref_model, ref, _scaler("torch"), 3, start=2)
     _train("flat", flat_model, opt, _scaler("flat"), 3, start=2)
     _assert_params(flat_model, ref_model, exact=False)
-    assert opt._flat.usable and len(opt._flat.segments) == 2
+    assert opt._stepper.flat.usable and len(opt._stepper.flat.segments) == 2
 
 
 def test_master_weights_bf16_matches_the_per_parameter_path():
@@ -471,4 +471,4 @@ def test_refuses_dtensor_params_naming_the_argument(monkeypatch):
 
 def test_default_path_is_unchanged():
     opt = fastamp.optim.AdamW(_model().parameters())
-    assert opt._flat is None and opt.amp_flat_grads() is None
+    assert opt._stepper.flat is None and opt.amp_flat_grads() is None

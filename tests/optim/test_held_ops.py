@@ -45,8 +45,8 @@ def _run(case: str, planned: bool, master: bool, steps: int = 5):
     used = 0
     for k in range(steps):
         if not planned:
-            opt._plan = None  # every step a full one, through the list-taking op
-        used += opt._plan is not None
+            opt._stepper.replay = None  # every step a full one, through the list-taking op
+        used += opt._stepper.replay is not None
         for p in model.parameters():
             g = torch.randn(p.shape, generator=gen) * 2.0**10
             if k == 2:

@@ -65,7 +65,7 @@ def _same(models, opts) -> None:
 
 
 def _planned(opt) -> bool:
-    return opt._plan is not None
+    return opt._stepper.replay is not None
 
 
 def _change_param_replaced(models, opts):
@@ -178,7 +178,7 @@ def test_two_launch_plan_sees_each_change(name, change):
     not be the first to refuse): each change differential against torch."""
     models, opts = _pair(name, _two_groups)
     _steps(models, opts, 3)
-    assert _planned(opts[1]) and len(opts[1]._plan.launches) == 2
+    assert _planned(opts[1]) and len(opts[1]._stepper.replay.launches) == 2
     CHANGES[change](models, opts)
     _steps(models, opts, 3, seed=10)
     _same(models, opts)
@@ -194,7 +194,7 @@ def test_plan_sees_a_dtype_change():
     assert _planned(opt)
     w = models[1][2].weight
     w.data = w.data.double()
-    assert opt._plan.grads(opt.param_groups, opt.state) is None
+    assert opt._stepper.replay.grads(opt.param_groups, opt.state) is None
 
 
 @pytest.mark.parametrize("name", ["AdamW", "SGD"])
@@ -220,7 +220,7 @@ def test_plan_with_two_groups_refuses_a_bad_grad_before_any_write():
     ])  # fmt: skip
     _steps(models, opts, 3)
     opt = opts[1]
-    assert _planned(opt) and len(opt._plan.launches) == 2
+    assert _planned(opt) and len(opt._stepper.replay.launches) == 2
     _grads(models, 30)
     before = [p.detach().clone() for p in models[1].parameters()]
     models[1][2].weight.grad = models[1][2].weight.grad.t().contiguous().t()  # other strides
@@ -307,14 +307,14 @@ def test_plan_sees_a_structural_option_edited(option):
 
 def test_the_traced_step_walk_is_the_one_docs_architecture_lists():
     """docs/architecture.md lists the files a reader opens following one steady-state
-    ``scaler.step(optimizer)``: its Python part must be the files a traced step runs in, in the
-    order they first run."""
+    ``clip_grad_norm_`` + ``step`` + ``update``: its Python part must be the files a traced
+    iteration runs in, in the order they first run."""
     import pathlib
     import re
     import sys
 
     doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
-    walk = doc[doc.index("### Following one `scaler.step(optimizer)`") :]
+    walk = doc[doc.index("### Following one `clip_grad_norm_` + `step` + `update`") :]
     walk = walk[: walk.index("\n\n", walk.index("| # | file |"))]
     listed = re.findall(r"^\| \d+ \| `([\w/]+\.py)` \|", walk, flags=re.M)
     params = [nn.Parameter(torch.randn(64)) for _ in range(8)]
@@ -326,10 +326,14 @@ def test_the_traced_step_walk_is_the_one_docs_architecture_lists():
             p.grad = torch.randn(64)
         scaler.scale(torch.ones(()))
 
-    for _ in range(3):
-        iteration()
+    def step():
+        scaler.clip_grad_norm_(opt, 1.0)
         scaler.step(opt)
         scaler.update()
+
+    for _ in range(3):
+        iteration()
+        step()
     iteration()
     seen: list[str] = []
 
@@ -344,8 +348,8 @@ def test_the_traced_step_walk_is_the_one_docs_architecture_lists():
 
     sys.settrace(trace)
     try:
-        scaler.step(opt)
+        step()
     finally:
         sys.settrace(None)
     assert seen == listed
-    assert len(listed) <= 8
+    assert len(listed) <= 13

@@ -46,7 +46,8 @@ from torch import Tensor
 from fastamp._sharding import is_dtensor
 from fastamp._step import same_params
 from fastamp.optim import _ops
-from fastamp.optim._plan import Structure
+from fastamp.optim._launch import Launch
+from fastamp.optim._replay import Structure
 
 __all__ = ["ALIGN", "FlatBuffers", "FlatSegment"]
 
@@ -85,7 +86,7 @@ class FlatSegment:
     """The params of one param group in one buffer: ``param`` / ``grad`` are the flat views the
     kernel takes (``[start, stop)`` of the buffer), ``members`` the params' places in
     :attr:`FlatBuffers.inside`. ``state`` is the flat state the kernel updates (None before the
-    first step), ``steps`` the per-param step buffer; ``call`` the held launch (built once the
+    first step), ``steps`` the per-param step buffer; ``launch`` the held launch (made once the
     state exists)."""
 
     g: int
@@ -101,7 +102,7 @@ class FlatSegment:
     # steps' write counter after fastamp's own last write: another value means a write into a
     # param's state["step"] (a view of steps), which the layout then no longer holds.
     steps_version: int = -1
-    call: Any = None
+    launch: Launch | None = None
     grads: list[Tensor] = field(default_factory=list)
     written: list[Tensor] = field(default_factory=list)
 
@@ -293,7 +294,7 @@ class FlatBuffers:
             seg.steps_version = _version(steps)
             for j, p in enumerate(params):
                 state[p].update({k: (steps[j] if k == "step" else views[k][j]) for k in names})
-            seg.call = None
+            seg.launch = None
 
     def adopt(self, seg: FlatSegment, new: dict[str, Any], state: Any) -> None:
         """After a segment's first launch made its flat state (``new``): the per-param state

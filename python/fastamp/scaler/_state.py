@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from fastamp.scaler._reader import GradReader
+from fastamp.scaler._grads import GradReader
 from fastamp.scaler._validation import check_state_dict
 
 # PyTorch's five entries of GradScaler.state_dict().

@@ -24,8 +24,7 @@ from fastamp._step import to_device
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, PendingClip
 from fastamp.scaler import diagnostics
 from fastamp.scaler._clip import GradNorm, check_clip_arguments, grad_norm, unscale_and_clip
-from fastamp.scaler._grads import DeviceGrads
-from fastamp.scaler._reader import GradReader
+from fastamp.scaler._grads import DeviceGrads, GradReader
 from fastamp.scaler.diagnostics import OverflowReport
 
 __all__ = ["NonfiniteGuard", "clip_grad_norm_", "nonfinite_guard"]

@@ -47,8 +47,7 @@ from fastamp.scaler._clip import (
     grad_norm,
     unscale_and_clip,
 )
-from fastamp.scaler._grads import DeviceGrads
-from fastamp.scaler._reader import GradReader
+from fastamp.scaler._grads import DeviceGrads, GradReader
 from fastamp.scaler._validation import (
     FLOAT32_MAX,
     check_backoff_factor,

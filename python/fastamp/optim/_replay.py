@@ -1,14 +1,14 @@
-"""The step plan of a fused optimizer (:class:`StepPlan`, one :class:`PlannedLaunch` per kernel
-launch, a :class:`Structure` per param group): what depends only on the set of params, their
-layouts, groups and state formats, computed once by a full (checked) step and reused while it
-holds.
+"""The steady-state replay of a fused optimizer's step (:class:`StepReplay`: a full step's
+launches, held (:meth:`fastamp.optim._launch.Launch.held`), a :class:`Structure` per param
+group): what depends only on the set of params, their layouts, groups and state formats,
+computed once by a full (checked) step and repeated while it holds.
 
-A step through a plan does per tensor only what must be read anew every step (each param's
+A replayed step does per tensor only what must be read anew every step (each param's
 grad) plus a few comparisons of machine words made at C speed (``map(id, ...)``,
 ``map(type, ...)``); the per-param checks, format decisions, state lookups and list building
 of a full step run only when something they depend on changed. Each launch's params and state
 lists are held by the op library (:class:`fastamp.optim._ops.HeldTensors`), so its op call boxes
-only the grads. :meth:`StepPlan.grads` compares against what the plan was built from:
+only the grads. :meth:`StepReplay.grads` compares against what the replay was built from:
 
 * the ``param_groups`` list, each group dict, each group's structural options (everything but
   the per-step hyper-parameters, which are read every step) and the params in each group (ids);
@@ -23,7 +23,7 @@ channels_last) is not compared here when the step is one launch: the held param 
 own tensor, so the kernel sees the new storage, and it checks every held tensor at every call as
 the list-taking op would (the state must have the param's dtype, shape, strides and device).
 When it refuses, nothing is written and the optimizer runs a full step, which rebuilds the state
-as it needs and makes a new plan, or raises the full step's error. With more than one launch,
+as it needs and makes a new replay, or raises the full step's error. With more than one launch,
 the params' devices, shapes and strides are compared here as well (a later launch must not be
 the first to refuse).
 
@@ -35,8 +35,7 @@ error in a later group's grad cannot leave an earlier group stepped.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from itertools import chain
 from operator import attrgetter, is_
 from typing import Any
@@ -45,9 +44,10 @@ import torch
 from torch import Tensor
 
 from fastamp._step import same_params
+from fastamp.optim._launch import Launch
 
 # Per-step hyper-parameters: read from the group at every step, so editing them (an LR
-# scheduler, a user changing weight decay) does not rebuild the plan.
+# scheduler, a user changing weight decay) does not rebuild the replay.
 PER_STEP_OPTIONS = frozenset(
     ("params", "lr", "initial_lr", "betas", "eps", "weight_decay", "dampening", "nesterov",
      "maximize")
@@ -55,10 +55,10 @@ PER_STEP_OPTIONS = frozenset(
 
 
 class Structure:
-    """The options of a group a plan depends on (amsgrad, state_dtype, state_seed, whether SGD
+    """The options of a group a replay depends on (amsgrad, state_dtype, state_seed, whether SGD
     keeps momentum, capturable, ...: every option but the per-step hyper-parameters), kept as
     the option names and the value objects; :meth:`holds` compares them by identity at C speed
-    (an option assigned anew, even to an equal value, counts as changed: the plan is rebuilt,
+    (an option assigned anew, even to an equal value, counts as changed: the replay is rebuilt,
     never wrongly kept)."""
 
     def __init__(self, group: Mapping[str, Any]) -> None:
@@ -76,53 +76,47 @@ class Structure:
         )
 
 
-@dataclass
-class PlannedLaunch:
-    """One kernel launch of a planned step: ``call(grads, group, amp)`` runs it with this step's
-    grads (in ``index`` order of the plan's params), the group's hyper-parameters read now, and
-    the scaler's device scalars. ``kparams`` are the params as the kernel takes them (for the
-    grads' check); ``written`` every tensor the launch writes (their write counters are bumped
-    after it runs)."""
-
-    call: Callable[[list[Tensor], dict[str, Any], Any, Any], None]
-    g: int
-    group: dict[str, Any]
-    places: list[int]
-    index: list[int]
-    kparams: list[Tensor]
-    written: list[Tensor]
-    device: torch.device
-
-
-class StepPlan:
+class StepReplay:
     """The launches of a steady-state step and what they were built from (see the module
-    docstring). Built by :meth:`build` from a full step that made no new state; used by the
+    docstring). Built from a full step that made no new state (:meth:`of`); used by the
     optimizer while :meth:`grads` says it holds."""
+
+    @classmethod
+    def of(
+        cls, groups: list[dict[str, Any]], state: Mapping[Tensor, Any], launches: list[Launch]
+    ) -> StepReplay:
+        """The replay of a full step's ``launches`` (each :meth:`Launch.replayable`)."""
+        params = [p for group in groups for p in group["params"]]
+        return cls(groups, state, [launch.held() for launch in launches], params)
 
     def __init__(
         self,
         groups: list[dict[str, Any]],
         state: Mapping[Tensor, Any],
-        launches: list[PlannedLaunch],
+        launches: list[Launch],
         params: list[Tensor],
     ) -> None:
+        """``launches``: held launches over some of ``params`` each (their positions in
+        :attr:`indexes`)."""
         self.groups = groups
         self.group_dicts = list(groups)
         self.structure = [Structure(grp) for grp in groups]
         self.state = state
         self.launches = launches
         self.params = params
+        position = {id(p): k for k, p in enumerate(params)}
+        self.indexes = [[position[id(p)] for p in launch.params] for launch in launches]
         self.grad_types = [type(p.grad) for p in params]
         # Every grad a plain tensor (no subclass): a held op's call may go straight to the
         # backend kernel (fastamp._library.call_direct), the grad types compared each step.
         self.plain = all(t is Tensor for t in self.grad_types)
-        # Every state dict and every value in it, kept (so no id is reused while the plan
+        # Every state dict and every value in it, kept (so no id is reused while the replay
         # lives) and compared by identity.
         self.state_dicts = list(state.values())
         self.state_values = list(chain.from_iterable(map(dict.values, self.state_dicts)))
         self.state_lens = list(map(len, self.state_dicts))
         # One launch over every param in order: its grads are this step's list as it is.
-        self.whole = len(launches) == 1 and launches[0].index == list(range(len(params)))
+        self.whole = len(launches) == 1 and self.indexes[0] == list(range(len(params)))
         # With more than one launch, what the params are made of is compared here too (see
         # _layout_of), so a later launch's kernel cannot be the first to refuse a param.
         self.layout = None if len(launches) == 1 else _layout_of(params)
@@ -132,8 +126,8 @@ class StepPlan:
     def grads(
         self, groups: list[dict[str, Any]], state: Mapping[Tensor, Any]
     ) -> list[list[Tensor]] | None:
-        """Each launch's grads for this step, or None when the plan no longer holds (then the
-        optimizer runs a full step, which checks everything and builds a new plan)."""
+        """Each launch's grads for this step, or None when the replay no longer holds (then the
+        optimizer runs a full step, which checks everything and builds a new replay)."""
         if groups is not self.groups or state is not self.state:
             return None
         params = same_params(groups, self.group_dicts, self.params)
@@ -154,7 +148,7 @@ class StepPlan:
             return None
         if self.whole:
             return [grads]
-        out = [[grads[i] for i in launch.index] for launch in self.launches]
+        out = [[grads[i] for i in index] for index in self.indexes]
         if self.layout is not None:
             # All or nothing across launches: a later launch's kernel must not be the first to
             # see a param or grad it refuses (then the full step raises its error, or rebuilds
