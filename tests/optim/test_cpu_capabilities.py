@@ -109,3 +109,36 @@ def test_every_cpu_build_of_the_optimizer_kernels_gives_the_same_bits(tmp_path):
             for i, (a, b) in enumerate(zip(ref, got)):
                 assert a.dtype == b.dtype and a.shape == b.shape
                 assert torch.equal(_bits(a), _bits(b)), (cap or best, key, i)
+
+
+DIGEST_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, fastamp
+    gen = torch.Generator().manual_seed(7)
+    blobs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+             for n in (0, 1, 7, 8, 9, 23, 64, 65, 8 * 65536 * 2 + 8 * 13 + 5)]
+    torch.save({"capability": fastamp.build_info()["cpu_capability"],
+                "digest": torch.ops.fastamp.tensor_digest(blobs)}, sys.argv[1])
+    """
+)
+
+
+def test_every_cpu_build_of_the_tensor_digest_gives_the_same_bits(tmp_path):
+    """The digest's word loop per ISA (2, 4 or 8 words an instruction), in the quick tier: a
+    subprocess per build, each only imports fastamp and hashes a few blobs (byte counts with a
+    partial last word, word counts off every lane width, more than one chunk)."""
+    runs = {}
+    for cap in ("default", "avx2", None):
+        env = dict(os.environ)
+        env.pop("FASTAMP_CPU_CAPABILITY", None)
+        if cap is not None:
+            env["FASTAMP_CPU_CAPABILITY"] = cap
+        out = tmp_path / f"{cap}.pt"
+        cmd = [sys.executable, "-c", DIGEST_SCRIPT, str(out)]
+        subprocess.run(cmd, check=True, env=env, timeout=300)
+        runs[cap] = torch.load(out)
+    assert runs["default"]["capability"] == "default"
+    if runs[None]["capability"] == "default":
+        pytest.skip("this CPU has neither AVX2 nor AVX-512: only the baseline build can run")
+    for cap in ("avx2", None):
+        assert torch.equal(runs[cap]["digest"], runs["default"]["digest"]), cap

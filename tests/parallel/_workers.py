@@ -10,7 +10,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 import fastamp
 from fastamp.parallel import DistributedDataParallel as FDDP
@@ -383,4 +383,65 @@ def flat_buffers_under_ddp(rank, world, init_file):
     else:
         raise AssertionError("flat buffers stepped grads that are DDP's bucket views")
     assert all(torch.equal(a, b) for a, b in zip(before, v.parameters()))
+    _finish()
+
+
+class _Given(nn.Module):
+    """loss = sum(w * g): each rank's grad of ``w`` is exactly its ``g``, whatever its size."""
+
+    def __init__(self, n: int, dtype: torch.dtype):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(n, dtype=dtype))
+        self.v = nn.Parameter(torch.ones(n, dtype=dtype))  # a second grad in the same bucket
+
+    def forward(self, g: Tensor, h: Tensor) -> Tensor:
+        return (self.w * g).sum() + (self.v * h).sum()
+
+
+def _extreme_grads(rank: int, n: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Grads at both ends of ``dtype``'s range: near its maximum (the same sign on every rank
+    for most elements, so their sum passes the maximum while their mean does not) and among
+    its subnormals and smallest normals (where a halving rounds)."""
+    fi = torch.finfo(dtype)
+    shared = torch.Generator().manual_seed(7)  # the same on every rank: signs
+    own = torch.Generator().manual_seed(100 + rank)
+    sign = torch.where(torch.rand(n, generator=shared) < 0.5, -1.0, 1.0).double()
+    sign[: n // 8] *= 1.0 if rank == 0 else -1.0  # some elements of opposite signs
+    big = (0.5 + 0.5 * torch.rand(n, generator=own, dtype=torch.float64)) * fi.max * sign
+    tiny_steps = torch.randint(0, 64, (n,), generator=own).double()
+    tiny = tiny_steps * fi.smallest_normal * fi.eps * sign  # k steps of the smallest subnormal
+    tiny[n // 2 :] = torch.rand(n - n // 2, generator=own, dtype=torch.float64) * 4 * fi.tiny
+    return big.to(dtype), tiny.to(dtype)
+
+
+def division_extremes(rank, world, init_file):
+    """fastamp's DDP divides by the world size where torch's reducer does, before the sum: grads
+    near the top of float32's/bfloat16's range stay finite as torch's do (summed first, they
+    overflow to inf), and subnormal grads round as torch's (summed first, they round once
+    instead of per term). Compared with torch's DDP bit for bit: both run the same exactly
+    rounded IEEE operations (a halving, a two-term sum) on this machine."""
+    _init(rank, world, init_file)
+    n = 256
+    for dtype in (torch.float32, torch.bfloat16):
+        big, tiny = _extreme_grads(rank, n, dtype)
+        for views in (False, True):
+            base = _Given(n, dtype)
+            t = nn.parallel.DistributedDataParallel(
+                copy.deepcopy(base), gradient_as_bucket_view=views
+            )
+            f = FDDP(copy.deepcopy(base), gradient_as_bucket_view=views)
+            for g, h in ((big, tiny), (tiny, big), (big, big)):
+                for m in (t, f):
+                    m.zero_grad()
+                    m(g, h).backward()
+                for (name, pt), pf in zip(t.module.named_parameters(), f.module.parameters()):
+                    assert pt.grad is not None and pf.grad is not None
+                    if g is big and h is big:
+                        assert bool(pt.grad.isfinite().all()), "the extremes overflow torch too"
+                    assert torch.equal(pf.grad, pt.grad), (
+                        f"{dtype} views={views} {name}: "
+                        f"{(pf.grad != pt.grad).sum().item()} grads differ from torch's DDP, "
+                        f"e.g. {pf.grad[pf.grad != pt.grad][:3].tolist()} vs "
+                        f"{pt.grad[pf.grad != pt.grad][:3].tolist()}"
+                    )
     _finish()

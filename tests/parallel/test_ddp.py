@@ -49,3 +49,7 @@ def test_accumulation_all_reduces_once_per_optimizer_step(tmp_path):
 
 def test_flat_buffers_under_ddp(tmp_path):
     _spawn(_workers.flat_buffers_under_ddp, 2, tmp_path)
+
+
+def test_division_by_the_world_overflows_and_underflows_where_torchs_does(tmp_path):
+    _spawn(_workers.division_extremes, 2, tmp_path)

@@ -30,18 +30,28 @@ new layout finds the counts equal again (never: Adam's bias correction is per pa
 
 Params with ``requires_grad=False`` stay outside the buffers (torch's optimizers skip them while
 their grad is None; if one gets a grad, that step is per parameter).
+
+Sparse grads (``nn.Embedding(sparse=True)``): autograd adds a sparse grad into a dense ``p.grad``
+in place, so a grad view would take it silently and the step would be a dense one where torch's
+Adam/AdamW raise. Each param put in a flat buffer gets one grad hook, registered once for its
+lifetime (:class:`_SparseWatch`), that notes a sparse incoming grad for the layout holding it; the
+next clip or step raises torch's ``RuntimeError`` before anything is copied or stepped (the note
+lasts until ``zero_grad``). A param whose grad is sparse when a layout is built stays outside it
+(its grad untouched): the step is then per parameter, which refuses it as torch does.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import attrgetter, is_
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fastamp._sharding import is_dtensor
 from fastamp._step import same_params
@@ -73,6 +83,40 @@ def _zero_as_torch(grad: Tensor) -> None:
     else:
         grad.requires_grad_(False)
     grad.zero_()
+
+
+class _SparseWatch:
+    """The grad hook of one param that a flat layout holds: notes a sparse incoming grad in the
+    layout holding the param now (a weak reference: a layout that was replaced is not kept)."""
+
+    __slots__ = ("layout", "index")
+    # Nothing to save: torch.save / pickle of the param leave the hook out without a warning (a
+    # loaded param gets its own when a layout takes it).
+    __torch_unserializable__ = True
+
+    def __init__(self) -> None:
+        self.layout: weakref.ref[FlatBuffers] | None = None
+        self.index = -1
+
+    def __call__(self, grad: Tensor) -> None:
+        if grad.layout is not torch.strided and self.layout is not None:
+            flat = self.layout()
+            if flat is not None:
+                flat.sparse.add(self.index)
+
+
+# One watch per param, its hook registered once (a layout built again re-points the watch).
+# (both torch APIs are untyped)
+_WATCHES: Any = WeakIdKeyDictionary()
+
+
+def _watch(p: Tensor, flat: FlatBuffers, index: int) -> None:
+    w = _WATCHES.get(p)
+    if w is None:
+        w = _WATCHES[p] = _SparseWatch()
+        cast(Any, p).register_hook(w)
+    w.layout = weakref.ref(flat)
+    w.index = index
 
 
 def _dense_strides(p: Tensor) -> tuple[int, ...]:
@@ -148,14 +192,10 @@ class FlatBuffers:
                         f"{where}: {name} is on the meta device, which holds no data; expected "
                         "the optimizer made after the model is materialised"
                     )
-                if p.grad is not None and (p.grad.layout is not torch.strided):
-                    raise ValueError(
-                        f"{where}: the grad of {name} is a {p.grad.layout} tensor; flat "
-                        "buffers accumulate dense grads (expected flat_buffers=False with "
-                        "sparse embeddings)"
-                    )
-                if not p.requires_grad:
-                    continue
+                if not p.requires_grad or (
+                    p.grad is not None and p.grad.layout is not torch.strided
+                ):
+                    continue  # (a sparse grad: stepped per parameter, which refuses it)
                 key = (p.dtype, p.device)
                 if key not in keys:
                     keys.append(key)
@@ -228,6 +268,10 @@ class FlatBuffers:
         # A param frozen or unfrozen since this layout was built (seen by zero_grad): the layout
         # no longer holds.
         self.stale = False
+        # Places in ``inside`` of the params that received a sparse grad since the last zero_grad.
+        self.sparse: set[int] = set()
+        for k, p in enumerate(inside):
+            _watch(p, self, k)
         self.segments = [
             FlatSegment(
                 g, groups[g], b, self.param_buffers[b][start:stop],
@@ -363,6 +407,21 @@ class FlatBuffers:
         one has one: the step is then per parameter. Raises (nothing copied) for a grad that is
         a view of another tensor's memory. Called right after :meth:`holds` returned True (its
         address check of the views is the one used here)."""
+        if self.sparse:
+            k = min(self.sparse)
+            name = next(
+                f"param_groups[{seg.g}]['params'][{i}]"
+                for seg in self.segments
+                for m, i in zip(seg.members, seg.places)
+                if m == k
+            )
+            raise RuntimeError(
+                "Adam does not support sparse gradients, please consider SparseAdam instead "
+                f"({where}(flat_buffers=True): {name} received a "
+                "sparse grad, e.g. from nn.Embedding(sparse=True), which its dense flat grad "
+                "took in; expected dense grads: build the module with sparse=False, or put "
+                "these parameters in a torch.optim.SparseAdam)"
+            )
         grads = list(map(_GRAD, self.inside))
         if (
             all(map(is_, grads, self.views))
@@ -410,6 +469,7 @@ class FlatBuffers:
         next step skips it as torch's does; the layout is then ``stale`` and built again, with
         that param outside, at the next step (so is one with a param unfrozen since)."""
         torch._foreach_zero_(self.grad_buffers)
+        self.sparse.clear()
         trainable = [p.requires_grad for p in self.inside]
         if not all(trainable) or any(p.requires_grad for p in self.outside):
             self.stale = True

@@ -5,14 +5,13 @@ reuses instead of reading the grads again.
 torch's reducer packs each bucket and calls the registered hook with a
 :class:`torch.distributed.GradBucket`; the hook returns a future of the reduced flat buffer, which
 the reducer copies into the grads (or, with ``gradient_as_bucket_view``, which *is* the grads).
-With any hook registered the reducer does not divide by the world size, so this hook does: for a
-float32/bfloat16 bucket and a world size that is a power of two, after the all-reduce, in the same
-pass that measures the bucket (``fastamp::bucket_divide_stats_``: one read and one write of the
-bucket; dividing a sum by a power of two rounds as dividing its terms, but below float32's normal
-range); otherwise before the all-reduce, exactly as the reducer would without a hook (a copied
-grad times ``1 / world_size``, a grad already in its bucket view divided in place: on the CPU the
-two round differently with 3 ranks). A user's hook (which averages itself) runs instead of the
-all-reduce. When the future completes, ``bucket_divide_stats_`` measures the reduced bucket, one
+With any hook registered the reducer does not divide by the world size, so this hook does, before
+the all-reduce, exactly as the reducer would without a hook (a copied grad times ``1 / world_size``,
+a grad already in its bucket view divided in place: on the CPU the two round differently with 3
+ranks): then the sum overflows and underflows exactly where torch's does (dividing after the sum
+would overflow to inf for grads whose sum passes float32's maximum, and round differently below
+its normal range). A user's hook (which averages itself) runs instead of the all-reduce. When the
+future completes, ``bucket_divide_stats_`` (divisor 1: read only) measures the reduced bucket, one
 span per grad (so the result is bit for bit ``grad_stats`` over that bucket's grads), times the
 scaler's inverse scale.
 
@@ -49,9 +48,6 @@ if TYPE_CHECKING:
 _grad_stats = scaler_ops.grad_stats
 _divide_stats = parallel_ops.bucket_divide_stats_
 _BUCKET_OP_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Divided after the all-reduce by a power of two (see BucketStats._divide); float16's normal range
-# ends at 6e-5, where grads are common: divided before, as torch's reducer does.
-_POST_DIVIDED = (torch.float32, torch.bfloat16)
 
 
 def _graph_task() -> int:
@@ -82,10 +78,6 @@ class _Bucket:
 def _is_view(t: Tensor | None) -> bool:
     # private-ok: Tensor._is_view has no public spelling (autograd's view tracking).
     return t is not None and t._is_view()
-
-
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 class BucketStats:
@@ -142,18 +134,17 @@ class BucketStats:
         buffer = bucket.buffer()
         if measuring:
             self._seen[idx] = self._layout_of(idx, buffer, bucket).members
-        post = 1  # the divisor left for the statistics pass (after the all-reduce)
         if self.user is not None:
             hook, state = self.user
             fut = hook(state, bucket)
         else:
             if measuring:
-                post = self._divide(bucket, buffer)
+                self._divide(bucket, buffer)
             fut = dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future()
         if not measuring:
             return fut.then(_first) if self.user is None else fut
         inv = self._inv
-        return fut.then(lambda f: self._measure(idx, self._result(idx, f), inv, post))
+        return fut.then(lambda f: self._measure(idx, self._result(idx, f), inv))
 
     def _result(self, idx: int, fut: torch.futures.Future[Any]) -> Any:
         try:
@@ -178,26 +169,22 @@ class BucketStats:
         # after the reducer's.
         queue_callback(lambda: queue_callback(self._finish))
 
-    def _divide(self, bucket: GradBucket, buffer: Tensor) -> int:
+    def _divide(self, bucket: GradBucket, buffer: Tensor) -> None:
         """What torch's reducer does without a hook: the grads divided by the world size (join's
-        count of active ranks with ``divide_by_initial_world_size=False``). Returns the divisor
-        left for the pass after the all-reduce, which divides and measures in one read: a power
-        of two for float32/bfloat16 buckets (then sum-and-scale equals scale-and-sum bit for bit,
-        but for sums below float32's normal range, 2^-126 times the divisor, or above its
-        maximum). Otherwise the bucket is divided here, before the all-reduce, as the reducer
-        divides it, and 1 is returned."""
+        count of active ranks with ``divide_by_initial_world_size=False``), before the all-reduce,
+        so the sum overflows and underflows where torch's does. Costs one read and one write of
+        the bucket that the reducer's copy-in would have folded in (it divides only with no hook
+        registered)."""
         divisor = self.world_size
         if self.join_count is not None and not self.divide_by_initial_world_size:
             work, flags = self.join_count
             work.wait()
             divisor = int(flags.item())
         if divisor == 1:
-            return 1
-        if _power_of_two(divisor) and buffer.dtype in _POST_DIVIDED:
-            return divisor
+            return
         if self.aliased is None:
             buffer.mul_(1.0 / divisor)  # = mul_out(view, grad, 1/divisor) of every grad
-            return 1
+            return
         aliased = self.aliased
         laid = self._layout_of(bucket.index(), buffer, bucket)
         for i, span in zip(laid.members, laid.views):
@@ -205,7 +192,6 @@ class BucketStats:
                 span.div_(divisor)
             else:
                 span.mul_(1.0 / divisor)
-        return 1
 
     def _layout_of(self, idx: int, buffer: Tensor, bucket: GradBucket) -> _Bucket:
         """Bucket ``idx`` as the reducer laid it out (cached while its buffer is the same: the
@@ -223,9 +209,9 @@ class BucketStats:
             self._spans[idx] = cached
         return cached
 
-    def _measure(self, idx: int, value: Any, inv: Tensor | None, divisor: int) -> Tensor:
-        """The reduced bucket divided by ``divisor`` and measured, in one pass (runs when its
-        future completes, before the reducer copies it out); returns the bucket."""
+    def _measure(self, idx: int, value: Any, inv: Tensor | None) -> Tensor:
+        """The reduced bucket measured (runs when its future completes, before the reducer
+        copies it out); returns the bucket."""
         out = _first_tensor(value)
         laid = self._spans.get(idx)
         flat = out.view(-1) if out.is_contiguous() else out.reshape(-1)
@@ -240,10 +226,8 @@ class BucketStats:
             inv = torch.ones((), dtype=torch.float32, device=out.device)
         with torch.no_grad():
             if flat.dtype in _BUCKET_OP_DTYPES:
-                found, sq = _divide_stats(flat, lengths, float(divisor), inv)
+                found, sq = _divide_stats(flat, lengths, 1.0, inv)  # divisor 1: reads only
             else:  # float64 grads: the scaler's stats op takes them
-                if divisor != 1:
-                    flat.mul_(1.0 / divisor)
                 found, sq, _ = _grad_stats(list(flat.split_with_sizes(lengths)), inv, 2.0)
         self._measured[idx] = (found, sq)
         return out

@@ -13,7 +13,12 @@ writes ``path`` (model, optimizer, scaler, scheduler: identical on every rank un
 rank writes ``f"{path}.rank{r}"`` (its random generators). Every file is written to a temporary
 name and renamed into place, and all of them carry one save id: a run killed in the middle of a
 save leaves either the previous complete checkpoint or files whose ids disagree, which
-:func:`load_training_state` refuses with a clear error, never a silently mixed state.
+:func:`load_training_state` refuses with a clear error, never a silently mixed state. Every file
+also records the rank that wrote it, the world size and the run's id (drawn by the run's first
+save, or taken from the checkpoint a run resumed from, :func:`run_id`), and a load checks all of
+them against the loading rank, its world and the checkpoint before anything is restored: two ranks'
+files swapped, or a rank file of another run, are refused on every rank. Files of format 2 (no run
+id) still load: their rank and world size are checked.
 
 A sharded model (FSDP2's ``fully_shard``: DTensor parameters) keeps its tensors and its
 optimizer's in a directory ``f"{path}.dcp-<save id>"`` beside ``path``, written by every rank
@@ -59,17 +64,27 @@ from fastamp.scaler import GradScaler
 
 __all__ = ["TrainingState", "load_training_state", "save_training_state"]
 
-# 2: every file carries checksums of its content (fastamp.resume._checksums). Format 1 files
-# (fastamp before 0.1.0, which has not been released) have none and are refused: their bytes
-# cannot be verified.
-_FORMAT = 2
+# 3: every file records the run's id and the rank that wrote it (the checkpoint: 0). Format 2
+# files have no run id (their rank files record rank and world size, the checkpoint the world
+# size): loaded, with those checked. Format 1 files (fastamp before 0.1.0, which has not been
+# released) have no checksums and are refused: their bytes cannot be verified.
+_FORMAT = 3
+_READABLE = (2, 3)
 # The entries save_training_state writes: the checkpoint (and "rng" in a one-process save), and
-# each rank's own file of a multi-process save.
-_CHECKPOINT_ENTRIES: tuple[str, ...] = (
-    "world_size", "step", "extra", "model", "sharded", "ddp_buckets", "optimizer", "scaler",
-    "lr_scheduler", "torch_version",
-)  # fmt: skip
-_RANK_ENTRIES: tuple[str, ...] = ("rank", "world_size", "rng")
+# each rank's own file of a multi-process save; by format.
+_CHECKPOINT_ENTRIES: dict[int, tuple[str, ...]] = {
+    2: ("world_size", "step", "extra", "model", "sharded", "ddp_buckets", "optimizer", "scaler",
+        "lr_scheduler", "torch_version"),
+    3: ("rank", "world_size", "run_id", "step", "extra", "model", "sharded", "ddp_buckets",
+        "optimizer", "scaler", "lr_scheduler", "torch_version"),
+}  # fmt: skip
+_RANK_ENTRIES: dict[int, tuple[str, ...]] = {
+    2: ("rank", "world_size", "rng"),
+    3: ("rank", "world_size", "run_id", "rng"),
+}
+# This process's run: drawn by rank 0 at the first save and sent to every rank with the save id,
+# or the id of the checkpoint the run resumed from, so every save of one run carries one id.
+_RUN: dict[str, str | None] = {"id": None}
 
 
 @dataclass
@@ -99,11 +114,18 @@ def _unwrap(model: nn.Module) -> tuple[nn.Module, Any]:
     return model, None
 
 
-def _save_id(distributed: bool, world: int) -> str:
-    box = [secrets.token_hex(8)]
+def run_id() -> str | None:
+    """The id every file of this run's saves records (None before its first save or load)."""
+    return _RUN["id"]
+
+
+def _save_ids(distributed: bool, world: int) -> tuple[str, str]:
+    """(this save's id, the run's id): rank 0's, on every rank (one broadcast)."""
+    box = [secrets.token_hex(8), _RUN["id"] or secrets.token_hex(8)]
     if distributed and world > 1:
         dist.broadcast_object_list(box, src=0)
-    return box[0]
+    _RUN["id"] = box[1]
+    return box[0], box[1]
 
 
 def _scaler_mid_iteration(scaler: torch.amp.GradScaler) -> bool:
@@ -159,7 +181,7 @@ def save_training_state(
         check_weights_only(sched_state, "lr_scheduler.state_dict()")
     rank, world, distributed = _dist_info()
     module, ddp = _unwrap(model)
-    save_id = _save_id(distributed, world)
+    save_id, run = _save_ids(distributed, world)
     # A sharded model's (and its optimizer's) tensors: every rank writes its shards.
     shards = save_tensors(path, save_id, module, optimizer) if is_sharded(module) else None
     local = {
@@ -167,6 +189,7 @@ def save_training_state(
         "save_id": save_id,
         "rank": rank,
         "world_size": world,
+        "run_id": run,
         "rng": rng_state(),
     }
     if world > 1:
@@ -176,7 +199,9 @@ def save_training_state(
         shared = {
             "format": _FORMAT,
             "save_id": save_id,
+            "rank": rank,
             "world_size": world,
+            "run_id": run,
             "step": step,
             "extra": extra_enc,
             "model": module.state_dict() if shards is None else None,
@@ -218,7 +243,7 @@ def _load(path: str, what: str, map_location: Any) -> dict[str, Any]:
             "that wrote it and save again, or read its parts with torch.load(path, "
             "weights_only=True)"
         )
-    if not isinstance(obj, dict) or obj.get("format") != _FORMAT or "save_id" not in obj:
+    if not isinstance(obj, dict) or obj.get("format") not in _READABLE or "save_id" not in obj:
         raise RuntimeError(
             f"load_training_state: {path!r} is not a fastamp training state (format {_FORMAT}); "
             "it must be written by fastamp.save_training_state"
@@ -228,7 +253,8 @@ def _load(path: str, what: str, map_location: Any) -> dict[str, Any]:
     # after the checks (some only once the objects were restored), so none may be found missing
     # then (a renamed entry in a file saved before the digests covered the names).
     # (A one-process checkpoint's "rng" is checked where the RNG is restored, before any is.)
-    required = _CHECKPOINT_ENTRIES if what == "checkpoint" else _RANK_ENTRIES
+    entries = _CHECKPOINT_ENTRIES if what == "checkpoint" else _RANK_ENTRIES
+    required = entries[obj["format"]]
     missing = [k for k in required if k not in obj]
     if missing:
         raise KeyError(
@@ -314,6 +340,8 @@ def load_training_state(
             error = e
         agree(error, "checking the optimizer state")
     _restore(shared, local, model_sd, optim_sd, module, ddp, objects, restore_rng)
+    if shared.get("run_id") is not None:  # the resumed run goes on under its id
+        _RUN["id"] = shared["run_id"]
     return TrainingState(
         step=shared["step"],
         extra=decode_extra(shared["extra"]),
@@ -353,6 +381,8 @@ def _read_and_check(
             if world == 1
             else _load(f"{path}.rank{rank}", f"rank {rank}'s file", map_location)
         )
+        if local is not shared:
+            _check_rank_file(path, shared, local, rank, world)
         if local["save_id"] != shared["save_id"]:
             raise RuntimeError(
                 f"load_training_state: {path}.rank{rank} belongs to another save than {path!r} "
@@ -408,6 +438,32 @@ def _read_and_check(
     if restore_rng and local is not None:
         check_rng_state(local.get("rng"), path if world == 1 else f"{path}.rank{rank}")
     return shared, local
+
+
+def _check_rank_file(
+    path: str, shared: dict[str, Any], local: dict[str, Any], rank: int, world: int
+) -> None:
+    """Rank ``rank``'s file belongs to this rank, this world and the checkpoint's run (a format 2
+    file has no run id: its rank and world size are checked)."""
+    where = f"{path}.rank{rank}"
+    if local["rank"] != rank:
+        raise RuntimeError(
+            f"load_training_state: {where!r} was written by rank {local['rank']!r}, expected rank "
+            f"{rank} (the rank loading it): the ranks' files were swapped or renamed. Give every "
+            "rank the file it wrote; nothing was restored"
+        )
+    if local["world_size"] != world:
+        raise RuntimeError(
+            f"load_training_state: {where!r} was written by a run of world size "
+            f"{local['world_size']!r}, expected {world} (the loading run's world size, and the "
+            f"checkpoint {path!r}'s): it belongs to another run. Resume with the files of one save"
+        )
+    if shared.get("run_id") != local.get("run_id"):
+        raise RuntimeError(
+            f"load_training_state: {where!r} belongs to run {local.get('run_id')!r}, expected run "
+            f"{shared.get('run_id')!r} (the run of the checkpoint {path!r}): the files come from "
+            "different runs. Resume with the files of one save"
+        )
 
 
 def _check_model_and_optimizer(
