@@ -182,6 +182,10 @@ class FlatBuffers:
                         "storage belongs to FSDP2. Expected flat_buffers=False with FSDP2 "
                         "(its own flat all-gather buffers already batch the step per module)"
                     )
+                if not p.requires_grad:
+                    # Frozen (an integer tensor too, which torch's optimizers take): outside the
+                    # buffers; it never gets a grad while frozen.
+                    continue
                 if p.layout is not torch.strided or not p.is_floating_point():
                     raise ValueError(
                         f"{where}: {name} is a {p.layout} {p.dtype} tensor; flat buffers hold "
@@ -192,9 +196,7 @@ class FlatBuffers:
                         f"{where}: {name} is on the meta device, which holds no data; expected "
                         "the optimizer made after the model is materialised"
                     )
-                if not p.requires_grad or (
-                    p.grad is not None and p.grad.layout is not torch.strided
-                ):
+                if p.grad is not None and p.grad.layout is not torch.strided:
                     continue  # (a sparse grad: stepped per parameter, which refuses it)
                 key = (p.dtype, p.device)
                 if key not in keys:
