@@ -198,9 +198,14 @@ class GradStats:
         )
 
     def current_for(self, params: Sequence[Tensor], scale: Tensor | None) -> bool:
-        if scale is None or self.scale is None or self.scale() is not scale:
+        """``scale``: the scaler's, or None for grads that are not scaled (the scaler-free
+        clip), which matches only statistics measured with no scale."""
+        if scale is None:
+            if self.scale is not None:
+                return False
+        elif self.scale is None or self.scale() is not scale:
             return False
-        if _version(scale) != self.scale_version:
+        elif _version(scale) != self.scale_version:
             return False
         with_grad = [p for p in params if p.grad is not None]
         if len(with_grad) != len(self.params) or {id(p) for p in with_grad} != {
@@ -227,7 +232,8 @@ def _version(t: Tensor) -> int:
 
 @runtime_checkable
 class GradStatsConsumer(Protocol):
-    """What DDP needs of a scaler to hand it :class:`GradStats` (:class:`fastamp.GradScaler`)."""
+    """What DDP needs of a consumer to hand it :class:`GradStats`: :class:`fastamp.GradScaler`, or
+    without a scaler the scaler-free clip's (:data:`fastamp.scaler.clip.UNSCALED_STATS`)."""
 
     def current_scale(self) -> Tensor | None:
         """The scale as a device tensor (no sync), or None before the first ``scale()``."""

@@ -512,3 +512,27 @@ def test_compiles_fullgraph_and_equals_eager(skip):
     assert 1 <= frames <= 2
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fastamp_optimizer", "torch_optimizer"])
+def test_a_disabled_scaler_clips_through_the_scaler_free_path(fused, monkeypatch):
+    """``GradScaler(enabled=False)`` (a bf16 run written for fp16) clips as torch's recipe, through
+    the fused scaler-free clip (no torch clip op runs)."""
+    m0, m1 = _model(torch.float32), _model(torch.float32)
+    grads = _grads(m0, torch.Generator().manual_seed(6), 3.0)
+    _set(m0, grads)
+    _set(m1, grads)
+    opt = (fastamp.optim.AdamW if fused else torch.optim.AdamW)(m0.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(m1.parameters(), lr=1e-2)
+    scaler = fastamp.GradScaler("cpu", enabled=False)
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", None)  # any call of torch's fails
+    norm = scaler.clip_grad_norm_(opt, 0.5)
+    monkeypatch.undo()
+    ref_norm = torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.5)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+    scaler.step(opt)
+    scaler.update()
+    ref.step()
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    assert not fused or opt.pending_clip is None

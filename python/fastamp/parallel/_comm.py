@@ -36,6 +36,7 @@ from fastamp.handoff import GradStats, GradStatsConsumer
 from fastamp.parallel import _ops as parallel_ops
 from fastamp.parallel._args import collective_error
 from fastamp.scaler import ops as scaler_ops
+from fastamp.scaler.clip import UNSCALED_STATS
 
 if TYPE_CHECKING:
     # torch.distributed.GradBucket (torch.distributed imports it from here without re-exporting)
@@ -104,7 +105,9 @@ class BucketStats:
         self.sparse_search = find_unused_parameters or static_graph
         self._used_map = used_map  # the reducer's map of (globally) used parameters
         self.user: tuple[CommHook, object] | None = None  # register_comm_hook's (hook, state)
-        self.scaler: GradStatsConsumer | None = None
+        # Who the statistics go to: the scaler registered (register_grad_scaler), else the
+        # scaler-free clip's inbox (fastamp.clip_grad_norm_ reuses them).
+        self.scaler: GradStatsConsumer = UNSCALED_STATS
         self.divide_by_initial_world_size = True  # join()'s option
         # join: the all-reduce of "this rank synchronises" flags issued in the forward, whose sum
         # is the number of ranks still active (the divisor when divide_by_initial_world_size is
@@ -161,7 +164,7 @@ class BucketStats:
         self._measured = {}
         self._seen = {}
         self.last = None
-        scale = self.scaler.current_scale() if self.scaler is not None else None
+        scale = self.scaler.current_scale()
         self._scale = scale
         self._inv = scale.reciprocal() if scale is not None else None  # 1/scale, one float32 op
         # The reducer queues its own finalisation (wait, copy out) after the last bucket's hook,
@@ -256,7 +259,7 @@ class BucketStats:
             if not bool(self._used_map().all()):
                 return
         self.last = (found, sq)
-        if self.scaler is not None and self._scale is not None:
+        if self._scale is not None or self.scaler is UNSCALED_STATS:
             with_grad = [p for p in self.params if p.grad is not None]
             grads = [g for p in with_grad if (g := p.grad) is not None]
             self.scaler.note_grad_stats(

@@ -1,5 +1,6 @@
 """The fused clip without a loss scaler (bf16 and fp32 training): :func:`clip_grad_norm_`, and
-the record of the steps its device-side guard skipped (:class:`NonfiniteGuard`).
+the record of the steps its device-side guard skipped (:class:`NonfiniteGuard`), and the inbox
+of the statistics fastamp's DDP measured for it (:class:`UnscaledStats`).
 
 It is the scaler's clip with nothing to unscale: the same read-only stats pass (inf/NaN flags and
 the norm in one launch), the same clip coefficient made on the device, and, for a fastamp.optim
@@ -21,13 +22,19 @@ from torch import Tensor
 
 from fastamp._library import backend_keyset, direct_call_allowed
 from fastamp._step import to_device
-from fastamp.handoff import AmpFusedOptimizer, AmpStep, PendingClip
+from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, PendingClip
 from fastamp.scaler import diagnostics
 from fastamp.scaler._clip import GradNorm, check_clip_arguments, grad_norm, unscale_and_clip
 from fastamp.scaler._grads import DeviceGrads, GradReader
 from fastamp.scaler.diagnostics import OverflowReport
 
-__all__ = ["NonfiniteGuard", "clip_grad_norm_", "nonfinite_guard"]
+__all__ = [
+    "UNSCALED_STATS",
+    "NonfiniteGuard",
+    "UnscaledStats",
+    "clip_grad_norm_",
+    "nonfinite_guard",
+]
 
 _CALLER = "fastamp.clip_grad_norm_"
 
@@ -66,6 +73,42 @@ class NonfiniteGuard:
         skip's 0-based index among the skips); names from ``model`` when given. Syncs."""
         return diagnostics.report(self.records, model)
 
+
+class UnscaledStats:
+    """The scaler-free clip's inbox for the statistics fastamp's DDP measures while it unpacks
+    the all-reduced buckets (:class:`fastamp.handoff.GradStats`, the inf flag and the sum of
+    squares of the grads as they are): DDP hands each backward's here unless a GradScaler is
+    registered, and :func:`clip_grad_norm_` (norm 2, one device) reuses them instead of reading
+    the grads again, only while ``stats.current_for(params, None)``: the same grads, unwritten
+    since. One per process; the latest backward's statistics are kept."""
+
+    def __init__(self) -> None:
+        self.stats: GradStats | None = None
+
+    def current_scale(self) -> Tensor | None:
+        return None  # the grads are not scaled
+
+    def note_grad_stats(self, stats: GradStats) -> None:
+        if not isinstance(stats, GradStats):
+            raise TypeError(
+                f"UnscaledStats.note_grad_stats: stats must be a fastamp.handoff.GradStats, got "
+                f"{type(stats).__name__}"
+            )
+        self.stats = stats
+
+    def reusable(self, optimizer: Any) -> tuple[Tensor, Tensor] | None:
+        """(found_inf, sum of squares) of ``optimizer``'s grads, when DDP measured exactly them."""
+        stats = self.stats
+        if stats is None:
+            return None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not stats.current_for(params, None):
+            return None
+        return stats.found_inf, stats.sum_sq
+
+
+#: DDP's statistics for the scaler-free clip (see :class:`UnscaledStats`).
+UNSCALED_STATS = UnscaledStats()
 
 # The caches of the grads' collection (one per optimizer, weakly keyed) and each guarded
 # optimizer's record, shared by every caller of clip_grad_norm_.
@@ -182,7 +225,11 @@ def _clip(
     def read(per_device: dict[torch.device, DeviceGrads]) -> GradNorm:
         ones = {dev: _ones(dev) for dev in per_device}
         first = next(iter(per_device), torch.device("cpu"))
-        return grad_norm(per_device, ones, norm_type, max_norm, first, None)
+        reuse = None
+        if norm_type == 2.0 and len(per_device) == 1 and not torch.compiler.is_compiling():
+            # fastamp's DDP already read these grads for the inf check and the sum of squares.
+            reuse = UNSCALED_STATS.reusable(optimizer)
+        return grad_norm(per_device, ones, norm_type, max_norm, first, reuse)
 
     if fused:  # only read: the reader leaves the checks to the op (see GradReader.read)
         per_device, (found, flags, total_norm, coef) = _READER.read(optimizer, _CALLER, read)

@@ -56,6 +56,7 @@ from fastamp.scaler._validation import (
     check_hysteresis,
     check_scale,
 )
+from fastamp.scaler.clip import clip_grad_norm_
 from fastamp.scaler.diagnostics import OverflowReport
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
@@ -449,9 +450,8 @@ class GradScaler(torch.amp.GradScaler):
         raises, as a second ``unscale_`` would). If ``unscale_`` was already called, only clips.
         """
         norm = check_clip_arguments(optimizer, max_norm, norm_type)
-        if not self._enabled:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        if not self._enabled:  # no scaling: the scaler-free fused clip (torch's result)
+            return clip_grad_norm_(optimizer, max_norm, norm_type)
         scale, _ = self._check_scale_growth_tracker("clip_grad_norm_")
         with self._restore_on_error(optimizer) as tx:
             return self._clip_grad_norm(optimizer, scale, float(max_norm), norm, tx)

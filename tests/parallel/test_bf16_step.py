@@ -1,0 +1,25 @@
+"""The scaler-free step (bf16 autocast, ``fastamp.clip_grad_norm_``) under fastamp's DDP and FSDP2,
+against torch's recipe on the same model: real gloo processes (see _bf16_workers.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests.parallel import _bf16_workers
+
+
+def _spawn(fn, world, tmp_path):
+    mp.spawn(fn, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full)])
+def test_ddp_scaler_free_step_matches_torch_and_reuses_the_hooks_norm(world, tmp_path):
+    _spawn(_bf16_workers.ddp_recipe, world, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "world", [pytest.param(1, marks=pytest.mark.full), 2, pytest.param(4, marks=pytest.mark.full)]
+)
+def test_fsdp2_scaler_free_step_matches_torch_with_one_collective(world, tmp_path):
+    _spawn(_bf16_workers.fsdp_recipe, world, tmp_path)
