@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 IN, CLASSES = 16, 4
@@ -32,6 +33,11 @@ def mlp(seed: int = 0) -> nn.Module:
     return nn.Sequential(
         nn.Linear(IN, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, CLASSES)
     )
+
+
+def loss_of(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy in fp32 for half logits, in the logits' dtype for float64 (an exact run)."""
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), labels)
 
 
 class OpCounter(TorchDispatchMode):
@@ -86,6 +92,32 @@ def assert_params_equal(a: nn.Module, b: nn.Module) -> None:
 def assert_params_close(a: nn.Module, b: nn.Module, rtol: float = 1e-3, atol: float = 1e-4) -> None:
     for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(p, q, rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def distance(
+    losses_a: list[float], a: nn.Module, losses_b: list[float], b: nn.Module
+) -> tuple[float, float]:
+    """The largest |difference| of two runs' losses, and of their final params."""
+    assert len(losses_a) == len(losses_b), (len(losses_a), len(losses_b))
+    loss = max(abs(x - y) for x, y in zip(losses_a, losses_b))
+    params = max(
+        (p.detach().double() - q.detach().double()).abs().max().item()
+        for p, q in zip(a.parameters(), b.parameters())
+    )
+    return loss, params
+
+
+def assert_within_torchs_error(ours, ref, exact, factor: float = 2.0) -> None:
+    """fastamp's run is as close to the exact (float64) run as the client's own run in the same
+    precision, within ``factor``: each run is ``(losses, model)``. The tolerance is torch's own
+    error in that precision (bf16 autocast, fp32), measured here, not a fixed number: the runs
+    differ only in the rounding of the clip's norm and of the optimizer's update, which is well
+    inside it (a clip left out or applied twice is not)."""
+    torch_err = distance(*ref, *exact)
+    ours_err = distance(*ours, *exact)
+    assert all(e > 0 for e in torch_err), torch_err  # (a float64 run in disguise)
+    for what, o, t in zip(("losses", "params"), ours_err, torch_err):
+        assert o <= factor * t, f"{what}: fastamp's run {o:.3g} from float64, the client's {t:.3g}"
 
 
 def run_script(tmp_path: Path, text: str, name: str, *args: str) -> dict:

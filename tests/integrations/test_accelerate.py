@@ -1,4 +1,5 @@
-"""fastamp.integrations.accelerate against accelerate's own scaler path, on CPU with fp16."""
+"""fastamp.integrations.accelerate against accelerate's own path, on CPU: fp16 with its scaler,
+bf16 and fp32 without."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from tests.integrations._common import (
     assert_learns,
     assert_params_close,
     assert_params_equal,
+    assert_within_torchs_error,
     dataset,
+    loss_of,
     mlp,
 )
 
@@ -38,10 +41,12 @@ def _fresh_accelerate_state():
     GradientState._reset_state()
 
 
-def run(accelerator, make_opt, clip=None, count=False):
+def run(accelerator, make_opt, clip=None, count=False, dtype=torch.float32, norms=None):
     x, y = dataset()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
-    model = mlp()
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x.to(dtype), y), batch_size=32
+    )
+    model = mlp().to(dtype)
     opt = make_opt(model.parameters())
     model, opt, loader = accelerator.prepare(model, opt, loader)
     losses = []
@@ -51,10 +56,12 @@ def run(accelerator, make_opt, clip=None, count=False):
             if step == STEPS:
                 break
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(xb).float(), yb)
+            loss = loss_of(model(xb), yb)
             accelerator.backward(loss)
             if clip is not None:
-                accelerator.clip_grad_norm_(model.parameters(), clip)
+                norm = accelerator.clip_grad_norm_(model.parameters(), clip)
+                if norms is not None:
+                    norms.append(norm)
             opt.step()
             losses.append(float(loss.detach()))
     return accelerator.unwrap_model(model), losses, counter.counts, opt
@@ -131,3 +138,69 @@ def test_install_grad_scaler_errors_name_the_problem():
     acc.prepare(torch_adamw(mlp().parameters()))
     with pytest.raises(RuntimeError, match="before accelerator.prepare"):
         fa.install_grad_scaler(acc)
+
+
+def fresh_state():
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def spy_on_fastamps_clip(monkeypatch):
+    calls = []
+    real = fastamp.clip_grad_norm_
+
+    def spy(optimizer, *args, **kwargs):
+        calls.append(type(optimizer))
+        return real(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(fastamp, "clip_grad_norm_", spy)
+    return calls
+
+
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+@pytest.mark.parametrize("optimizer", ["fastamp", "torch"])
+def test_clip_without_scaler_goes_through_fastamps_clip(precision, optimizer, monkeypatch):
+    make_opt = fastamp_adamw if optimizer == "fastamp" else torch_adamw
+    calls = spy_on_fastamps_clip(monkeypatch)
+    acc = fa.Accelerator(mixed_precision=precision, cpu=True)
+    assert acc.scaler is None
+    norms = []
+    ours, losses, counts, opt = run(acc, make_opt, clip=0.5, count=True, norms=norms)
+    assert calls == [type(make_opt([torch.zeros(1, requires_grad=True)]))] * STEPS
+    if optimizer == "fastamp":
+        assert_fused_clip(counts, STEPS)
+        assert fa._unwrap(opt).pending_clip is None  # each clip was taken by its step
+    fresh_state()
+    ref_norms = []
+    ref, ref_losses, _, _ = run(
+        accelerate.Accelerator(mixed_precision=precision, cpu=True),
+        torch_adamw,
+        clip=0.5,
+        norms=ref_norms,
+    )
+    fresh_state()
+    exact, exact_losses, _, _ = run(
+        accelerate.Accelerator(cpu=True), torch_adamw, clip=0.5, dtype=torch.float64
+    )
+    assert_learns(losses)
+    # The returned norm is accelerate's: a tensor of the grads' dtype; at the first step (the
+    # same grads on both sides) equal up to the rounding of an fp32 sum of squares.
+    assert all(n.dtype == r.dtype == torch.float32 for n, r in zip(norms, ref_norms))
+    torch.testing.assert_close(norms[0], ref_norms[0], rtol=1e-5, atol=0)
+    assert_within_torchs_error((losses, ours), (ref_losses, ref), (exact_losses, exact))
+
+
+def test_clip_on_an_accumulation_micro_step_is_accelerates_own(monkeypatch):
+    calls = spy_on_fastamps_clip(monkeypatch)
+    acc = fa.Accelerator(mixed_precision="bf16", cpu=True, gradient_accumulation_steps=2)
+    model = mlp()
+    opt = fastamp_adamw(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    x, y = dataset(64)
+    for xb, yb in ((x[:32], y[:32]), (x[32:], y[32:])):
+        with acc.accumulate(model):
+            acc.backward(loss_of(model(xb), yb))
+            acc.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+    assert calls == [fastamp.optim.AdamW]  # the sync step only

@@ -1,10 +1,10 @@
-"""fastamp.integrations.lightning against Lightning's own MixedPrecision, on CPU with fp16."""
+"""fastamp.integrations.lightning against Lightning's own plugins (MixedPrecision in fp16 and bf16,
+Precision in fp32), on CPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 from tests.integrations._common import (
     OpCounter,
@@ -12,13 +12,19 @@ from tests.integrations._common import (
     assert_learns,
     assert_params_close,
     assert_params_equal,
+    assert_within_torchs_error,
     dataset,
+    loss_of,
     mlp,
 )
 
 pytestmark = pytest.mark.clients
 L = pytest.importorskip("lightning")
-from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.plugins.precision import (  # noqa: E402
+    DoublePrecision,
+    MixedPrecision,
+    Precision,
+)
 
 import fastamp  # noqa: E402
 from fastamp.integrations.lightning import FastampPrecision  # noqa: E402
@@ -35,7 +41,7 @@ class Net(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.cross_entropy(self.net(x).float(), y)
+        loss = loss_of(self.net(x), y)
         self.losses.append(float(loss.detach()))
         return loss
 
@@ -115,11 +121,50 @@ def test_value_clipping_with_fastamp_adamw_matches_lightnings_path():
     torch.testing.assert_close(ours.losses, ref.losses, rtol=2e-3, atol=2e-3)
 
 
-def test_bf16_has_no_scaler_and_clips_with_fastamp_adamw():
-    plugin = FastampPrecision("bf16-mixed", "cpu")
+def lightnings_plugin(precision):
+    return MixedPrecision(precision, "cpu") if precision == "bf16-mixed" else Precision()
+
+
+def spy_on_fastamps_clip(monkeypatch):
+    calls = []
+    real = fastamp.clip_grad_norm_
+
+    def spy(optimizer, *args, **kwargs):
+        calls.append(type(optimizer))
+        return real(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(fastamp, "clip_grad_norm_", spy)
+    return calls
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_gradient_clip_val_without_scaler_is_folded_into_the_fused_step(precision, monkeypatch):
+    plugin = FastampPrecision(precision, "cpu")
     assert plugin.scaler is None
-    ours, _ = fit(plugin, fastamp_adamw, clip=0.5)
+    calls = spy_on_fastamps_clip(monkeypatch)
+    ours, counts = fit(plugin, fastamp_adamw, clip=0.5, count=True)
+    assert calls == [fastamp.optim.AdamW] * STEPS
+    assert_fused_clip(counts, STEPS)
+    assert ours.trainer.optimizers[0].pending_clip is None  # each clip was taken by its step
+    assert plugin.last_grad_norm is not None and plugin.last_grad_norm.dtype == torch.float32
+    ref, _ = fit(lightnings_plugin(precision), torch_adamw, clip=0.5)
+    exact, _ = fit(DoublePrecision(), torch_adamw, clip=0.5)
     assert_learns(ours.losses)
+    assert_within_torchs_error((ours.losses, ours), (ref.losses, ref), (exact.losses, exact))
+
+
+def test_bf16_torch_optimizer_gets_its_grads_clipped_in_place_as_lightnings(monkeypatch):
+    calls = spy_on_fastamps_clip(monkeypatch)
+    ours, _ = fit(FastampPrecision("bf16-mixed", "cpu"), torch_adamw, clip=0.5)
+    assert calls == [torch.optim.AdamW] * STEPS
+    ref, _ = fit(MixedPrecision("bf16-mixed", "cpu"), torch_adamw, clip=0.5)
+    exact, _ = fit(DoublePrecision(), torch_adamw, clip=0.5)
+    assert_within_torchs_error((ours.losses, ours), (ref.losses, ref), (exact.losses, exact))
+
+
+def test_32_true_takes_no_scaler():
+    with pytest.raises(ValueError, match="'32-true' uses no scaler"):
+        FastampPrecision("32-true", "cpu", scaler=fastamp.GradScaler("cpu"))
 
 
 def test_bad_device_is_a_clear_error():

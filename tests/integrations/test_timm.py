@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 import fastamp
 from fastamp.integrations.timm import NativeScaler, check_optimizer_name
@@ -17,7 +16,9 @@ from tests.integrations._common import (
     assert_fused_clip,
     assert_learns,
     assert_params_close,
+    assert_within_torchs_error,
     dataset,
+    loss_of,
     mlp,
 )
 
@@ -52,17 +53,29 @@ class TimmRecipe:
             self._scaler.update()
 
 
-def run(loss_scaler, make_opt, clip=0.5, count=False):
+class TimmNoScalerRecipe:
+    """What timm 1.0.29's train.py runs with bf16 or no AMP (its loss_scaler is None):
+    backward, ``timm.utils.dispatch_clip_grad`` (``"norm"``: torch's clip_grad_norm_), step."""
+
+    def __call__(self, loss, optimizer, clip_grad=None, clip_mode="norm", parameters=None):
+        loss.backward()
+        if clip_grad is not None:
+            assert clip_mode == "norm"
+            torch.nn.utils.clip_grad_norm_(parameters, clip_grad)
+        optimizer.step()
+
+
+def run(loss_scaler, make_opt, clip=0.5, count=False, autocast=torch.float16, dtype=torch.float32):
     x, y = dataset()
-    model = mlp()
+    model = mlp().to(dtype)
     opt = make_opt(model.parameters())
     losses = []
     counter = OpCounter()
     for step in range(STEPS):
-        xb, yb = x[32 * step : 32 * step + 32], y[32 * step : 32 * step + 32]
+        xb, yb = x[32 * step : 32 * step + 32].to(dtype), y[32 * step : 32 * step + 32]
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(model(xb).float(), yb)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = loss_of(model(xb), yb)
         if count:
             with counter:
                 loss_scaler(
@@ -85,6 +98,34 @@ def test_native_scaler_folds_norm_clip_into_fastamp_adamw():
     assert_fused_clip(counts, STEPS)
     torch.testing.assert_close(losses, ref_losses, rtol=2e-3, atol=2e-3)
     assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
+
+
+@pytest.mark.parametrize("autocast", [torch.bfloat16, None], ids=["bf16", "fp32"])
+def test_disabled_native_scaler_folds_norm_clip_into_fastamp_adamw(autocast, monkeypatch):
+    # timm's train.py builds no scaler for bf16 / fp32: a disabled NativeScaler stands in for it.
+    calls = []
+    real = fastamp.clip_grad_norm_
+    monkeypatch.setattr(
+        fastamp, "clip_grad_norm_", lambda opt, *a, **k: calls.append(opt) or real(opt, *a, **k)
+    )
+    scaler = NativeScaler("cpu", enabled=False)
+    ours, losses, counts = run(
+        scaler, lambda p: fastamp.optim.AdamW(p, lr=1e-2), count=True, autocast=autocast
+    )
+    assert len(calls) == STEPS and calls[0].pending_clip is None
+    assert_fused_clip(counts, STEPS)
+    assert counts["fastamp.non_finite_check_and_unscale_"] == 0  # nothing scaled
+    ref, ref_losses, _ = run(
+        TimmNoScalerRecipe(), lambda p: torch.optim.AdamW(p, lr=1e-2), autocast=autocast
+    )
+    exact, exact_losses, _ = run(
+        TimmNoScalerRecipe(),
+        lambda p: torch.optim.AdamW(p, lr=1e-2),
+        autocast=None,
+        dtype=torch.float64,
+    )
+    assert_learns(losses)
+    assert_within_torchs_error((losses, ours), (ref_losses, ref), (exact_losses, exact))
 
 
 def test_native_scaler_state_dict_is_timms():

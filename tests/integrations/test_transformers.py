@@ -1,18 +1,20 @@
-"""fastamp.integrations.transformers.FastampTrainer against the Trainer's own path, CPU fp16."""
+"""fastamp.integrations.transformers.FastampTrainer against the Trainer's own path, on CPU: fp16,
+bf16 and fp32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from tests.integrations._common import (
     OpCounter,
     assert_fused_clip,
     assert_learns,
     assert_params_close,
+    assert_within_torchs_error,
     dataset,
+    loss_of,
     mlp,
 )
 
@@ -32,12 +34,14 @@ class Classifier(nn.Module):
     def __init__(self):
         super().__init__()
         self.net = mlp()
+        self.losses: list[float] = []  # every step's, unrounded (the Trainer logs 4 digits)
 
     def forward(self, x, labels=None):
-        logits = self.net(x)
+        logits = self.net(x.to(self.net[0].weight.dtype))
         out = {"logits": logits}
         if labels is not None:
-            out["loss"] = F.cross_entropy(logits.float(), labels)
+            out["loss"] = loss_of(logits, labels)
+            self.losses.append(float(out["loss"].detach()))
         return out
 
 
@@ -60,13 +64,16 @@ class TorchScalerTrainer(transformers.Trainer):
         fa.install_grad_scaler(self.accelerator, torch.amp.GradScaler("cpu"))
 
 
-def train(cls, tmp_path, count=False, max_grad_norm=0.5, **kw):
+def train(
+    cls, tmp_path, count=False, max_grad_norm=0.5, dtype=torch.float32, fp16=True, bf16=False, **kw
+):
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         use_cpu=True,
-        fp16=True,
+        fp16=fp16,
+        bf16=bf16,
         max_steps=STEPS,
         learning_rate=1e-2,
         per_device_train_batch_size=32,
@@ -82,7 +89,7 @@ def train(cls, tmp_path, count=False, max_grad_norm=0.5, **kw):
         **kw,
     )
     torch.manual_seed(0)
-    model = Classifier()
+    model = Classifier().to(dtype)
     trainer = cls(model=model, args=args, train_dataset=Rows())
     counter = OpCounter()
     if count:
@@ -128,3 +135,36 @@ def test_fastamp_scaler_with_torch_adamw_is_bitwise_the_trainers_path(tmp_path):
     assert losses == ref_losses
     for p, q in zip(ours.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+def spy_on_fastamps_clip(monkeypatch):
+    calls = []
+    real = fastamp.clip_grad_norm_
+
+    def spy(optimizer, *args, **kwargs):
+        calls.append(type(optimizer))
+        return real(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(fastamp, "clip_grad_norm_", spy)
+    return calls
+
+
+@pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
+def test_max_grad_norm_without_scaler_is_folded_into_the_fused_step(bf16, tmp_path, monkeypatch):
+    calls = spy_on_fastamps_clip(monkeypatch)
+    trainer, ours, _, counts = train(
+        FastampTrainer, tmp_path / "a", count=True, bf16=bf16, fp16=False
+    )
+    assert trainer.accelerator.scaler is None
+    assert isinstance(trainer.accelerator, fa.Accelerator)
+    assert isinstance(trainer.optimizer.optimizer, fastamp.optim.AdamW)
+    assert calls == [fastamp.optim.AdamW] * STEPS
+    assert_fused_clip(counts, STEPS, groups=2)
+    assert trainer.optimizer.optimizer.pending_clip is None  # each clip was taken by its step
+    _, ref, _, _ = train(transformers.Trainer, tmp_path / "b", bf16=bf16, fp16=False)
+    _, exact, _, _ = train(
+        transformers.Trainer, tmp_path / "c", bf16=False, fp16=False, dtype=torch.float64
+    )
+    assert len(ours.losses) == len(ref.losses) == STEPS
+    assert_learns(ours.losses)
+    assert_within_torchs_error((ours.losses, ours), (ref.losses, ref), (exact.losses, exact))

@@ -17,9 +17,17 @@ What differs from accelerate's own class (nothing else does):
   torch's, from :class:`accelerate.utils.GradScalerKwargs`, which are honoured here too). On CPU,
   where accelerate silently trains fp16 in fp32 (no autocast, no scaler), this class autocasts to
   fp16 and scales, as on GPUs.
-* :meth:`Accelerator.clip_grad_norm_` goes through ``scaler.clip_grad_norm_`` when the parameters
-  are those of one prepared optimizer: with a ``fastamp.optim`` optimizer the clip is folded into
-  the fused step (the grads are read once for inf check + norm and never written).
+* :meth:`Accelerator.clip_grad_norm_` is fused when the parameters are those of one prepared
+  optimizer: through ``scaler.clip_grad_norm_`` with fp16, through :func:`fastamp.clip_grad_norm_`
+  with no enabled scaler (``mixed_precision="bf16"`` or ``"no"``; not distributed, or DDP). With a
+  ``fastamp.optim`` optimizer the clip is folded into the fused step (the grads are read once for
+  inf check + norm and never written); with any other optimizer the grads are clipped in place,
+  as accelerate's. It returns the same total norm as accelerate's (a device tensor, torch's dtype),
+  equal up to rounding (fp32 accumulation). One difference with a ``fastamp.optim`` optimizer:
+  the grads keep their unclipped values between the clip and ``optimizer.step()`` and after it
+  (the step applies the clip coefficient in registers); code that reads ``p.grad`` there sees
+  unclipped grads, and a grad written between clip and step makes the step raise. In bf16/fp32 a
+  clip on an accumulation micro-step (``accelerator.sync_gradients`` False) is accelerate's own.
 * ``optimizer.step_was_skipped`` / ``accelerator.optimizer_step_was_skipped`` are right for fused
   fastamp optimizers too (they always enter ``step()`` and skip inside the kernel).
 
@@ -114,28 +122,48 @@ def _unwrap(opt: Any) -> torch.optim.Optimizer:
     return inner
 
 
+def _owner(accelerator: _Accelerator, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+    """The prepared optimizer whose params with a grad are exactly those of ``params``."""
+    wanted = {id(p) for p in params if p.grad is not None}
+    for acc_opt in accelerator._optimizers:  # private-ok: see install_grad_scaler
+        opt = _unwrap(acc_opt)
+        owned = {id(p) for g in opt.param_groups for p in g["params"] if p.grad is not None}
+        if owned == wanted:
+            return opt
+    return None
+
+
 def clip_grad_norm_(
     accelerator: _Accelerator,
     parameters: Iterable[torch.Tensor],
     max_norm: float,
     norm_type: float = 2.0,
 ) -> torch.Tensor:
-    """``accelerator.clip_grad_norm_`` through ``fastamp.GradScaler.clip_grad_norm_`` when the
-    scaler is fastamp's and ``parameters`` are exactly one prepared optimizer's; otherwise
-    accelerate's own (unscale + ``torch.nn.utils.clip_grad_norm_``)."""
+    """``accelerator.clip_grad_norm_``, fused when ``parameters`` are exactly one prepared
+    optimizer's: through ``fastamp.GradScaler.clip_grad_norm_`` when the scaler is fastamp's and
+    enabled (fp16), through :func:`fastamp.clip_grad_norm_` when there is no enabled scaler (bf16,
+    fp32) on a step that syncs gradients; otherwise accelerate's own (unscale +
+    ``torch.nn.utils.clip_grad_norm_``)."""
     params = list(parameters)
     scaler = accelerator.scaler
-    if (
-        isinstance(scaler, fastamp.GradScaler)
-        and scaler.is_enabled()
-        and supports_fastamp_scaler(accelerator)
-    ):
-        wanted = {id(p) for p in params if p.grad is not None}
-        for acc_opt in accelerator._optimizers:  # private-ok: see install_grad_scaler
-            opt = _unwrap(acc_opt)
-            owned = {id(p) for g in opt.param_groups for p in g["params"] if p.grad is not None}
-            if owned == wanted:
+    if isinstance(scaler, fastamp.GradScaler) and scaler.is_enabled():
+        if supports_fastamp_scaler(accelerator):
+            opt = _owner(accelerator, params)
+            if opt is not None:
                 return scaler.clip_grad_norm_(opt, max_norm, norm_type)
+    elif (
+        (scaler is None or not scaler.is_enabled())
+        and accelerator.mixed_precision in ("no", "bf16", "fp16")  # (fp8 recipes: their own)
+        and accelerator.distributed_type in PLAIN_DDP_TYPES
+        # On an accumulation micro-step accelerate's optimizer.step() does nothing, and the next
+        # backward would write the grads this clip measured (refused by a fastamp step).
+        and accelerator.sync_gradients
+        # DTensor grads (tensor parallelism) keep accelerate's mesh-aware clip.
+        and all(p.grad is None or type(p.grad) is torch.Tensor for p in params)
+    ):
+        opt = _owner(accelerator, params)
+        if opt is not None:
+            return fastamp.clip_grad_norm_(opt, max_norm, norm_type)
     norm: torch.Tensor = _Accelerator.clip_grad_norm_(accelerator, params, max_norm, norm_type)
     return norm
 

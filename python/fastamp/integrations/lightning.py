@@ -8,12 +8,20 @@ Change one line (the precision flag becomes the plugin)::
     trainer = L.Trainer(plugins=[FastampPrecision("16-mixed")],  # was: precision="16-mixed"
                         gradient_clip_val=1.0)
 
+(``"bf16-mixed"`` and ``"32-true"`` too: ``plugins=[FastampPrecision("bf16-mixed")]`` for
+``precision="bf16-mixed"``.)
+
 and ``configure_optimizers`` may return ``fastamp.optim.AdamW`` (or ``Adam``, ``SGD``) with
 ``gradient_clip_val``: Lightning's own ``MixedPrecision`` refuses clipping with any optimizer that
 unscales inside its step (torch's ``fused=True`` ones and fastamp's), because it cannot unscale
 before clipping. Here the clip goes through ``scaler.clip_grad_norm_``: with a fastamp optimizer
 the grads are read once (inf check + norm) and unscaled and clipped inside the fused update, with
-no host sync; with any other optimizer it is Lightning's recipe (unscale, then clip).
+no host sync; with any other optimizer it is Lightning's recipe (unscale, then clip). With
+``"bf16-mixed"`` or ``"32-true"`` there is no scaler and the clip goes through
+:func:`fastamp.clip_grad_norm_` over the optimizer's params (Lightning's ``main_params``): with a
+fastamp optimizer the grads are only read and the clip coefficient is applied inside the step;
+with any other optimizer the grads are clipped in place, as Lightning's
+``torch.nn.utils.clip_grad_norm_``.
 
 Under DDP, :class:`FastampDDPStrategy` is Lightning's DDP strategy with
 :class:`fastamp.parallel.DistributedDataParallel` as the wrapper. Under FSDP2 (Lightning's
@@ -24,13 +32,22 @@ What differs from ``MixedPrecision`` (nothing else does): the default scaler is
 :class:`fastamp.GradScaler`; ``gradient_clip_algorithm="norm"`` uses ``scaler.clip_grad_norm_``
 (fp32 accumulation of the norm: equal to torch's up to rounding); with a fastamp fused optimizer,
 grads are still scaled in ``on_before_optimizer_step`` (as with torch's fused optimizers), and
-``"value"`` clipping unscales them first (a separate pass, as torch does).
+``"value"`` clipping unscales them first (a separate pass, as torch does). In bf16 and fp32,
+``gradient_clip_algorithm="norm"`` uses :func:`fastamp.clip_grad_norm_` (equal to torch's up to
+rounding). ``on_before_optimizer_step`` runs before the clip in every precision, so it sees
+the same grads as with Lightning's plugins; but with a fastamp optimizer the grads are never
+written by the clip, so what reads ``p.grad`` after the step (``on_before_zero_grad``,
+``on_train_batch_end``, a manual-optimization ``training_step`` between ``self.clip_gradients``
+and ``opt.step()``) sees the unclipped grads where Lightning's path leaves clipped ones, and a
+grad written between the clip and the step makes the step raise. ``"32-true"`` (no autocast, no
+scaler) is this plugin's only addition to ``MixedPrecision``'s choices: Lightning's own fp32
+plugin (``Precision``) has no fused clip.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -60,8 +77,9 @@ class FastampPrecision(MixedPrecision):  # type: ignore[misc]
     and fused clipping.
 
     Args:
-        precision: ``"16-mixed"`` (fp16 autocast + loss scaling) or ``"bf16-mixed"`` (no scaler;
-            clipping is then torch's).
+        precision: ``"16-mixed"`` (fp16 autocast + loss scaling), ``"bf16-mixed"`` (bf16
+            autocast, no scaler) or ``"32-true"`` (no autocast, no scaler); without a scaler the
+            norm clip is :func:`fastamp.clip_grad_norm_`.
         device: the autocast device (default: ``"cuda"`` if available, else ``"cpu"``).
         scaler: a scaler to use instead of a default ``fastamp.GradScaler(device)`` (e.g. one with
             ``init_scale=`` or ``hysteresis=``); must be a ``fastamp.GradScaler`` for fused clipping.
@@ -84,11 +102,27 @@ class FastampPrecision(MixedPrecision):  # type: ignore[misc]
                 f"FastampPrecision: device must be a device type string such as 'cuda' or 'cpu', got "
                 f"{device!r}"
             )
-        if scaler is None and precision == "16-mixed":
-            scaler = fastamp.GradScaler(device)
-        super().__init__(precision, device, scaler)
+        if precision == "32-true":
+            if scaler is not None:
+                raise ValueError(
+                    f"FastampPrecision: precision='32-true' uses no scaler, got scaler={scaler!r}"
+                )
+            # MixedPrecision's state without its check of the precision (autocast: forward_context)
+            self.precision, self.device, self.scaler = precision, device, None
+        else:
+            if scaler is None and precision == "16-mixed":
+                scaler = fastamp.GradScaler(device)
+            super().__init__(precision, device, scaler)
         #: the total grad norm of the last clip (a device tensor; nothing syncs to produce it)
         self.last_grad_norm: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        if self.precision == "32-true":
+            yield  # (Precision's: no autocast)
+            return
+        with super().forward_context():
+            yield
 
     def optimizer_step(
         self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
@@ -121,7 +155,11 @@ class FastampPrecision(MixedPrecision):  # type: ignore[misc]
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        if self.scaler is None or not isinstance(self.scaler, fastamp.GradScaler):
+        if self.scaler is None or not self.scaler.is_enabled():
+            # bf16 / fp32: Lightning's main_params(optimizer) are exactly this optimizer's params
+            self.last_grad_norm = fastamp.clip_grad_norm_(optimizer, float(clip_val))
+            return
+        if not isinstance(self.scaler, fastamp.GradScaler):
             if self.scaler is not None and _handles_unscaling(optimizer):
                 self.scaler.unscale_(optimizer)
             super().clip_grad_by_norm(optimizer, clip_val)

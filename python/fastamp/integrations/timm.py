@@ -14,6 +14,19 @@ dict is the GradScaler's, interchangeable with timm's), and needs no timm import
 ``fastamp.optim`` optimizer: folded into the fused step); ``"value"`` and ``"agc"`` keep timm's
 recipe (unscale, then ``timm.utils.dispatch_clip_grad``).
 
+bf16 and fp32: timm's ``train.py`` builds a loss scaler only for fp16 on CUDA; with bf16 or no AMP
+its ``loss_scaler`` is None and it clips with ``timm.utils.dispatch_clip_grad(parameters, ...)``
+then ``optimizer.step()``, a path that gets parameters (not the optimizer) and that no fastamp
+class is part of, so fastamp cannot fuse it. To have it fused, build the scaler in every
+precision, disabled where timm would have none::
+
+    loss_scaler = NativeScaler(device=device.type, enabled=amp_dtype == torch.float16 and args.amp)
+
+A disabled ``NativeScaler`` scales nothing and steps as ``optimizer.step()``; its ``"norm"``
+clip of the optimizer's params goes through :func:`fastamp.clip_grad_norm_` (with a
+``fastamp.optim`` optimizer: folded into the fused step, the grads keeping their unclipped
+values; with another optimizer: clipped in place, as timm's), other clips are timm's.
+
 Optimizers by name: :func:`register_optimizers` adds ``fastamp-adamw``, ``fastamp-adam`` and
 ``fastamp-sgd`` to timm's registry, so ``create_optimizer_v2(model, opt="fastamp-adamw")`` and
 ``--opt fastamp-adamw`` work. timm keeps only the part of a name after its last underscore
@@ -100,7 +113,10 @@ class NativeScaler:
             params = list(parameters)
             opt_params = [p for g in optimizer.param_groups for p in g["params"]]
             if clip_mode == "norm" and _param_ids(params) == _param_ids(opt_params):
-                self._scaler.clip_grad_norm_(optimizer, float(clip_grad))
+                if self._scaler.is_enabled():
+                    self._scaler.clip_grad_norm_(optimizer, float(clip_grad))
+                else:  # bf16 / fp32: nothing to unscale
+                    fastamp.clip_grad_norm_(optimizer, float(clip_grad))
             else:
                 self._scaler.unscale_(optimizer)
                 _dispatch_clip_grad(params, clip_grad, clip_mode)

@@ -17,6 +17,13 @@ What differs from ``Trainer`` (nothing else does):
   accelerate leaves off), and ``max_grad_norm`` clipping goes through ``scaler.clip_grad_norm_``:
   with fastamp's AdamW, folded into the fused step. Skipped (inf/NaN) steps do not advance the LR
   schedule, as with torch's scaler.
+* with ``bf16=True`` or neither flag (fp32), not distributed or DDP, ``max_grad_norm`` clipping
+  goes through :func:`fastamp.clip_grad_norm_` (the accelerator's ``clip_grad_norm_``, see
+  :mod:`fastamp.integrations.accelerate`): with fastamp's AdamW, folded into the fused step. The
+  logged ``grad_norm`` is the same total norm, up to rounding. With fastamp's AdamW the grads keep
+  their unclipped values until (and after) ``optimizer.step()``: a callback's
+  ``on_pre_optimizer_step`` or ``on_optimizer_step`` that reads ``p.grad`` sees unclipped grads
+  where the Trainer's own path shows clipped ones.
 """
 
 from __future__ import annotations
@@ -53,10 +60,17 @@ class FastampTrainer(transformers.Trainer):  # type: ignore[misc]
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         acc = self.accelerator
-        if acc.mixed_precision == "fp16" and _fa_accelerate.supports_fastamp_scaler(acc):
+        scaled = acc.mixed_precision == "fp16" and _fa_accelerate.supports_fastamp_scaler(acc)
+        unscaled = (
+            acc.mixed_precision in ("bf16", "no")
+            and acc.distributed_type in _fa_accelerate.PLAIN_DDP_TYPES
+        )
+        if scaled:
             _fa_accelerate.install_grad_scaler(acc)
+        if scaled or unscaled:
             # The instance accelerate built, given fastamp's clip_grad_norm_ and prepare_optimizer
-            # (methods only: the subclass adds no state; its __init__ step was install_grad_scaler).
+            # (methods only: the subclass adds no state; its __init__ step was install_grad_scaler,
+            # which has nothing to do without fp16).
             acc.__class__ = _fa_accelerate.Accelerator
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
