@@ -12,7 +12,8 @@
 #             on the GPU against the CPU kernel, bit for bit (reductions within float64 tolerance),
 #             canaries around every tensor, each case three times (a run-to-run difference fails)
 # 4. tests    the test suite's CUDA-marked tests (the classes on CUDA tensors, opcheck, compile)
-# 5. bench    the optimizer-step and scaler benchmarks on the GPU, torch beside fastamp
+# 5. bench    the optimizer-step, scaler and scaler-free (bf16) benchmarks on the GPU, torch
+#             beside fastamp
 # 6. traffic  one post-backward step (torch's recipe; fastamp's with fp32, bf16 and int8 state)
 #             under Nsight Compute: DRAM bytes read + written per parameter, measured
 # 7. bench    torch.profiler over one step; the checkpoint benchmark
@@ -103,6 +104,10 @@ if [ "$HAS_GPU" = 1 ]; then
     --sizes 10e6 100e6 500e6 --json "$OUT/optim_cuda.json"
   stage bench-scaler-fp32 120 "$PY" benchmarks/scaler/bench_grad_scaler.py --device cuda \
     --sizes 10e6 100e6 500e6 --json "$OUT/scaler_cuda_float32.json"
+  # The scaler-free (bf16 autocast) step: torch's clip + AdamW(fused=True) vs fastamp's, wall and
+  # kernel time at 10M params in 25 tensors and 100M in 121, and the host cost per tensor.
+  stage bench-bf16 150 "$PY" benchmarks/optim/bench_bf16_step.py --device cuda --sizes \
+    --layouts 10e6/25 100e6/121 --flat --guard --json "$OUT/bf16_cuda.json"
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1 || true)
   if [ -n "$NCU" ]; then
     mkdir -p "$OUT/traffic"
@@ -135,11 +140,11 @@ else
   note "no CUDA device: what follows is collected and parsed, not run"
   stage bitwise-collect 120 env FASTAMP_EMU_DEVICE=cuda "${PYTEST[@]}" --collect-only tests/cuda_emu
   stage tests-collect 120 "${PYTEST[@]}" --collect-only -m "cuda and not slow" tests --ignore=tests/cuda_emu
-  for b in gpu/step_traffic gpu/profile_step scaler/bench_grad_scaler optim/bench_optim_step checkpoint/bench_checkpoint; do
+  for b in gpu/step_traffic gpu/profile_step scaler/bench_grad_scaler optim/bench_optim_step optim/bench_bf16_step checkpoint/bench_checkpoint; do
     stage "parse-${b##*/}" 60 "$PY" "benchmarks/$b.py" --help
   done
   note "SKIPPED (no CUDA device): bitwise (GPU vs CPU kernels), tests (-m cuda), traffic (ncu),"
-  note "        bench-scaler, bench-optim, bench-checkpoint, bench-ddp"
+  note "        bench-scaler, bench-optim, bench-bf16, bench-checkpoint, bench-ddp"
 fi
 note "gpu-check: $( ((failed)) && echo FAILED || echo passed) in $(($(date +%s) - START))s; results in $OUT"
 pack

@@ -16,7 +16,12 @@ before each timed block:
 * host cost (``--host-sizes``, default 121x64 and 4000x256, one thread): us per tensor per step,
   where the kernels are nearly free and what is left is the host's work per tensor.
 
+On a GPU (``--device cuda``, what ``make gpu-check`` runs) the throughput table also gives the
+kernel time (torch.profiler: the sum of the step's device kernels) beside the wall time (CUDA
+events), for ``--layouts`` N params split over T equal tensors (e.g. 10e6/25 100e6/121).
+
     python benchmarks/optim/bench_bf16_step.py --runs 3 --json out.json
+    python benchmarks/optim/bench_bf16_step.py --device cuda --layouts 10e6/25 100e6/121 --host-sizes
 """
 
 from __future__ import annotations
@@ -37,16 +42,19 @@ import fastamp
 from fastamp.testing import transformer_like_shapes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import balanced_order, copy_bandwidth, device_name  # noqa: E402
+from common import balanced_order, copy_bandwidth, device_name, sync, timed  # noqa: E402
 
 BYTES = {"torch": 40, "fastamp": 32, "flat": 32, "guarded": 32}
 
 
-def _setup(variant: str, shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0):
+def _setup(
+    variant: str, shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0,
+    device: str = "cpu",
+):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     init = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    grads = [torch.randn(s, generator=gen) * 1e-2 for s in shapes]
-    params = [torch.nn.Parameter(w.to(dtype)) for w in init]
+    grads = [(torch.randn(s, generator=gen) * 1e-2).to(device) for s in shapes]
+    params = [torch.nn.Parameter(w.to(device=device, dtype=dtype)) for w in init]
     if variant == "torch":
         opt: torch.optim.Optimizer = torch.optim.AdamW(
             params, lr=1e-4, weight_decay=0.01, fused=True
@@ -87,9 +95,9 @@ def _restore(params, saved) -> None:
     torch._foreach_copy_([p.grad for p in params], saved)
 
 
-def verify(variants, shapes, dtype, max_norm) -> None:
+def verify(variants, shapes, dtype, max_norm, device="cpu") -> None:
     """Same updates: three steps of every recipe from one start, grads restored before each."""
-    setups = {v: _setup(v, shapes, dtype) for v in variants}
+    setups = {v: _setup(v, shapes, dtype, device=device) for v in variants}
     for v in variants:
         params, opt, saved = setups[v]
         fn = _step(v, params, opt, max_norm)
@@ -102,10 +110,22 @@ def verify(variants, shapes, dtype, max_norm) -> None:
             torch.testing.assert_close(a.float(), b.float(), **tol)
 
 
-def throughput(variants, n_params, dtype, reps, warmup, max_norm):
-    shapes = transformer_like_shapes(int(n_params))
+def _kernel_seconds(fn: Callable[[], None], reps: int) -> float:
+    """The step's device kernel time per call (torch.profiler's CUDA kernels), median-free: the
+    total over ``reps`` calls divided by ``reps``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages())
+    return total_us / reps / 1e6
+
+
+def throughput(variants, shapes, dtype, reps, warmup, max_norm, device="cpu"):
     numel = sum(math.prod(s) for s in shapes)
-    setups = {v: _setup(v, shapes, dtype) for v in variants}
+    setups = {v: _setup(v, shapes, dtype, device=device) for v in variants}
     fns = {v: _step(v, setups[v][0], setups[v][1], max_norm) for v in variants}
     times: dict[str, list[float]] = {v: [] for v in variants}
     for i in range(warmup + reps):
@@ -113,16 +133,17 @@ def throughput(variants, n_params, dtype, reps, warmup, max_norm):
             params, _, saved = setups[v]
             _restore(params, saved)
             gc.collect()
-            t0 = time.perf_counter()
-            fns[v]()
+            sync(device)
+            t = timed(fns[v], device)
             if i >= warmup:
-                times[v].append(time.perf_counter() - t0)
-    return numel, len(shapes), times
+                times[v].append(t)
+    kernels = {v: _kernel_seconds(fns[v], reps) for v in variants} if device == "cuda" else {}
+    return numel, len(shapes), times, kernels
 
 
-def host(variants, n, numel, runs, steps, warmup, max_norm):
+def host(variants, n, numel, runs, steps, warmup, max_norm, device="cpu"):
     shapes = [(numel,)] * n
-    setups = {v: _setup(v, shapes, torch.float32) for v in variants}
+    setups = {v: _setup(v, shapes, torch.float32, device=device) for v in variants}
     fns = {v: _step(v, setups[v][0], setups[v][1], max_norm) for v in variants}
     for fn in fns.values():
         for _ in range(warmup):
@@ -132,9 +153,11 @@ def host(variants, n, numel, runs, steps, warmup, max_norm):
         for v in balanced_order(list(variants), rep):
             gc.collect()
             fn = fns[v]
+            sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
+            sync(device)
             per_tensor[v].append((time.perf_counter() - t0) / steps / n * 1e6)
     return per_tensor
 
@@ -148,8 +171,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--sizes", nargs="+", type=float, default=[29e6])
-    ap.add_argument("--host-sizes", nargs="+", default=["121x64", "4000x256"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sizes", nargs="*", type=float, default=[29e6],
+                    help="params in transformer-shaped tensors")  # fmt: skip
+    ap.add_argument("--layouts", nargs="*", default=[],
+                    help="N/T: N params in T equal tensors (e.g. 10e6/25)")  # fmt: skip
+    ap.add_argument("--host-sizes", nargs="*", default=["121x64", "4000x256"])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="param dtype for the throughput table (bf16 autocast keeps float32)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=7)
@@ -164,30 +191,41 @@ def main(argv=None) -> int:
     variants: tuple[str, ...] = ("torch", "fastamp")
     variants += ("flat",) * args.flat + ("guarded",) * args.guard
     dtype = getattr(torch, args.dtype)
-    out: dict[str, object] = {"device": device_name("cpu"), "torch": torch.__version__,
+    dev = args.device
+    out: dict[str, object] = {"device": device_name(dev), "torch": torch.__version__,
                               "cpu_capability": fastamp.build_info()["cpu_capability"]}  # fmt: skip
     torch.set_num_threads(args.threads)
-    bw = copy_bandwidth("cpu")
+    bw = copy_bandwidth(dev)
     print(f"# bench_bf16_step: {out['device']}, torch {torch.__version__}, fastamp "
-          f"{out['cpu_capability']} kernels, {args.dtype} params, max_norm {args.max_norm}")  # fmt: skip
-    print(f"## throughput, {args.threads} thread(s), median of {args.reps} [min-max]; copy "
-          f"bandwidth {bw / 1e9:.1f} GB/s")  # fmt: skip
+          f"{out['cpu_capability']} CPU kernels, {args.dtype} params, max_norm {args.max_norm}")  # fmt: skip
+    print(f"## throughput on {dev}, {args.threads} CPU thread(s), median of {args.reps} [min-max]; "
+          f"copy bandwidth {bw / 1e9:.1f} GB/s")  # fmt: skip
+    layouts = [transformer_like_shapes(int(n)) for n in args.sizes]
+    for spec in args.layouts:
+        n, t = spec.split("/")
+        per = int(float(n)) // int(t)
+        layouts.append([(per,)] * int(t))
     rows = []
-    for size in args.sizes:
-        verify(variants, transformer_like_shapes(int(min(size, 2e6))), dtype, args.max_norm)
-        numel, ntensors, times = throughput(
-            variants, size, dtype, args.reps, args.warmup, args.max_norm
+    for shapes in layouts:
+        small = [(min(math.prod(sh), 4096),) for sh in shapes]
+        verify(variants, small, dtype, args.max_norm, dev)
+        numel, ntensors, times, kernels = throughput(
+            variants, shapes, dtype, args.reps, args.warmup, args.max_norm, dev
         )
-        torch_ms = statistics.median(times["torch"])
+        torch_s = statistics.median(times["torch"])
         for v in variants:
             med = statistics.median(times[v])
             gbs = BYTES[v] * numel / med / 1e9
             floor = BYTES[v] * numel / bw * 1e3
             ratios = [a / b for a, b in zip(times[v], times["torch"])]
+            kern = ""
+            if kernels:
+                kern = (f"  kernels {kernels[v] * 1e3:7.3f} ms "
+                        f"({kernels[v] / kernels['torch']:.3f}x torch's)")  # fmt: skip
             print(f"{numel / 1e6:6.1f}M/{ntensors:<4d} {v:>8} {_fmt(times[v], 1e3)} ms "
-                  f"{gbs:6.1f} GB/s  floor {floor:7.2f} ms  {med / torch_ms:6.3f}x torch "
-                  f"(per rep {min(ratios):.3f}-{max(ratios):.3f})")  # fmt: skip
-        rows.append({"numel": numel, "tensors": ntensors, "seconds": times})
+                  f"{gbs:6.1f} GB/s  floor {floor:7.2f} ms  {med / torch_s:6.3f}x torch "
+                  f"(per rep {min(ratios):.3f}-{max(ratios):.3f}){kern}")  # fmt: skip
+        rows.append({"numel": numel, "tensors": ntensors, "seconds": times, "kernel_s": kernels})
     out["throughput"] = rows
     torch.set_num_threads(1)
     print("## host cost, 1 thread, us per tensor per step, median of "
@@ -196,7 +234,7 @@ def main(argv=None) -> int:
     for size in args.host_sizes:
         n, numel = (int(x) for x in size.split("x"))
         steps = max(3, int(50_000 / n))
-        r = host(variants, n, numel, args.runs, steps, args.warmup, args.max_norm)
+        r = host(variants, n, numel, args.runs, steps, args.warmup, args.max_norm, dev)
         base = statistics.median(r["torch"])
         line = f"{size:>9} torch {_fmt(r['torch'])}"
         for v in variants[1:]:
