@@ -1,7 +1,8 @@
-"""What ``load_state_dict`` of the fused optimizers checks and puts in place
+"""The fused optimizers' state dicts: what ``load_state_dict`` checks and puts in place
 (:class:`StateDictChecks`, an object the optimizer owns): the dict is checked, and the state the
 load leaves is made (moments in each group's format, laid out as the params; fp32 state of half
-params kept fp32 with master weights), before PyTorch replaces anything."""
+params kept fp32 with master weights), before PyTorch replaces anything; and what
+``state_dict`` returns of torch's (:func:`saved_state_dict`)."""
 
 from __future__ import annotations
 
@@ -226,3 +227,50 @@ def _check_sharded(entry: str, p: DTensor, st: Mapping[str, Any]) -> None:
             "(torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, which "
             "shards a full state dict too)"
         )
+
+
+def saved_state_dict(
+    sd: dict[str, Any], params: list[Tensor], counts: list[Any], moments: tuple[str, ...]
+) -> dict[str, Any]:
+    """torch's ``state_dict()`` of a fused optimizer as fastamp returns it: the 8-bit state of a
+    DTensor param given as its float32 moments (DTensors laid out as the param), the entries of
+    params never updated left out (``counts[k]``: param ``k``'s update count, see
+    :func:`_never_updated`), and every group saying ``fused=True``: a torch optimizer that
+    loads it stays (or becomes) fused, as after loading torch's own fused state_dict (fused=None
+    would switch torch's AdamW(fused=True) to its for-loop step, which its GradScaler refuses)."""
+    state = dict(sd["state"])
+    for pid, st in sd["state"].items():
+        p = params[pid] if isinstance(pid, int) and pid < len(params) else None
+        if p is None or not is_dtensor(p) or lowbit.format_of(st, moments) is not lowbit.INT8:
+            continue
+        floats = lowbit.INT8.decode(local_state(st), moments)
+        out = {k: v for k, v in st.items() if k not in lowbit.moment_keys(moments)}
+        out.update({k: wrap_like(p, v.reshape(local(p).shape)) for k, v in floats.items()})
+        state[pid] = out
+    for pid in _never_updated(sd["state"], counts):
+        del state[pid]
+    sd["state"] = state
+    for group in sd["param_groups"]:
+        if "fused" in group:
+            group["fused"] = True
+    return sd
+
+
+def _never_updated(saved: Mapping[Any, Any], counts: list[Any]) -> list[Any]:
+    """The entries of ``saved`` (state_dict()['state']) whose param was never updated: the state
+    a fused kernel made for a first step it then skipped (inf/NaN grads). torch's optimizers
+    leave no state for a step the scaler skipped, so the state_dict leaves it out too (a resumed
+    torch SGD would take a zero momentum buffer for one that had its first value). One host
+    read of the counts, per device."""
+    by_device: dict[torch.device, list[tuple[Any, Tensor]]] = {}
+    never: list[Any] = []
+    for pid in saved:
+        n = counts[pid] if isinstance(pid, int) and pid < len(counts) else None
+        if isinstance(n, Tensor) and n.numel() == 1 and not is_dtensor(n):
+            by_device.setdefault(n.device, []).append((pid, n))
+        elif isinstance(n, (int, float)) and n == 0:
+            never.append(pid)
+    for items in by_device.values():
+        values = torch.stack([n.detach().reshape(()).to(torch.float64) for _, n in items])
+        never += [pid for (pid, _), c in zip(items, values.tolist()) if c == 0]
+    return never

@@ -36,17 +36,16 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from fastamp._sharding import is_dtensor, local, local_state, wrap_like
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, FlatGrads, PendingClip
 from fastamp.optim import _family as family
 from fastamp.optim import lowbit
 from fastamp.optim._build import AdamLaunches, SgdLaunches, UpdateCounts
 from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._flat import FlatBuffers
-from fastamp.optim._state_dict import StateDictChecks
+from fastamp.optim._state_dict import StateDictChecks, saved_state_dict
 from fastamp.optim._step_checks import StepChecks
 from fastamp.optim._stepper import FusedStep, LaunchBuilder, Stepped
-from fastamp.optim.lowbit import FLOAT32, INT8, StateFormat
+from fastamp.optim.lowbit import FLOAT32, StateFormat
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import ParamsT
@@ -369,54 +368,13 @@ class _FusedOptimizer(AmpFusedOptimizer):
     def _own_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
         """torch's state_dict as fastamp returns it (see :meth:`state_dict`)."""
         params = [p for group in self.param_groups for p in group["params"]]
-        moments = self._FAMILY.moments
-        state = dict(sd["state"])
-        for pid, st in sd["state"].items():
-            p = params[pid] if isinstance(pid, int) and pid < len(params) else None
-            if p is None or not is_dtensor(p) or lowbit.format_of(st, moments) is not INT8:
-                continue
-            floats = INT8.decode(local_state(st), moments)
-            out = {k: v for k, v in st.items() if k not in lowbit.moment_keys(moments)}
-            out.update({k: wrap_like(p, v.reshape(local(p).shape)) for k, v in floats.items()})
-            state[pid] = out
-        for pid in self._never_updated(params, sd["state"]):
-            del state[pid]
-        sd["state"] = state
-        # The state of a fused step: a torch optimizer that loads it stays (or becomes) fused,
-        # as after loading torch's own fused=True state_dict (its groups' options are taken
-        # from the dict; fused=None would switch torch's AdamW(fused=True) to its for-loop
-        # step, which torch's GradScaler then refuses).
-        for group in sd["param_groups"]:
-            if "fused" in group:
-                group["fused"] = True
-        return sd
+        counts = [self._update_count(p, self.state.get(p) or {}) for p in params]
+        return saved_state_dict(sd, params, counts, self._FAMILY.moments)
 
     def _update_count(self, p: Tensor, state: Mapping[str, Any]) -> Any:
         """How many updates ``p``'s state has had (a number or a one-element tensor; None:
         unknown): Adam's ``step``."""
         return state.get("step")
-
-    def _never_updated(self, params: list[Tensor], saved: Mapping[Any, Any]) -> list[Any]:
-        """The entries of ``saved`` (state_dict()['state']) whose param was never updated: the
-        state a fused kernel made for a first step it then skipped (inf/NaN grads). torch's
-        optimizers leave no state for a step the scaler skipped, so the state_dict leaves it
-        out too (a resumed torch SGD would take a zero momentum buffer for one that had its
-        first value). One host read of the counts, per device."""
-        by_device: dict[torch.device, list[tuple[Any, Tensor]]] = defaultdict(list)
-        never: list[Any] = []
-        for pid in saved:
-            p = params[pid] if isinstance(pid, int) and pid < len(params) else None
-            if p is None:
-                continue
-            n = self._update_count(p, self.state.get(p) or {})
-            if isinstance(n, Tensor) and n.numel() == 1 and not is_dtensor(n):
-                by_device[n.device].append((pid, n))
-            elif isinstance(n, (int, float)) and n == 0:
-                never.append(pid)
-        for items in by_device.values():
-            counts = torch.stack([n.detach().reshape(()).to(torch.float64) for _, n in items])
-            never += [pid for (pid, _), c in zip(items, counts.tolist()) if c == 0]
-        return never
 
     def _after_load(self) -> None:
         """What an optimizer resets after a load (SGD: its update counts)."""

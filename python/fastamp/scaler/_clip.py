@@ -1,8 +1,9 @@
 """The arithmetic of ``GradScaler.clip_grad_norm_`` over an optimizer's grads, as functions of
 explicit inputs (the scaler keeps the per-iteration state): the argument checks, the read-only
 stats pass (inf flags and the norm, a :class:`GradNorm`, or DDP's measured statistics reused;
-over a sharded model's shards, both in one all-reduce), and the write pass (unscale and clip
-together) for optimizers that do not take the clip into their own kernel."""
+over a sharded model's shards, both in one all-reduce), the write pass (unscale and clip
+together) for optimizers that do not take the clip into their own kernel, and ``unscale_``'s
+pass and the read-only inf check of grads that a fused optimizer unscales itself."""
 
 from __future__ import annotations
 
@@ -115,3 +116,69 @@ def unscale_and_clip(
     for dev, entry in per_device.items():
         _ops.clip_unscale_(entry.grads, invs[dev], to_device(total_norm, dev), float(max_norm))
         written()
+
+
+_ONES: dict[torch.device, Tensor] = {}
+
+
+def ones(device: torch.device) -> Tensor:
+    """The inverse scale of grads that are not scaled (read by the kernels, never written)."""
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
+def inf_flags(
+    per_device: dict[torch.device, DeviceGrads],
+) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
+    """The read-only inf/NaN check of grads a fused optimizer unscales itself (torch's scaler
+    unscales them by 1.0 here, rewriting each): each device's found_inf (reduced over the
+    shards' ranks) and per-grad flags."""
+    found: dict[torch.device, Tensor] = {}
+    flags: dict[torch.device, Tensor] = {}
+    direct = direct_call_allowed()
+    for dev, entry in per_device.items():
+        keyset = backend_keyset(dev) if direct and entry.plain else None
+        f, _, flags[dev] = _ops.grad_stats(entry.grads, ones(dev), 2.0, keyset)
+        found[dev] = f if entry.shard is None else entry.shard.reduce_found(f)
+    return found, flags
+
+
+def unscale(
+    per_device: dict[torch.device, DeviceGrads],
+    inv_scale: Tensor,
+    found_inf: Tensor,
+    written: Callable[[], None],
+) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
+    """``unscale_``'s pass: each device's grads times ``inv_scale`` in place, flagged; returns
+    each device's found_inf (a copy of ``found_inf`` updated; over the shards' ranks for sharded
+    grads: every rank skips if any rank's shard overflowed) and per-grad flags. ``written()``
+    after each launch (the op checks all its input before writing any)."""
+    found: dict[torch.device, Tensor] = {}
+    flags: dict[torch.device, Tensor] = {}
+    for dev, entry in per_device.items():
+        f = found_inf.to(device=dev, non_blocking=True, copy=True)
+        flags[dev] = _ops.non_finite_check_and_unscale_(entry.grads, f, to_device(inv_scale, dev))
+        written()
+        found[dev] = f if entry.shard is None else entry.shard.reduce_found(f)
+    return found, flags
+
+
+def norm_reader(
+    inv_scale: Tensor,
+    norm_type: float,
+    max_norm: float,
+    device: torch.device,
+    reuse: tuple[Tensor, Tensor] | None,
+) -> Callable[[dict[torch.device, DeviceGrads]], GradNorm]:
+    """The clip's read of the grads, for :class:`fastamp.scaler._grads.GradReader.read`: the
+    stats pass over grads times ``inv_scale`` (each device's copy of it), or ``reuse`` (DDP's
+    measurement of these very grads) when they are on one device."""
+
+    def read(per_device: dict[torch.device, DeviceGrads]) -> GradNorm:
+        invs = {dev: to_device(inv_scale, dev) for dev in per_device}
+        measured = reuse if len(per_device) == 1 else None
+        return grad_norm(per_device, invs, norm_type, max_norm, device, measured)
+
+    return read

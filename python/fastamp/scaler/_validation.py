@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp._checks import integer, real
+from fastamp._checks import integer, is_real, real
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 INT32_MAX = 2**31 - 1  # the growth and hysteresis trackers are int32 tensors
@@ -101,3 +101,77 @@ def check_state_dict(sd: Mapping[str, Any], where: str = "GradScaler.load_state_
                 f"{where}: state_dict['min_scale'], state_dict['max_scale'] = {lo!r}, {hi!r}; "
                 "expected 0 <= min_scale <= max_scale with min_scale finite"
             )
+
+
+def check_bounds(min_scale: Any, max_scale: Any, init_scale: float | None) -> tuple[float, float]:
+    """The constructor's ``(min_scale, max_scale)`` as floats (0 and inf when None), checked, and
+    ``init_scale`` (None: a disabled scaler, not checked) within them."""
+    lo = (
+        0.0
+        if min_scale is None
+        else real(min_scale, "GradScaler", "min_scale", "a finite number >= 0")
+    )
+    hi = (
+        math.inf
+        if max_scale is None
+        else real(max_scale, "GradScaler", "max_scale", "a number >= min_scale")
+    )
+    if not (0.0 <= lo <= FLOAT32_MAX):
+        raise ValueError(
+            f"GradScaler: min_scale must be a finite number >= 0 (within float32's range), got "
+            f"{min_scale!r}"
+        )
+    if not (hi >= lo):
+        raise ValueError(f"GradScaler: max_scale must be >= min_scale ({lo}), got {max_scale!r}")
+    if init_scale is not None and not (lo <= init_scale <= hi):
+        raise ValueError(
+            f"GradScaler: init_scale={init_scale} is outside [min_scale, max_scale] = [{lo}, {hi}]"
+        )
+    return lo, hi
+
+
+def check_new_scale(new_scale: Any) -> float | Tensor:
+    """``update(new_scale)``'s argument: a float (0, inf, NaN and past float32's range refused;
+    PyTorch fills it as is) or a tensor (PyTorch's checks follow)."""
+    if isinstance(new_scale, float):
+        return check_scale(new_scale, "GradScaler.update", "new_scale")
+    if not isinstance(new_scale, Tensor):
+        # PyTorch takes anything else for a tensor and fails reading its .device: the same
+        # class, with what was expected.
+        hint = f" (pass {float(new_scale)!r})" if is_real(new_scale) else ""
+        raise AttributeError(
+            "GradScaler.update: new_scale must be a Python float or a one-element float32 "
+            f"tensor, got {type(new_scale).__name__} {new_scale!r}{hint}; "
+            "torch.amp.GradScaler raises AttributeError here too"
+        )
+    return new_scale
+
+
+def check_not_meta(outputs: Any) -> None:
+    """``scale(outputs)``: a loss on the meta device holds no data to scale."""
+    items = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
+    for t in items:
+        if isinstance(t, Tensor) and t.device.type == "meta":
+            raise RuntimeError(
+                "GradScaler.scale: outputs is on the meta device, which holds no data: its "
+                "gradients could not be checked for inf/NaN or unscaled, and the scale would be "
+                "created on meta. Expected a loss on a real device: materialise the model first "
+                "(model.to_empty(device=...), then initialise or load its weights)"
+            )
+
+
+def check_initialised(
+    scale: Tensor | None, growth_tracker: Tensor | None, funcname: str
+) -> tuple[Tensor, Tensor]:
+    """torch's check, with torch's messages (``scale()`` must have made the scale and the growth
+    tracker), written out because torch.compile does not trace into torch.amp.GradScaler's own
+    methods."""
+    fix = (
+        "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the "
+        "iteration."
+    )
+    if scale is None:
+        raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
+    if growth_tracker is None:
+        raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
+    return scale, growth_tracker

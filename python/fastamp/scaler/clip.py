@@ -20,11 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp._library import backend_keyset, direct_call_allowed
 from fastamp._step import to_device
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats, PendingClip
 from fastamp.scaler import diagnostics
-from fastamp.scaler._clip import GradNorm, check_clip_arguments, grad_norm, unscale_and_clip
+from fastamp.scaler._clip import GradNorm, check_clip_arguments, grad_norm, ones, unscale_and_clip
 from fastamp.scaler._grads import DeviceGrads, GradReader
 from fastamp.scaler.diagnostics import OverflowReport
 
@@ -52,20 +51,8 @@ class NonfiniteGuard:
     def note(self, key: int, entries: list[tuple[DeviceGrads, Tensor]], found: Tensor) -> None:
         """This clip's flags kept when ``found > 0`` (indexed by the skips before it), then
         ``skipped`` counts it: three device ops, no sync."""
-        dev = self.skipped.device
-        keyset = backend_keyset(dev) if direct_call_allowed() else None
         if entries:
-            flags = [to_device(f, dev) for _, f in entries]
-            repeats = None
-            if any(entry.counts is not None for entry, _ in entries):
-                repeats = [n for e, _ in entries for n in e.counts or [1] * len(e.grads)]
-            diagnostics.record(
-                self.records, key,
-                ids=[entry.param_ids for entry, _ in entries],
-                places=[entry.places for entry, _ in entries],
-                flags=flags[0] if len(flags) == 1 else torch.cat(flags),
-                found_inf=found, update_count=self.skipped, repeats=repeats, keyset=keyset,
-            )  # fmt: skip
+            diagnostics.record_flags(self.records, key, entries, found, self.skipped)
         self.skipped.add_(found > 0)
 
     def report(self, model: torch.nn.Module | None = None) -> OverflowReport:
@@ -114,7 +101,6 @@ UNSCALED_STATS = UnscaledStats()
 # optimizer's record, shared by every caller of clip_grad_norm_.
 _READER = GradReader()
 _GUARDS: weakref.WeakKeyDictionary[Any, NonfiniteGuard] = weakref.WeakKeyDictionary()
-_ONES: dict[torch.device, Tensor] = {}
 
 
 def nonfinite_guard(optimizer: torch.optim.Optimizer) -> NonfiniteGuard | None:
@@ -124,14 +110,6 @@ def nonfinite_guard(optimizer: torch.optim.Optimizer) -> NonfiniteGuard | None:
         return _GUARDS.get(optimizer)
     except TypeError:
         return None
-
-
-def _ones(device: torch.device) -> Tensor:
-    """The inverse scale of grads that are not scaled (read by the kernels, never written)."""
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
 
 
 def _torch_norm_dtype(per_device: dict[torch.device, DeviceGrads]) -> torch.dtype:
@@ -209,8 +187,8 @@ def _apply_pending(optimizer: Any, pending: PendingClip) -> None:
             "clip, or optimizer.zero_grad() to drop it"
         )
     per_device = _READER.collect(optimizer, True, _CALLER)
-    ones = {dev: _ones(dev) for dev in per_device}
-    unscale_and_clip(per_device, ones, pending.total_norm, pending.max_norm, lambda: None)
+    invs = {dev: ones(dev) for dev in per_device}
+    unscale_and_clip(per_device, invs, pending.total_norm, pending.max_norm, lambda: None)
     optimizer.pending_clip = None
 
 
@@ -223,13 +201,13 @@ def _clip(
     fused: bool,
 ) -> Tensor:
     def read(per_device: dict[torch.device, DeviceGrads]) -> GradNorm:
-        ones = {dev: _ones(dev) for dev in per_device}
+        invs = {dev: ones(dev) for dev in per_device}
         first = next(iter(per_device), torch.device("cpu"))
         reuse = None
         if norm_type == 2.0 and len(per_device) == 1 and not torch.compiler.is_compiling():
             # fastamp's DDP already read these grads for the inf check and the sum of squares.
             reuse = UNSCALED_STATS.reusable(optimizer)
-        return grad_norm(per_device, ones, norm_type, max_norm, first, reuse)
+        return grad_norm(per_device, invs, norm_type, max_norm, first, reuse)
 
     if fused:  # only read: the reader leaves the checks to the op (see GradReader.read)
         per_device, (found, flags, total_norm, coef) = _READER.read(optimizer, _CALLER, read)
@@ -255,8 +233,8 @@ def _clip(
             AmpStep(None, found_total, coef), total_norm, max_norm, params
         )
     else:
-        ones = {dev: _ones(dev) for dev in per_device}
-        unscale_and_clip(per_device, ones, total_norm, max_norm, lambda: None)
+        invs = {dev: ones(dev) for dev in per_device}
+        unscale_and_clip(per_device, invs, total_norm, max_norm, lambda: None)
     dtype = _torch_norm_dtype(per_device)
     return total_norm if dtype is torch.float32 else total_norm.to(dtype)
 

@@ -8,6 +8,7 @@ step); :func:`report` reads them back (one sync, meant for after a NaN loss) as 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -17,9 +18,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastamp._library import backend_keyset, direct_call_allowed
+from fastamp._step import to_device
 from fastamp.scaler import _ops
+from fastamp.scaler._grads import DeviceGrads
 
-__all__ = ["OverflowRecord", "OverflowReport", "record", "report"]
+__all__ = [
+    "OverflowRecord",
+    "OverflowReport",
+    "record",
+    "record_flags",
+    "report",
+    "warn_small_scale",
+]
 
 
 @dataclass
@@ -131,3 +142,40 @@ def report(
     if best is None:
         return OverflowReport(None, [])
     return OverflowReport(best[0], best[1])
+
+
+def record_flags(
+    records: dict[int, OverflowRecord],
+    opt_id: int,
+    entries: Sequence[tuple[DeviceGrads, Tensor]],
+    found_inf: Tensor,
+    update_count: Tensor,
+) -> None:
+    """:func:`record` of one optimizer's per-device grads and flags (``entries``, from the inf
+    check of its iteration), brought to ``update_count``'s device; device ops only."""
+    dev = update_count.device
+    keyset = backend_keyset(dev) if direct_call_allowed() else None
+    flags = [to_device(f, dev) for _, f in entries]
+    repeats = None
+    if any(entry.counts is not None for entry, _ in entries):
+        repeats = [n for entry, _ in entries for n in entry.counts or [1] * len(entry.grads)]
+    record(
+        records, opt_id,
+        ids=[entry.param_ids for entry, _ in entries],
+        places=[entry.places for entry, _ in entries],
+        flags=flags[0] if len(flags) == 1 else torch.cat(flags),
+        found_inf=to_device(found_inf, dev), update_count=update_count, repeats=repeats,
+        keyset=keyset,
+    )  # fmt: skip
+
+
+def warn_small_scale(scale_val: float) -> None:
+    """The scaler's one warning when the scale falls below 1 (the grads overflow unscaled)."""
+    warnings.warn(
+        f"fastamp.GradScaler: the loss scale fell to {scale_val:g} (< 1). Gradients overflow even "
+        "unscaled: the loss or some activations are inf/NaN on their own. Check the data and the "
+        "learning rate; overflow_report() names the parameters involved. bf16-pretrained models "
+        "often overflow in fp16: prefer bf16 autocast for them.",
+        RuntimeWarning,
+        stacklevel=4,
+    )

@@ -14,128 +14,51 @@ accept it unchanged. What changes underneath:
 * the scale update runs on the device with optional hysteresis and bounds;
 * diagnostics: :meth:`last_step_skipped` (a device tensor, no sync) and :meth:`overflow_report`.
 
-One concern in one file, the scaler's state machine: :class:`GradScaler`, with what it keeps for
-one optimizer from its first ``unscale_`` / ``clip_grad_norm_`` / ``step`` of an iteration until
-``update()`` (:class:`OptimizerIteration`, beside PyTorch's own per-optimizer entry, which keeps
-PyTorch's keys only, and its :class:`ClipStep`: what ``clip_grad_norm_`` hands the fused step),
-and the all-or-nothing rule of its public calls (:class:`Transaction`: a call that raises before
-writing a grad leaves both as they were). The clip's arithmetic (:mod:`fastamp.scaler._clip`) and
-the state_dict checks are functions it calls with explicit inputs.
+One concern in one file, the scaler's state machine: :class:`GradScaler`. What it keeps of each
+optimizer's iteration and its all-or-nothing rule are in :mod:`fastamp.scaler._iteration`; the
+clip's arithmetic (:mod:`fastamp.scaler._clip`) and the state_dict checks are functions it calls
+with explicit inputs.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
-from fastamp._checks import is_real, real
 from fastamp._library import backend_keyset, direct_call_allowed
 from fastamp._step import to_device
 from fastamp.handoff import AmpFusedOptimizer, AmpStep, GradStats
 from fastamp.scaler import _ops, _state, diagnostics
 from fastamp.scaler._clip import (
-    GradNorm,
     check_clip_arguments,
-    grad_norm,
+    inf_flags,
+    norm_reader,
+    ones,
+    unscale,
     unscale_and_clip,
 )
 from fastamp.scaler._grads import DeviceGrads, GradReader
+from fastamp.scaler._iteration import ClipStep, OptimizerIteration, RestoreOnError, Transaction
 from fastamp.scaler._validation import (
-    FLOAT32_MAX,
     check_backoff_factor,
+    check_bounds,
     check_growth_factor,
     check_growth_interval,
     check_hysteresis,
+    check_initialised,
+    check_new_scale,
+    check_not_meta,
     check_scale,
 )
 from fastamp.scaler.clip import clip_grad_norm_
 from fastamp.scaler.diagnostics import OverflowReport
 
 __all__ = ["GradScaler", "OptState", "OverflowReport"]
-
-
-@dataclass(frozen=True)
-class ClipStep:
-    """What ``clip_grad_norm_`` leaves for a fused optimizer's step: the grads are still scaled,
-    and the kernel multiplies them by ``inv_scale * clip_coef``. ``total_norm`` and ``max_norm``
-    are kept for a second ``clip_grad_norm_`` in the same iteration, which first makes this
-    write pass itself (the grads as torch's ``unscale_`` + ``clip_grad_norm_`` leave them)."""
-
-    inv_scale: Tensor
-    clip_coef: Tensor
-    total_norm: Tensor
-    max_norm: float
-
-
-@dataclass
-class OptimizerIteration:
-    """fastamp's record of one optimizer's iteration (see the module docstring)."""
-
-    # Each device's grads with their per-grad inf flags (for overflow_report()).
-    flags: list[tuple[DeviceGrads, Tensor]] = field(default_factory=list)
-    # clip_grad_norm_'s result for a fused optimizer's step, until that step takes it.
-    clip: ClipStep | None = None
-    # The inf flags summed over devices, once the step began (step, last_step_skipped and
-    # update all read it; its inputs no longer change).
-    found_total: Tensor | None = None
-
-    def copy(self) -> OptimizerIteration:
-        return OptimizerIteration(list(self.flags), self.clip, self.found_total)
-
-
-class Transaction:
-    """One public call's changes to the per-iteration state of one optimizer, undone if the call
-    raises before it wrote a grad (:meth:`grads_written`): PyTorch leaves a fresh entry behind
-    (its ``_per_optimizer_states`` is a defaultdict), after which the scaler refuses to be pickled,
-    and a failing fused step would leave inf checks that a retry then mixes with new ones. Once a
-    grad has been written the new stage is the truth and is kept."""
-
-    def __init__(
-        self,
-        states: Any,
-        iterations: dict[int, OptimizerIteration],
-        key: int,
-        outer: Transaction | None,
-    ) -> None:
-        self.states = states
-        self.iterations = iterations
-        self.key = key
-        self.outer = outer
-        self.wrote = False
-        self._saved = None
-        if key in states:  # `in` does not create an entry
-            saved = dict(states[key])
-            if isinstance(saved.get("found_inf_per_device"), dict):
-                saved["found_inf_per_device"] = dict(saved["found_inf_per_device"])
-            self._saved = saved
-        record = iterations.get(key)
-        self._saved_record = None if record is None else record.copy()
-
-    def grads_written(self) -> None:
-        self.wrote = True
-        if self.outer is not None:
-            self.outer.grads_written()
-
-    def undo(self, states: Any) -> None:
-        """Puts the entries back (unless a grad was written, or update() replaced the dicts)."""
-        if states is not self.states or self.wrote:
-            return
-        if self._saved is None:
-            states.pop(self.key, None)
-        else:
-            states[self.key] = self._saved
-        if self._saved_record is None:
-            self.iterations.pop(self.key, None)
-        else:
-            self.iterations[self.key] = self._saved_record
 
 
 def _inverse(scale: Tensor) -> Tensor:
@@ -147,27 +70,6 @@ def _inverse(scale: Tensor) -> Tensor:
 
 def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, AmpFusedOptimizer)
-
-
-class _RestoreOnError:
-    """``with scaler._restore_on_error(optimizer) as tx``: the block's :class:`Transaction`
-    (already the scaler's current one), closed by ``close(tx, failed)`` when the block ends (the
-    scaler undoes it if the block raised and puts the outer one back). A class rather than a
-    ``contextlib.contextmanager`` generator: three of these open per training step, and the
-    generator's machinery costs about 1 us each."""
-
-    __slots__ = ("tx", "close")
-
-    def __init__(self, tx: Transaction, close: Callable[[Transaction, bool], None]) -> None:
-        self.tx = tx
-        self.close = close
-
-    def __enter__(self) -> Transaction:
-        return self.tx
-
-    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> Literal[False]:
-        self.close(self.tx, exc_type is not None)
-        return False
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -204,13 +106,9 @@ class GradScaler(torch.amp.GradScaler):
         max_scale: float | None = None,
     ) -> None:
         super().__init__(
-            device,
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            enabled=enabled,
-        )
+            device, init_scale=init_scale, growth_factor=growth_factor,
+            backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled,
+        )  # fmt: skip
         if self._enabled:
             # After PyTorch's own checks, so its AssertionErrors come first, as with torch.amp.
             check_scale(init_scale, "GradScaler", "init_scale")
@@ -218,29 +116,7 @@ class GradScaler(torch.amp.GradScaler):
             check_backoff_factor(backoff_factor, "GradScaler", "backoff_factor")
             check_growth_interval(growth_interval, "GradScaler", "growth_interval")
         check_hysteresis(hysteresis, "GradScaler", "hysteresis")
-        lo = (
-            0.0
-            if min_scale is None
-            else real(min_scale, "GradScaler", "min_scale", "a finite number >= 0")
-        )
-        hi = (
-            math.inf
-            if max_scale is None
-            else real(max_scale, "GradScaler", "max_scale", "a number >= min_scale")
-        )
-        if not (0.0 <= lo <= FLOAT32_MAX):
-            raise ValueError(
-                f"GradScaler: min_scale must be a finite number >= 0 (within float32's range), got "
-                f"{min_scale!r}"
-            )
-        if not (hi >= lo):
-            raise ValueError(
-                f"GradScaler: max_scale must be >= min_scale ({lo}), got {max_scale!r}"
-            )
-        if self._enabled and not (lo <= init_scale <= hi):
-            raise ValueError(
-                f"GradScaler: init_scale={init_scale} is outside [min_scale, max_scale] = [{lo}, {hi}]"
-            )
+        lo, hi = check_bounds(min_scale, max_scale, init_scale if self._enabled else None)
         self._hysteresis = hysteresis
         self._min_scale = lo
         self._max_scale = hi
@@ -282,16 +158,7 @@ class GradScaler(torch.amp.GradScaler):
 
     def scale(self, outputs: Any) -> Any:
         if self._enabled:
-            items = outputs if isinstance(outputs, (list, tuple)) else (outputs,)
-            for t in items:
-                if isinstance(t, Tensor) and t.device.type == "meta":
-                    raise RuntimeError(
-                        "GradScaler.scale: outputs is on the meta device, which holds no data: its "
-                        "gradients could not be checked for inf/NaN or unscaled, and the scale "
-                        "would be created on meta. Expected a loss on a real device: materialise "
-                        "the model first (model.to_empty(device=...), then initialise or load "
-                        "its weights)"
-                    )
+            check_not_meta(outputs)
         return super().scale(outputs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -313,13 +180,13 @@ class GradScaler(torch.amp.GradScaler):
     def _iteration(self, optimizer: torch.optim.Optimizer) -> OptimizerIteration:
         return self._iterations.setdefault(id(optimizer), OptimizerIteration())
 
-    def _restore_on_error(self, optimizer: torch.optim.Optimizer) -> _RestoreOnError:
+    def _restore_on_error(self, optimizer: torch.optim.Optimizer) -> RestoreOnError:
         """The call inside, all or nothing for the optimizer's per-iteration state (see
         :class:`Transaction`)."""
         tx = self._transaction = Transaction(
             self._per_optimizer_states, self._iterations, id(optimizer), self._transaction
         )
-        return _RestoreOnError(tx, self._close_transaction)
+        return RestoreOnError(tx, self._close_transaction)
 
     def _close_transaction(self, tx: Transaction, failed: bool) -> None:
         if failed:
@@ -345,15 +212,7 @@ class GradScaler(torch.amp.GradScaler):
         """torch's check, with torch's messages (``scale()`` must have made the scale and the
         growth tracker), written here because torch.compile does not trace into
         ``torch.amp.GradScaler``'s own methods."""
-        fix = (
-            "This may indicate your script did not use scaler.scale(loss or outputs) earlier in "
-            "the iteration."
-        )
-        if self._scale is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + fix)
-        if self._growth_tracker is None:
-            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
-        return self._scale, self._growth_tracker
+        return check_initialised(self._scale, self._growth_tracker, funcname)
 
     def _collect(
         self, optimizer: torch.optim.Optimizer, allow_fp16: bool, caller: str = "unscale_"
@@ -368,17 +227,8 @@ class GradScaler(torch.amp.GradScaler):
         allow_fp16: bool,
     ) -> dict[torch.device, Tensor]:
         per_device = self._collect(optimizer, allow_fp16)
-        found: dict[torch.device, Tensor] = {}
-        flags: dict[torch.device, Tensor] = {}
         with torch.no_grad():
-            for dev, entry in per_device.items():
-                f = found_inf.to(device=dev, non_blocking=True, copy=True)
-                flags[dev] = _ops.non_finite_check_and_unscale_(
-                    entry.grads, f, to_device(inv_scale, dev)
-                )
-                self._grads_written()  # the op checks all its input before writing any
-                # Sharded grads (FSDP2): every rank skips if any rank's shard overflowed.
-                found[dev] = f if entry.shard is None else entry.shard.reduce_found(f)
+            found, flags = unscale(per_device, inv_scale, found_inf, self._grads_written)
         self._record_flags(optimizer, per_device, flags)
         return found
 
@@ -389,23 +239,9 @@ class GradScaler(torch.amp.GradScaler):
     ) -> dict[torch.device, Tensor]:
         # For optimizers that unscale inside their own kernel (fused=True): a read-only inf/NaN
         # check. PyTorch unscales by 1.0 here, rewriting every grad to itself.
-        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
-        one = torch.ones((), dtype=torch.float32, device=scale.device)
-
-        def read(
-            per_device: dict[torch.device, DeviceGrads],
-        ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
-            found: dict[torch.device, Tensor] = {}
-            flags: dict[torch.device, Tensor] = {}
-            direct = direct_call_allowed()
-            for dev, entry in per_device.items():
-                keyset = backend_keyset(dev) if direct and entry.plain else None
-                f, _, flags[dev] = _ops.grad_stats(entry.grads, to_device(one, dev), 2.0, keyset)
-                found[dev] = f if entry.shard is None else entry.shard.reduce_found(f)
-            return found, flags
-
+        self._check_scale_growth_tracker("_check_inf_per_device")
         with torch.no_grad():
-            per_device, (found, flags) = self._reader.read(optimizer, "unscale_", read)
+            per_device, (found, flags) = self._reader.read(optimizer, "unscale_", inf_flags)
         self._optimizer_state(optimizer)["found_inf_per_device"] = found
         self._record_flags(optimizer, per_device, flags)
         return found
@@ -488,26 +324,15 @@ class GradScaler(torch.amp.GradScaler):
         # A fastamp fused optimizer takes the clip coefficient into its own kernel: the grads are
         # only read here (so fp16 grads are fine), and unscaled + clipped in the update pass.
         fused = isinstance(optimizer, AmpFusedOptimizer) and not already_unscaled
-        if already_unscaled:
-            inv_scale = torch.ones((), dtype=torch.float32, device=scale.device)
-        else:
-            inv_scale = _inverse(scale)
-
-        def read(per_device: dict[torch.device, DeviceGrads]) -> GradNorm:
-            """The stats pass (or DDP's, when it measured these very grads)."""
-            invs = {dev: to_device(inv_scale, dev) for dev in per_device}
-            reuse = None
-            if (
-                norm_type == 2.0
-                and not already_unscaled
-                and len(per_device) == 1
-                and self._ddp_stats is not None
-            ):
-                # DDP's unpack already read these grads for the inf check and the sum of squares.
-                params = [p for g in optimizer.param_groups for p in g["params"]]
-                if self._ddp_stats.current_for(params, self._scale):
-                    reuse = (self._ddp_stats.found_inf, self._ddp_stats.sum_sq)
-            return grad_norm(per_device, invs, norm_type, max_norm, scale.device, reuse)
+        inv_scale = ones(scale.device) if already_unscaled else _inverse(scale)
+        reuse = None
+        stats = self._ddp_stats
+        if norm_type == 2.0 and not already_unscaled and stats is not None:
+            # DDP's unpack already read these grads for the inf check and the sum of squares.
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if stats.current_for(params, self._scale):
+                reuse = (stats.found_inf, stats.sum_sq)
+        read = norm_reader(inv_scale, norm_type, max_norm, scale.device, reuse)
 
         with torch.no_grad():
             if fused:  # the grads are only read here: their plan leaves the checks to the op
@@ -634,18 +459,7 @@ class GradScaler(torch.amp.GradScaler):
             return
         if new_scale is not None:
             self._check_scale_growth_tracker("update")  # PyTorch's error first
-            if isinstance(new_scale, float):
-                # PyTorch fills a float as is; 0, inf, NaN and past float32's range are refused.
-                new_scale = check_scale(new_scale, "GradScaler.update", "new_scale")
-            elif not isinstance(new_scale, Tensor):
-                # PyTorch takes anything else for a tensor and fails reading its .device: the
-                # same class, with what was expected.
-                hint = f" (pass {float(new_scale)!r})" if is_real(new_scale) else ""
-                raise AttributeError(
-                    "GradScaler.update: new_scale must be a Python float or a one-element float32 "
-                    f"tensor, got {type(new_scale).__name__} {new_scale!r}{hint}; "
-                    "torch.amp.GradScaler raises AttributeError here too"
-                )
+            new_scale = check_new_scale(new_scale)
             super().update(new_scale)
             self._iterations = {}
             return
@@ -662,18 +476,10 @@ class GradScaler(torch.amp.GradScaler):
         for f in found_infs[1:]:
             found = found + f
         _ops.update_scale_(
-            scale,
-            growth_tracker,
-            hysteresis_tracker,
-            found,
-            self._growth_factor,
-            self._backoff_factor,
-            self._growth_interval,
-            self._hysteresis,
-            self._min_scale,
-            self._max_scale,
-            backend_keyset(scale.device) if direct_call_allowed() else None,
-        )
+            scale, growth_tracker, hysteresis_tracker, found, self._growth_factor,
+            self._backoff_factor, self._growth_interval, self._hysteresis, self._min_scale,
+            self._max_scale, backend_keyset(scale.device) if direct_call_allowed() else None,
+        )  # fmt: skip
         self._record_overflow(update_count)
         update_count.add_(1)
         self._ddp_stats = None
@@ -682,27 +488,11 @@ class GradScaler(torch.amp.GradScaler):
 
     def _record_overflow(self, update_count: Tensor) -> None:
         """Keeps, per optimizer, the flags of its last overflowing step; device ops only."""
-        keyset = backend_keyset(update_count.device) if direct_call_allowed() else None
         for opt_id, state in self._per_optimizer_states.items():
             record = self._iterations.get(opt_id)
-            entries = record.flags if record is not None else None
-            if not entries or not state["found_inf_per_device"]:
-                continue
-            dev = update_count.device
-            flags = [to_device(f, dev) for _, f in entries]
-            repeats = None
-            if any(entry.counts is not None for entry, _ in entries):
-                repeats = [
-                    n for entry, _ in entries for n in entry.counts or [1] * len(entry.grads)
-                ]
-            diagnostics.record(
-                self._diag, opt_id,
-                ids=[entry.param_ids for entry, _ in entries],
-                places=[entry.places for entry, _ in entries],
-                flags=flags[0] if len(flags) == 1 else torch.cat(flags),
-                found_inf=to_device(self._found_total(opt_id, state), dev),
-                update_count=update_count, repeats=repeats, keyset=keyset,
-            )  # fmt: skip
+            if record is not None and record.flags and state["found_inf_per_device"]:
+                found = self._found_total(opt_id, state)
+                diagnostics.record_flags(self._diag, opt_id, record.flags, found, update_count)
 
     # ------------------------------------------------------------------ state
     def _get_hysteresis_tracker(self) -> int:
@@ -782,14 +572,7 @@ class GradScaler(torch.amp.GradScaler):
     def _maybe_warn_scale(self, scale_val: float) -> None:
         if scale_val < 1.0 and not self._warned_small_scale:
             self._warned_small_scale = True
-            warnings.warn(
-                f"fastamp.GradScaler: the loss scale fell to {scale_val:g} (< 1). Gradients overflow "
-                "even unscaled: the loss or some activations are inf/NaN on their own. Check the "
-                "data and the learning rate; overflow_report() names the parameters involved. "
-                "bf16-pretrained models often overflow in fp16: prefer bf16 autocast for them.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            diagnostics.warn_small_scale(scale_val)
 
     def set_growth_factor(self, new_factor: float) -> None:
         super().set_growth_factor(
