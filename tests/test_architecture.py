@@ -539,3 +539,36 @@ def test_stable_abi_scanner_catches_and_allows():
 def test_csrc_uses_only_the_stable_abi(path):
     bad = unstable_uses(path.read_text())
     assert not bad, f"{path.relative_to(ROOT)} reaches past the LibTorch stable ABI: {bad}"
+
+
+def test_docs_architecture_places_every_python_file():
+    """docs/architecture.md's "Where things go" table names every file of python/fastamp (a row
+    may name several files of one folder, `dir/a.py`, `b.py`, or a whole folder, `dir/`), and
+    names no file that does not exist."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("Python (`python/fastamp/`") : doc.index("C++ (`csrc/`)")]
+    named: set[str] = set()
+    folders: set[str] = set()
+    for row in re.findall(r"^\| (`[^|]+) \|", table, flags=re.M):
+        folder = ""
+        for item in re.findall(r"`([\w/.]+)`", row):
+            if item.endswith("/"):
+                folders.add(item)
+                continue
+            if "/" in item:
+                folder = item.rsplit("/", 1)[0] + "/"
+                named.add(item)
+            else:
+                named.add(folder + item)
+    files = {str(p.relative_to(PY)) for p in _py_files()}
+    # (a capability's __init__.py holds its public names, as the table's first row says)
+    unplaced = sorted(
+        f
+        for f in files
+        if f not in named
+        and not any(f.startswith(d) for d in folders)
+        and not f.endswith("/__init__.py")
+    )
+    assert not unplaced, f"docs/architecture.md does not place {unplaced}"
+    missing = sorted(n for n in named if n not in files)
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"

@@ -242,7 +242,7 @@ def direct_call_allowed() -> bool:
 def call_direct(op: Any, keyset: Any, written: Sequence[Tensor], *args: Any) -> Any:
     """``op(*args)`` at its backend kernel (``keyset``, from :func:`backend_keyset`), for the
     steady-state step paths whose every tensor argument is a plain dense tensor on that backend
-    (their plans checked the types) and only when :func:`direct_call_allowed`: what the dispatcher
+    (their replays checked the types) and only when :func:`direct_call_allowed`: what the dispatcher
     would do above the kernel is done here. The autograd and autocast keys have no kernel for
     fastamp's ops and (the caller checked) autograd has nothing to record, so they would pass the
     call on as it is; the

@@ -1,8 +1,8 @@
 """What the step paths of the scaler and the optimizers share, both on every step:
 
-* :func:`same_params` -- what the step plans of the optimizers (fastamp.optim._plan,
+* :func:`same_params` -- what the step replays of the optimizers (fastamp.optim._replay,
   fastamp.optim._flat) and of the scaler (fastamp.scaler._grads) check first: the param groups
-  and their params are the ones the plan was built from;
+  and their params are the ones the replay was built from;
 * :func:`to_device` -- the step's small device tensors (scales, flags, norms) moved where a
   kernel reads them.
 """
@@ -21,7 +21,7 @@ def same_params(
     groups: list[dict[str, Any]], group_dicts: list[dict[str, Any]], params: list[Tensor]
 ) -> list[Tensor] | None:
     """The params of ``groups`` in order (the group's own list when there is one group: read it,
-    do not keep or change it), or None when a group dict or a param is not the one a plan
+    do not keep or change it), or None when a group dict or a param is not the one a replay
     recorded (``group_dicts``, ``params``, compared by identity at C speed)."""
     if len(groups) == 1:
         if len(group_dicts) != 1 or groups[0] is not group_dicts[0]:

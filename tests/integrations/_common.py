@@ -65,7 +65,7 @@ EXTRA_PASS_OPS = (
 
 def adam_launches(counts: Mapping[str, int]) -> int:
     """The fused Adam updates counted: through the list-taking op (a full step) or its held
-    variant (a planned step, fastamp.optim._plan)."""
+    variant (a planned step, fastamp.optim._replay)."""
     return counts.get("fastamp.adam_step_", 0) + counts.get("fastamp.adam_step_held_", 0)
 
 

@@ -1,5 +1,5 @@
 """The steady-state step's direct kernel calls (fastamp._library.call_direct) and the scaler's
-read-only grad plan (GradPlan.collect(read_only=True)).
+read-only grad plan (GradReplay.collect(read_only=True)).
 
 - A planned step calls the backend kernels of ``grad_stats``, the held step ops and
   ``update_scale_`` directly (with flat buffers too: the scaler reads the grad buffers
@@ -194,7 +194,7 @@ def test_read_only_grad_plan_then_a_changed_grad_is_handled_as_without_a_plan(ch
     model, opt, scaler = _setup()
     for k in range(3):
         _step(model, opt, scaler, k, clip=clip)
-    assert scaler._reader.plans.get(opt) is not None
+    assert scaler._reader.replays.get(opt) is not None
     fresh_model = copy.deepcopy(model)
     fresh_opt = fastamp.optim.AdamW(fresh_model.parameters(), lr=1e-2)
     fresh_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # its own state tensors

@@ -1,4 +1,4 @@
-"""The step plans (fastamp.optim._plan.StepPlan, fastamp.scaler._grads.GradPlan) see every change
+"""The step replays (fastamp.optim._replay.StepReplay, fastamp.scaler._grads.GradReplay) see every change
 they depend on: after a few steps (a plan in use), each change below is made to a torch optimizer
 and to fastamp's on identical models, and the next steps must give the same params and state as
 torch's. Each test first checks that a plan was in use, so the steady state is what is tested."""
@@ -246,7 +246,7 @@ def test_plan_refused_grad_reported_as_the_full_step_reports_it():
 
 
 def test_grad_plan_sees_an_fp16_grad_for_unscale():
-    """The scaler's GradPlan: a float16 grad appearing later is refused by unscale_ as by torch."""
+    """The scaler's GradReplay: a float16 grad appearing later is refused by unscale_ as by torch."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = fastamp.GradScaler("cpu")
@@ -256,7 +256,7 @@ def test_grad_plan_sees_an_fp16_grad_for_unscale():
         scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
-    assert len(scaler._reader.plans) == 1
+    assert len(scaler._reader.replays) == 1
     _grads([model], 9)
     model[2].half()  # params and grads: a float16 grad where a float32 one was
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointError, noop_context_fn
 
 from fastamp.checkpoint import accounting
 from fastamp.checkpoint._determinism import bitwise_context_fn, checked_context_fn
-from fastamp.checkpoint._replay import RngReplay
+from fastamp.checkpoint._rng_fork import RngFork
 
 __all__ = ["checkpoint", "checkpoint_sequential", "CheckpointError"]
 
@@ -120,7 +120,7 @@ def _checkpoint(
     torch_rng = False  # whether torch's own RNG stash does the replay
     if preserve_rng_state and grad_enabled:
         if _cuda_initialized():
-            run = RngReplay(function)  # every initialised CUDA generator, and the CPU one
+            run = RngFork(function)  # every initialised CUDA generator, and the CPU one
         else:
             # Only the CPU generator exists: PyTorch's stash of it is exactly that replay, and
             # reusing it costs nothing on top of torch's checkpoint.
@@ -156,7 +156,7 @@ def _checkpoint(
             _GENERATOR, run, args, kwargs, torch_rng, context_fn, torch_check, debug, early_stop
         )
     if torch_rng and _cuda_initialized():
-        RngReplay.warn_newly_used("all initialised")
+        RngFork.warn_newly_used("all initialised")
     return out
 
 

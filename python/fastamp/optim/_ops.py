@@ -7,8 +7,8 @@ and spreads them into the op's schema in one place. The step ops mutate their in
 nothing; the fake kernels check what a trace can check (devices) and return None.
 
 The ``*_held_`` variants take a :class:`HeldTensors` (every list of the op but the grads, held by
-the op library between calls) in place of those lists: a step plan (fastamp.optim._plan) holds
-its lists once and boxes only the grads at each step. They have no fake kernels: a plan is not
+the op library between calls) in place of those lists: a step replay (fastamp.optim._replay) holds
+its lists once and boxes only the grads at each step. They have no fake kernels: a replay is not
 used while tracing (the full step calls the list-taking ops).
 """
 
@@ -225,7 +225,7 @@ def _release_held(handle: int) -> None:
 
 
 def _call_held(name: str, written: Sequence[Tensor], keyset: Any, *args: Any) -> None:
-    """Calls held op ``name``, then bumps ``written``; with a ``keyset`` (a plan's launch whose
+    """Calls held op ``name``, then bumps ``written``; with a ``keyset`` (a replay's launch whose
     grads are plain tensors, on a thread where :func:`fastamp._library.direct_call_allowed`) and
     no tensor subclass among the other arguments (the scaler's scalars, a tensor lr), straight at
     that backend's kernel (:func:`fastamp._library.call_direct`)."""

@@ -118,8 +118,8 @@ class StepReplay:
         # One launch over every param in order: its grads are this step's list as it is.
         self.whole = len(launches) == 1 and self.indexes[0] == list(range(len(params)))
         # With more than one launch, what the params are made of is compared here too (see
-        # _layout_of), so a later launch's kernel cannot be the first to refuse a param.
-        self.layout = None if len(launches) == 1 else _layout_of(params)
+        # _made_of), so a later launch's kernel cannot be the first to refuse a param.
+        self.layout = None if len(launches) == 1 else _made_of(params)
         # A param's dtype decides its state format and master weights: compared in any case.
         self.dtypes = list(map(_DTYPE, params))
 
@@ -153,7 +153,7 @@ class StepReplay:
             # All or nothing across launches: a later launch's kernel must not be the first to
             # see a param or grad it refuses (then the full step raises its error, or rebuilds
             # the state it needs, with nothing written).
-            if _layout_of(params) != self.layout:
+            if _made_of(params) != self.layout:
                 return None
             for launch, gs in zip(self.launches, out):
                 for g, kp in zip(gs, launch.kparams):
@@ -165,7 +165,7 @@ class StepReplay:
 _GRAD = attrgetter("grad")
 
 
-def _layout_of(params: list[Tensor]) -> list[list[Any]]:
+def _made_of(params: list[Tensor]) -> list[list[Any]]:
     """The dtypes, devices, shapes and strides of ``params`` (compared at C speed)."""
     return [
         list(map(_DTYPE, params)),

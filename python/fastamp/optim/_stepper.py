@@ -68,7 +68,7 @@ class FusedStep:
         self.flat_buffers = flat_buffers
         self.replay: StepReplay | None = None
         self.flat: FlatBuffers | None = None
-        self.flat_handoff: FlatGrads | None = None
+        self.flat_grads_cache: FlatGrads | None = None
 
     def run(self, groups: list[dict[str, Any]], state: Any, amp: AmpStep) -> Stepped | None:
         """One step; None when it stepped no param."""
@@ -174,7 +174,7 @@ class FusedStep:
                    for i, p in enumerate(grp["params"])}  # fmt: skip
             members = [[id(flat.inside[m]) for s in flat.segments if s.buffer == b
                         for m in s.members] for b in range(len(flat.grad_buffers))]  # fmt: skip
-            self.flat_handoff = FlatGrads(
+            self.flat_grads_cache = FlatGrads(
                 tuple(flat.grad_buffers),
                 tuple(members),
                 tuple([pos[i] for i in ids] for ids in members),
@@ -190,7 +190,7 @@ class FusedStep:
         flat = self.flat_layout(groups, state, grads_only=True)
         if not flat.usable or not flat.sync_grads(f"fastamp.optim.{self.name}"):
             return None
-        return self.flat_handoff
+        return self.flat_grads_cache
 
     def _flat_step(self, groups: list[dict[str, Any]], state: Any, amp: AmpStep) -> Stepped | None:
         """The step over the flat buffers: one launch per segment; a per-parameter step when

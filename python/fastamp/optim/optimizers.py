@@ -209,7 +209,7 @@ class _FusedOptimizer(AmpFusedOptimizer):
         if live:
             self._stepper.replay = None
             self._stepper.flat = None
-            self._stepper.flat_handoff = None
+            self._stepper.flat_grads_cache = None
             self._stepped_from, self._stepped_value = None, None
             return
         self.__dict__.setdefault("_master_weights", False)

@@ -136,7 +136,7 @@ class BucketStats:
         idx = bucket.index()
         buffer = bucket.buffer()
         if measuring:
-            self._seen[idx] = self._layout_of(idx, buffer, bucket).members
+            self._seen[idx] = self._made_of(idx, buffer, bucket).members
         if self.user is not None:
             hook, state = self.user
             fut = hook(state, bucket)
@@ -189,14 +189,14 @@ class BucketStats:
             buffer.mul_(1.0 / divisor)  # = mul_out(view, grad, 1/divisor) of every grad
             return
         aliased = self.aliased
-        laid = self._layout_of(bucket.index(), buffer, bucket)
+        laid = self._made_of(bucket.index(), buffer, bucket)
         for i, span in zip(laid.members, laid.views):
             if i in aliased:
                 span.div_(divisor)
             else:
                 span.mul_(1.0 / divisor)
 
-    def _layout_of(self, idx: int, buffer: Tensor, bucket: GradBucket) -> _Bucket:
+    def _made_of(self, idx: int, buffer: Tensor, bucket: GradBucket) -> _Bucket:
         """Bucket ``idx`` as the reducer laid it out (cached while its buffer is the same: the
         reducer allocates new buffers when it rebuilds its buckets)."""
         cached = self._spans.get(idx)

@@ -1,6 +1,6 @@
 """An optimizer's grads as the scaler's ops take them (:class:`DeviceGrads`): grouped by device
 (all dtypes in one list; a DTensor grad as this rank's shard, with the :class:`ShardGroup` its
-statistics are reduced over), validated before the first one is touched; the :class:`GradPlan`
+statistics are reduced over), validated before the first one is touched; the :class:`GradReplay`
 that collects them again, unchecked, while nothing the checks read changed; and the
 :class:`GradReader` that keeps those per optimizer and takes an optimizer's flat buffers
 (:class:`fastamp.handoff.FlatGrads`) when it keeps them. One reader serves every producer of a
@@ -37,10 +37,10 @@ class DeviceGrads(NamedTuple):
     #: With flat buffers (one grad per buffer, several params each): how many params each grad
     #: holds (its inf/NaN flag stands for each of them). None: one each.
     counts: list[int] | None = None
-    #: Every grad a plain dense tensor of the same backend, as a :class:`GradPlan` checked: the
+    #: Every grad a plain dense tensor of the same backend, as a :class:`GradReplay` checked: the
     #: scaler's ops may call the backend kernel directly (fastamp._library.call_direct).
     plain: bool = False
-    #: False: a :class:`GradPlan` compared only the grads' types, for a caller whose first op
+    #: False: a :class:`GradReplay` compared only the grads' types, for a caller whose first op
     #: over them only reads them; the kernel checks devices, dtypes and layouts, and on its
     #: refusal the caller collects in full (:func:`collect_grads`) and runs the op again.
     checked: bool = True
@@ -52,7 +52,7 @@ _device = attrgetter("device")
 _layout = attrgetter("layout")
 
 
-class GradPlan:
+class GradReplay:
     """What :func:`collect_grads` found for an optimizer whose grads were all plain dense
     tensors, kept so the next steps collect them with a few C-speed comparisons per grad
     instead of the checks: :meth:`collect` gives this step's grads, or None when anything it
@@ -86,8 +86,8 @@ class GradPlan:
         ]
 
     @staticmethod
-    def plannable(optimizer: Any) -> bool:
-        """Whether the optimizer's grads can be collected by a plan: every one a plain dense
+    def replayable(optimizer: Any) -> bool:
+        """Whether the optimizer's grads can be collected by a replay: every one a plain dense
         tensor (collected as it is: no sparse values, no DTensor shard)."""
         for grp in optimizer.param_groups:
             for p in grp["params"]:
@@ -144,7 +144,7 @@ def flat_device_grads(flat: FlatGrads, allow_fp16: bool) -> dict[torch.device, D
             return None
         entry = per_device.get(g.device)
         # The buffers are the optimizer's own plain dense tensors: the scaler's ops may call
-        # their backend kernel directly (DeviceGrads.plain), as for a GradPlan's grads.
+        # their backend kernel directly (DeviceGrads.plain), as for a GradReplay's grads.
         plain = type(g) is Tensor and g.layout is torch.strided
         if entry is None:
             per_device[g.device] = DeviceGrads(
@@ -225,7 +225,7 @@ class GradReader:
     def __init__(self) -> None:
         # Each optimizer's grads as the last collection found them, to collect them again with
         # no per-grad checks while nothing they depend on changed.
-        self.plans: weakref.WeakKeyDictionary[Any, GradPlan] = weakref.WeakKeyDictionary()
+        self.replays: weakref.WeakKeyDictionary[Any, GradReplay] = weakref.WeakKeyDictionary()
         # The last flat-buffer grads handed over, grouped by device (FlatGrads, allow_fp16, ...).
         self.flat: tuple[FlatGrads, bool, dict[torch.device, DeviceGrads]] | None = None
         # One reader may serve threads that step different optimizers (the scaler-free clip's).
@@ -238,8 +238,8 @@ class GradReader:
         caller: str = "unscale_",
         read_only: bool = False,
     ) -> dict[torch.device, DeviceGrads]:
-        """:func:`collect_grads`, through the optimizer's :class:`GradPlan` while it holds (not
-        while torch.compile traces: the plan is host-side bookkeeping a graph need not repeat).
+        """:func:`collect_grads`, through the optimizer's :class:`GradReplay` while it holds (not
+        while torch.compile traces: the replay is host-side bookkeeping a graph need not repeat).
         ``read_only``: see :meth:`read`, the one caller that passes it."""
         if torch.compiler.is_compiling():
             return collect_grads(optimizer, allow_fp16, caller)
@@ -254,11 +254,11 @@ class GradReader:
                     self.flat = (flat, allow_fp16, per_device)
                     return per_device
         try:
-            plan = self.plans.get(optimizer)
-        except TypeError:  # an optimizer that takes no weak reference: no plan
+            replay = self.replays.get(optimizer)
+        except TypeError:  # an optimizer that takes no weak reference: no replay
             return collect_grads(optimizer, allow_fp16, caller)
-        if plan is not None:
-            per_device = plan.collect(optimizer, allow_fp16, read_only)
+        if replay is not None:
+            per_device = replay.collect(optimizer, allow_fp16, read_only)
             if per_device is not None:
                 return per_device
         return self.collect_in_full(optimizer, allow_fp16, caller)
@@ -266,15 +266,15 @@ class GradReader:
     def collect_in_full(
         self, optimizer: torch.optim.Optimizer, allow_fp16: bool, caller: str
     ) -> dict[torch.device, DeviceGrads]:
-        """:func:`collect_grads`, keeping a new :class:`GradPlan` when the grads allow one."""
+        """:func:`collect_grads`, keeping a new :class:`GradReplay` when the grads allow one."""
         per_device = collect_grads(optimizer, allow_fp16, caller)
         try:
-            if GradPlan.plannable(optimizer):
+            if GradReplay.replayable(optimizer):
                 with self.lock:
-                    self.plans[optimizer] = GradPlan(optimizer, per_device)
+                    self.replays[optimizer] = GradReplay(optimizer, per_device)
             else:
                 with self.lock:
-                    self.plans.pop(optimizer, None)
+                    self.replays.pop(optimizer, None)
         except TypeError:  # no weak reference to it: nothing kept
             pass
         return per_device
@@ -286,7 +286,7 @@ class GradReader:
         read: Callable[[dict[torch.device, DeviceGrads]], _T],
     ) -> tuple[dict[torch.device, DeviceGrads], _T]:
         """The optimizer's grads (any dtype) and ``read(grads)``, an op pass that only reads
-        them. The grads' plan then compares their types only (:meth:`GradPlan.collect`'s
+        them. The grads' replay then compares their types only (:meth:`GradReplay.collect`'s
         ``read_only``) and leaves devices, dtypes and layouts to the op's own checks: if the op
         refuses them, nothing was written, and the grads are collected in full (which raises
         what it finds, or groups them anew) and read again."""

@@ -59,7 +59,7 @@ def grad_stats(
     grads are plain dense tensors there, and that fastamp._library.direct_call_allowed()).
     """
     if keyset is not None and type(inv_scale) is Tensor:
-        # Plain dense grads collected by a plan (see fastamp._library.call_direct).
+        # Plain dense grads collected by a replay (see fastamp._library.call_direct).
         direct: tuple[Tensor, Tensor, Tensor] = call_direct(
             torch.ops.fastamp.grad_stats.default, keyset, (), grads, inv_scale, float(norm_type)
         )

@@ -64,7 +64,7 @@ class OverflowRecord:
     ``keys`` the parameter ids, ``places`` their (group, index), ``flags`` one inf/NaN flag per
     parameter, ``update`` the update() index of that overflow (-1: none yet); ``sources`` the
     per-device id lists ``keys`` was made from (a step that hands the same list objects again,
-    as a grad plan does, skips rebuilding and comparing ``keys``)."""
+    as a grad replay does, skips rebuilding and comparing ``keys``)."""
 
     __slots__ = ("keys", "places", "flags", "update", "sources", "repeats")
 

@@ -335,7 +335,7 @@ class GradScaler(torch.amp.GradScaler):
         read = norm_reader(inv_scale, norm_type, max_norm, scale.device, reuse)
 
         with torch.no_grad():
-            if fused:  # the grads are only read here: their plan leaves the checks to the op
+            if fused:  # the grads are only read here: their replay leaves the checks to the op
                 per_device, (found, flags, total_norm, coef) = self._reader.read(
                     optimizer, "clip_grad_norm_", read
                 )

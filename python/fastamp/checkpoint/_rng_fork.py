@@ -1,4 +1,4 @@
-"""RNG replay for checkpoint recomputes (:class:`RngReplay`): the first call snapshots the CPU
+"""The RNG fork of checkpoint recomputes (:class:`RngFork`): the first call snapshots the CPU
 generator and every initialised CUDA generator; a recompute runs with that snapshot and puts the
 generators back afterwards (fork semantics), outside any active dispatch mode."""
 
@@ -36,7 +36,7 @@ def _rng_set_state(states: list[Tensor]) -> None:
         rng_set_state_overload(states)
 
 
-class RngReplay:
+class RngFork:
     """Runs ``fn``; on every later call (a recompute) replays the RNG state of the first call for
     all generators, then puts the generators back where they were (fork semantics)."""
 
