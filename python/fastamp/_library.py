@@ -17,7 +17,7 @@ import functools
 import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 import torch
 from torch import Tensor
@@ -219,7 +219,12 @@ _function_mode_on = torch._C._is_torch_function_mode_enabled
 _tls_include_set = torch._C._dispatch_tls_local_include_set
 
 
-def backend_keyset(device: torch.device) -> Any:
+# The dispatch key set of a backend kernel, what a direct call is made at (private-ok: torch's
+# type of it has no public spelling).
+KeySet: TypeAlias = torch._C.DispatchKeySet
+
+
+def backend_keyset(device: torch.device) -> KeySet | None:
     """The dispatch key set of ``device``'s backend kernel (None: no direct call there)."""
     return _BACKEND_KEYS.get(device.type)
 
@@ -239,7 +244,7 @@ def direct_call_allowed() -> bool:
     )
 
 
-def call_direct(op: Any, keyset: Any, written: Sequence[Tensor], *args: Any) -> Any:
+def call_direct(op: Any, keyset: KeySet, written: Sequence[Tensor], *args: Any) -> Any:
     """``op(*args)`` at its backend kernel (``keyset``, from :func:`backend_keyset`), for the
     steady-state step paths whose every tensor argument is a plain dense tensor on that backend
     (their replays checked the types) and only when :func:`direct_call_allowed`: what the dispatcher

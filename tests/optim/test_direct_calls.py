@@ -88,7 +88,7 @@ def test_direct_steps_equal_dispatched_steps_bits_and_write_counters(monkeypatch
             counted = _Counted(m)
             if not direct:
                 for mod in (library, fastamp.optim._stepper, fastamp.scaler._clip,
-                            fastamp.scaler.grad_scaler):  # fmt: skip
+                            fastamp.scaler.grad_scaler, fastamp.scaler.diagnostics):  # fmt: skip
                     m.setattr(mod, "direct_call_allowed", lambda: False)
             model, opt, scaler = _setup(name)
             versions = []

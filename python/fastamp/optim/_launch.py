@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastamp._library import KeySet
 from fastamp._sharding import is_dtensor
 from fastamp.handoff import AmpStep
 from fastamp.optim import _ops
@@ -126,7 +127,9 @@ class Launch:
     def device(self) -> torch.device:
         return self.lists[0][0].device
 
-    def run(self, amp: AmpStep, grads: list[Tensor] | None = None, keyset: Any = None) -> None:
+    def run(
+        self, amp: AmpStep, grads: list[Tensor] | None = None, keyset: KeySet | None = None
+    ) -> None:
         """The op over this launch's lists, ``grads`` (default: the ones it was made with) and
         the scalars ``amp`` (on this launch's device); ``keyset``: a held launch's call straight
         to that backend's kernel (fastamp._library.call_direct), or None."""

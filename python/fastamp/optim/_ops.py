@@ -22,7 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp._library import (  # (importing it loads the operator library)
+from fastamp._library import (
+    KeySet,  # (importing it loads the operator library)
     StableOps,
     bump_versions,
     call_direct,
@@ -224,7 +225,7 @@ def _release_held(handle: int) -> None:
     _raw.release_tensors(handle)
 
 
-def _call_held(name: str, written: Sequence[Tensor], keyset: Any, *args: Any) -> None:
+def _call_held(name: str, written: Sequence[Tensor], keyset: KeySet | None, *args: Any) -> None:
     """Calls held op ``name``, then bumps ``written``; with a ``keyset`` (a replay's launch whose
     grads are plain tensors, on a thread where :func:`fastamp._library.direct_call_allowed`) and
     no tensor subclass among the other arguments (the scaler's scalars, a tensor lr), straight at
@@ -242,7 +243,7 @@ def adam_step_held_(
     hyper: AdamHyper,
     amp: AmpStep,
     written: Sequence[Tensor],
-    keyset: Any = None,
+    keyset: KeySet | None = None,
 ) -> None:
     """:func:`adam_step_` with ``held`` holding (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
     state_steps, master_params); bumps the write counters of ``written`` (every tensor it
@@ -259,7 +260,7 @@ def adam_lowbit_step_held_(
     hyper: AdamHyper,
     amp: AmpStep,
     written: Sequence[Tensor],
-    keyset: Any = None,
+    keyset: KeySet | None = None,
 ) -> None:
     """:func:`adam_lowbit_step_` with ``held`` holding (params, exp_avgs, exp_avg_sqs,
     exp_avg_absmax, exp_avg_sq_absmax, state_steps, master_params)."""
@@ -274,7 +275,7 @@ def sgd_step_held_(
     hyper: SgdHyper,
     amp: AmpStep,
     written: Sequence[Tensor],
-    keyset: Any = None,
+    keyset: KeySet | None = None,
 ) -> None:
     """:func:`sgd_step_` with ``held`` holding (params, momentum_buffers, state_steps,
     master_params)."""
@@ -290,7 +291,7 @@ def sgd_lowbit_step_held_(
     hyper: SgdHyper,
     amp: AmpStep,
     written: Sequence[Tensor],
-    keyset: Any = None,
+    keyset: KeySet | None = None,
 ) -> None:
     """:func:`sgd_lowbit_step_` with ``held`` holding (params, momentum_buffers, state_steps,
     master_params)."""

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from fastamp._checks import dense_list
-from fastamp._library import (  # (importing it loads the operator library)
+from fastamp._library import (
+    KeySet,  # (importing it loads the operator library)
     StableOps,
     call_direct,
     check_fake_devices,
@@ -47,7 +48,7 @@ def _on_dense(op: str, grads: Sequence[Tensor], *args: Any) -> Any:
 
 
 def grad_stats(
-    grads: Sequence[Tensor], inv_scale: Tensor, norm_type: float = 2.0, keyset: Any = None
+    grads: Sequence[Tensor], inv_scale: Tensor, norm_type: float = 2.0, keyset: KeySet | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Read-only pass over ``grads``: ``(found_inf, norm_pow_sum, tensor_found_inf)``.
 
@@ -97,7 +98,7 @@ def clip_unscale_(
 
 
 def clip_coef(
-    norm_pow_sum: Tensor, norm_type: float, max_norm: float, keyset: Any = None
+    norm_pow_sum: Tensor, norm_type: float, max_norm: float, keyset: KeySet | None = None
 ) -> tuple[Tensor, Tensor]:
     """``(total_norm, clip_coef)`` from the norm's power sum in one launch: the root (norm_type
     2: the square root; 1 and inf: the sum or max itself) and ``min(max_norm / (total_norm +
@@ -119,7 +120,7 @@ def record_overflow_(
     flags: Tensor,
     found_inf: Tensor,
     update_count: Tensor,
-    keyset: Any = None,
+    keyset: KeySet | None = None,
 ) -> None:
     """When ``found_inf > 0``: ``flags_record[:] = flags`` and ``update_record = update_count``,
     on the device in one launch; else nothing is written. With a backend ``keyset`` (see
@@ -144,7 +145,7 @@ def update_scale_(
     hysteresis: int = 1,
     min_scale: float = 0.0,
     max_scale: float = math.inf,
-    keyset: Any = None,
+    keyset: KeySet | None = None,
 ) -> None:
     """Device-side loss-scale update (``torch._amp_update_scale_`` plus hysteresis and bounds).
     With a backend ``keyset`` (see :func:`grad_stats`), straight to that kernel when the four

@@ -13,12 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from operator import is_
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from fastamp._library import backend_keyset, direct_call_allowed
+from fastamp._library import KeySet, backend_keyset, direct_call_allowed
 from fastamp._step import to_device
 from fastamp.scaler import _ops
 from fastamp.scaler._grads import DeviceGrads
@@ -89,7 +88,7 @@ def record(
     found_inf: Tensor,
     update_count: Tensor,
     repeats: list[int] | None = None,
-    keyset: Any = None,
+    keyset: KeySet | None = None,
 ) -> None:
     """Keeps ``flags`` (one per parameter, on ``update_count``'s device) as optimizer
     ``opt_id``'s record when ``found_inf > 0`` (the step overflowed): one device op
