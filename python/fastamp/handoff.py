@@ -30,7 +30,8 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter, is_
+from itertools import repeat
+from operator import attrgetter, is_, is_not
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -104,8 +105,7 @@ class PendingClip:
         if torch.compiler.is_compiling():
             return cls(amp, total_norm, max_norm, (), (), None)
         grads = tuple(map(_GRAD, params))
-        versions = tuple(map(_VERSION, [g for g in grads if g is not None]))
-        return cls(amp, total_norm, max_norm, tuple(params), grads, versions)
+        return cls(amp, total_norm, max_norm, tuple(params), grads, _versions(grads))
 
     def current(self) -> bool:
         """Whether every param still has the grad that was measured, unwritten since."""
@@ -113,8 +113,7 @@ class PendingClip:
             return True
         if not all(map(is_, map(_GRAD, self.params), self.grads)):
             return False
-        live = [g for g in self.grads if g is not None]
-        return tuple(map(_VERSION, live)) == self.versions
+        return _versions(self.grads) == self.versions
 
 
 @dataclass(frozen=True, eq=False)
@@ -222,6 +221,13 @@ class GradStats:
 _GRAD = attrgetter("grad")
 # private-ok: Tensor._version is PyTorch's in-place write counter (see _version below).
 _VERSION = attrgetter("_version")
+
+
+def _versions(grads: tuple[Tensor | None, ...]) -> tuple[int, ...]:
+    """The write counters of the grads that are not None (at C speed when none is)."""
+    if all(map(is_not, grads, repeat(None))):  # (`None in grads` would call Tensor.__eq__)
+        return tuple(map(_VERSION, grads))
+    return tuple(map(_VERSION, [g for g in grads if g is not None]))
 
 
 def _version(t: Tensor) -> int:
