@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import copy
 import pickle
-import threading
 
 import pytest
 import torch
 from torch import nn
 
 import fastamp
+from tests._threads import run_together
 
 MODES = {
     "adamw": (fastamp.optim.AdamW, {}, torch.optim.AdamW),
@@ -193,28 +193,17 @@ def test_concurrent_saves_succeed_and_load(mode, paths, tmp_path):
     model, opt, scaler = _setup(mode)
     _train(model, opt, scaler, 2, seed=1)
     tref = torch.optim.AdamW(_model().parameters())
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(4)
 
     def save(k: int) -> None:
-        try:
-            barrier.wait()
-            for j in range(5):
-                sd = opt.state_dict()
-                tref.state_dict()
-                path = tmp_path / (f"opt{k}.pt" if paths == "four_paths" else "opt.pt")
-                tmp = tmp_path / f"tmp{k}_{j}.pt"
-                torch.save(sd, tmp)
-                tmp.replace(path)  # atomic per save, as a trainer writes
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(e)
+        for j in range(5):
+            sd = opt.state_dict()
+            tref.state_dict()
+            path = tmp_path / (f"opt{k}.pt" if paths == "four_paths" else "opt.pt")
+            tmp = tmp_path / f"tmp{k}_{j}.pt"
+            torch.save(sd, tmp)
+            tmp.replace(path)  # atomic per save, as a trainer writes
 
-    threads = [threading.Thread(target=save, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    assert run_together(save, 4) == []
     expected = opt.state_dict()
     for f in sorted(tmp_path.glob("opt*.pt")):
         loaded = torch.load(f, weights_only=False)
@@ -230,24 +219,13 @@ def test_concurrent_saves_succeed_and_load(mode, paths, tmp_path):
 def test_concurrent_save_training_state(paths, tmp_path):
     model, opt, scaler = _setup("adamw_flat")
     _train(model, opt, scaler, 2, seed=1)
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(4)
 
     def save(k: int) -> None:
-        try:
-            barrier.wait()
-            for _ in range(5):
-                target = tmp_path / (f"state{k}" if paths == "four_paths" else "state")
-                fastamp.save_training_state(target, model=model, optimizer=opt, scaler=scaler)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(e)
+        for _ in range(5):
+            target = tmp_path / (f"state{k}" if paths == "four_paths" else "state")
+            fastamp.save_training_state(target, model=model, optimizer=opt, scaler=scaler)
 
-    threads = [threading.Thread(target=save, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    assert run_together(save, 4) == []
     for target in sorted(tmp_path.glob("state*")):
         m2, o2, s2 = _setup("adamw_flat")
         fastamp.load_training_state(target, model=m2, optimizer=o2, scaler=s2)

@@ -17,7 +17,6 @@ import copy
 import gc
 import math
 import pickle
-import threading
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastamp
+from tests._threads import run_together
 
 OPTIMIZERS = {
     "adamw": (fastamp.optim.AdamW, torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
@@ -395,29 +395,7 @@ def test_copies_of_a_clipped_optimizer_step_as_torchs_copies(how):
 
 
 def test_threads_clip_and_step_their_own_optimizers():
-    results: dict[int, list[torch.Tensor]] = {}
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            model = _model(torch.float32, seed=k)
-            opt = fastamp.optim.AdamW(model.parameters(), lr=1e-2)
-            gen = torch.Generator().manual_seed(k)
-            for _ in range(5):
-                _set(model, _grads(model, gen, 3.0))
-                fastamp.clip_grad_norm_(opt, 0.5, skip_nonfinite=True)
-                opt.step()
-            results[k] = [p.detach().clone() for p in model.parameters()]
-        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    for k in range(4):  # each equals the same run alone
+    def train(k: int) -> list[torch.Tensor]:
         model = _model(torch.float32, seed=k)
         opt = fastamp.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(k)
@@ -425,7 +403,12 @@ def test_threads_clip_and_step_their_own_optimizers():
             _set(model, _grads(model, gen, 3.0))
             fastamp.clip_grad_norm_(opt, 0.5, skip_nonfinite=True)
             opt.step()
-        for a, b in zip(results[k], model.parameters()):
+        return [p.detach().clone() for p in model.parameters()]
+
+    results: dict[int, list[torch.Tensor]] = {}
+    assert run_together(lambda k: results.__setitem__(k, train(k)), 4) == []
+    for k in range(4):  # each equals the same run alone
+        for a, b in zip(results[k], train(k)):
             assert torch.equal(a, b)
 
 
