@@ -395,8 +395,11 @@ def test_copies_of_a_clipped_optimizer_step_as_torchs_copies(how):
 
 
 def test_threads_clip_and_step_their_own_optimizers():
+    # The models are made before the threads start: torch.manual_seed is process-wide.
+    starts = [_model(torch.float32, seed=k) for k in range(4)]
+
     def train(k: int) -> list[torch.Tensor]:
-        model = _model(torch.float32, seed=k)
+        model = copy.deepcopy(starts[k])
         opt = fastamp.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(k)
         for _ in range(5):
