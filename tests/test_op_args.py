@@ -38,30 +38,16 @@ def test_adam_tuple_is_the_hand_written_one():
         None,
     )
     assert built == by_hand
-    assert op_args(
-        "adam_step_",
-        params=p,
-        grads=g,
-        exp_avgs=m,
-        exp_avg_sqs=v,
-        state_steps=step,
-        lr=0.01,
-        amsgrad=True,
-    )[7:14] == (0.01, None, 0.9, 0.999, 0.0, 1e-8, True)
+    varied = op_args("adam_step_", params=p, grads=g, exp_avgs=m, exp_avg_sqs=v, state_steps=step,
+                     lr=0.01, amsgrad=True)  # fmt: skip
+    assert varied[7:14] == (0.01, None, 0.9, 0.999, 0.0, 1e-8, True)
 
 
 def test_sgd_tuple_is_the_hand_written_one():
     p, g, buf, step = [torch.zeros(3)], [torch.ones(3)], [torch.zeros(3)], [torch.tensor(0.0)]
     inv = torch.tensor(0.5)
-    built = op_args(
-        "sgd_step_",
-        params=p,
-        grads=g,
-        momentum_buffers=buf,
-        state_steps=step,
-        nesterov=True,
-        inv_scale=inv,
-    )
+    built = op_args("sgd_step_", params=p, grads=g, momentum_buffers=buf, state_steps=step,
+                    nesterov=True, inv_scale=inv)  # fmt: skip
     by_hand = (p, g, buf, step, [], 0.1, None, 0.0, 0.9, 0.0, True, False, inv, None, None)
     assert built == by_hand
 
@@ -74,15 +60,8 @@ def test_default_lists_are_fresh():
 
 def test_a_wrong_keyword_is_named():
     with pytest.raises(TypeError, match="no argument betas"):
-        op_args(
-            "adam_step_",
-            params=[],
-            grads=[],
-            exp_avgs=[],
-            exp_avg_sqs=[],
-            state_steps=[],
-            betas=(0.9, 0.99),
-        )
+        op_args("adam_step_", params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], state_steps=[],
+                betas=(0.9, 0.99))  # fmt: skip
 
 
 def test_a_missing_argument_is_named():

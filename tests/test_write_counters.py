@@ -56,18 +56,9 @@ def _torch_optimizer(cls, fa, **options):
 def case_adam_step_():
     fa = _adam()
     opt, tp = _torch_optimizer(torch.optim.AdamW, fa, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
-    f = lambda: ops.adam_step_(
-        *op_args(
-            "adam_step_",
-            params=fa[0],
-            grads=fa[1],
-            exp_avgs=fa[2],
-            exp_avg_sqs=fa[3],
-            state_steps=fa[4],
-            lr=1e-2,
-            beta2=0.99,
-        )
-    )
+    f = lambda: ops.adam_step_(*op_args(
+        "adam_step_", params=fa[0], grads=fa[1], exp_avgs=fa[2], exp_avg_sqs=fa[3],
+        state_steps=fa[4], lr=1e-2, beta2=0.99))  # fmt: skip
     names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "state_steps")
     targs = (tp, [p.grad for p in tp], [opt.state[p]["exp_avg"] for p in tp],
              [opt.state[p]["exp_avg_sq"] for p in tp], [opt.state[p]["step"] for p in tp])  # fmt: skip
@@ -77,16 +68,9 @@ def case_adam_step_():
 def case_sgd_step_():
     fa = _adam()
     opt, tp = _torch_optimizer(torch.optim.SGD, fa, lr=1e-2, momentum=0.9)
-    f = lambda: ops.sgd_step_(
-        *op_args(
-            "sgd_step_",
-            params=fa[0],
-            grads=fa[1],
-            momentum_buffers=fa[2],
-            state_steps=fa[4],
-            lr=1e-2,
-        )
-    )
+    f = lambda: ops.sgd_step_(*op_args(
+        "sgd_step_", params=fa[0], grads=fa[1], momentum_buffers=fa[2], state_steps=fa[4],
+        lr=1e-2))  # fmt: skip
     names = ("params", "grads", "momentum_buffers")
     targs = (tp, [p.grad for p in tp], [opt.state[p]["momentum_buffer"] for p in tp])
     # torch's SGD keeps no step counters: fastamp's state_steps are checked by schema below

@@ -88,26 +88,12 @@ def test_every_global_kernel_runs_under_the_emulator():
         0.0,
         float("inf"),
     )
-    emu.op("adam_step_")(
-        *op_args(
-            "adam_step_",
-            params=[f.clone()],
-            grads=[f.clone()],
-            exp_avgs=[f.clone()],
-            exp_avg_sqs=[f.abs()],
-            state_steps=[torch.tensor(0.0)],
-            lr=1e-3,
-        )
-    )
-    emu.op("sgd_step_")(
-        *op_args(
-            "sgd_step_",
-            params=[f.clone()],
-            grads=[f.clone()],
-            momentum_buffers=[f.clone()],
-            state_steps=[torch.tensor(0.0)],
-        )
-    )
+    emu.op("adam_step_")(*op_args("adam_step_", params=[f.clone()], grads=[f.clone()],
+                                  exp_avgs=[f.clone()], exp_avg_sqs=[f.abs()],
+                                  state_steps=[torch.tensor(0.0)], lr=1e-3))  # fmt: skip
+    emu.op("sgd_step_")(*op_args("sgd_step_", params=[f.clone()], grads=[f.clone()],
+                                 momentum_buffers=[f.clone()],
+                                 state_steps=[torch.tensor(0.0)]))  # fmt: skip
     emu.op("tensor_digest")([f.clone()])
     bucket = torch.zeros(5)
     emu.op("bucket_pack_")(bucket, [f.clone()], [0], 1.0)

@@ -304,26 +304,12 @@ def _adam_build(
         )
         steps = [mem.place(torch.tensor([float(i % 4)]), i % 3).view(()) for i in range(len(spec))]
         lr_t = torch.tensor(3e-3) if lr_tensor else None
-        return op_args(
-            "adam_step_",
-            params=params,
-            grads=gs,
-            exp_avgs=ms,
-            exp_avg_sqs=vs,
-            max_exp_avg_sqs=vmax,
-            state_steps=steps,
-            master_params=masters,
-            lr=1e-2,
-            lr_tensor=lr_t,
-            beta1=beta1,
-            weight_decay=0.05,
-            amsgrad=amsgrad,
-            decoupled_weight_decay=decoupled,
-            maximize=maximize,
-            inv_scale=torch.tensor(1 / 256),
-            found_inf=torch.tensor(found),
-            clip_coef=torch.tensor(clip),
-        )
+        return op_args("adam_step_", params=params, grads=gs, exp_avgs=ms, exp_avg_sqs=vs,
+                       max_exp_avg_sqs=vmax, state_steps=steps, master_params=masters, lr=1e-2,
+                       lr_tensor=lr_t, beta1=beta1, weight_decay=0.05, amsgrad=amsgrad,
+                       decoupled_weight_decay=decoupled, maximize=maximize,
+                       inv_scale=torch.tensor(1 / 256), found_inf=torch.tensor(found),
+                       clip_coef=torch.tensor(clip))  # fmt: skip
 
     return build
 
@@ -443,24 +429,12 @@ def _sgd_build(
             [mem.place(p.float(), off) for p, (_, _, off, _) in zip(params, spec)] if master else []
         )
         counts = [torch.tensor(0.0 if first else 4.0) for _ in spec]
-        return op_args(
-            "sgd_step_",
-            params=params,
-            grads=gs,
-            momentum_buffers=bufs,
-            state_steps=counts,
-            master_params=masters,
-            lr=0.05,
-            lr_tensor=torch.tensor(0.02) if lr_tensor else None,
-            weight_decay=0.01,
-            momentum=momentum,
-            dampening=dampening,
-            nesterov=nesterov,
-            maximize=maximize,
-            inv_scale=torch.tensor(1 / 64),
-            found_inf=torch.tensor(found),
-            clip_coef=torch.tensor(0.5),
-        )
+        return op_args("sgd_step_", params=params, grads=gs, momentum_buffers=bufs,
+                       state_steps=counts, master_params=masters, lr=0.05,
+                       lr_tensor=torch.tensor(0.02) if lr_tensor else None, weight_decay=0.01,
+                       momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize,
+                       inv_scale=torch.tensor(1 / 64), found_inf=torch.tensor(found),
+                       clip_coef=torch.tensor(0.5))  # fmt: skip
 
     return build
 

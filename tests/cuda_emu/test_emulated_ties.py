@@ -31,26 +31,12 @@ def test_half_param_store_ties(op, dtype, offset):
         master = mem.place(ties.clone(), offset)
         if op == "adam_step_":
             m, v = mem.place(torch.zeros(N), offset), mem.place(torch.zeros(N), offset)
-            return op_args(
-                "adam_step_",
-                params=[p],
-                grads=[g],
-                exp_avgs=[m],
-                exp_avg_sqs=[v],
-                state_steps=[torch.tensor(3.0)],
-                master_params=[master],
-                lr=0.0,
-            )
+            return op_args("adam_step_", params=[p], grads=[g], exp_avgs=[m], exp_avg_sqs=[v],
+                           state_steps=[torch.tensor(3.0)], master_params=[master],
+                           lr=0.0)  # fmt: skip
         buf = mem.place(torch.zeros(N), offset)
-        return op_args(
-            "sgd_step_",
-            params=[p],
-            grads=[g],
-            momentum_buffers=[buf],
-            state_steps=[torch.tensor(0.0)],
-            master_params=[master],
-            lr=0.0,
-        )
+        return op_args("sgd_step_", params=[p], grads=[g], momentum_buffers=[buf],
+                       state_steps=[torch.tensor(0.0)], master_params=[master], lr=0.0)  # fmt: skip
 
     out = run_case(op, build)
     params = out["cpu"][0]
@@ -62,18 +48,13 @@ def test_8bit_code_ties():
 
     def build(mem: Mem):
         blocks = lowbit.nblocks(g)
-        return op_args(
-            "adam_lowbit_step_",
-            params=[mem.place(mem.randn(N, torch.float32), 1)],
-            grads=[mem.place(g.clone(), 1)],
-            exp_avgs=[mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
-            exp_avg_sqs=[mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
-            exp_avg_absmax=[mem.place(torch.zeros(blocks))],
-            exp_avg_sq_absmax=[mem.place(torch.zeros(blocks))],
-            state_steps=[torch.tensor(0.0)],
-            lr=0.0,
-            beta1=0.0,
-        )
+        return op_args("adam_lowbit_step_", params=[mem.place(mem.randn(N, torch.float32), 1)],
+                       grads=[mem.place(g.clone(), 1)],
+                       exp_avgs=[mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
+                       exp_avg_sqs=[mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
+                       exp_avg_absmax=[mem.place(torch.zeros(blocks))],
+                       exp_avg_sq_absmax=[mem.place(torch.zeros(blocks))],
+                       state_steps=[torch.tensor(0.0)], lr=0.0, beta1=0.0)  # fmt: skip
 
     out = run_case("adam_lowbit_step_", build)
     codes = out["cpu"][2]
@@ -85,17 +66,12 @@ def test_bf16_stochastic_rounding_carry():
     g, up = sr_boundaries(N, seed=9, step=step, sr_seed=seed, high=False)
 
     def build(mem: Mem):
-        return op_args(
-            "adam_lowbit_step_",
-            params=[mem.place(mem.randn(N, torch.float32))],
-            grads=[mem.place(g.clone())],
-            exp_avgs=[mem.place(torch.zeros(N, dtype=torch.bfloat16))],
-            exp_avg_sqs=[mem.place(torch.zeros(N, dtype=torch.bfloat16))],
-            state_steps=[torch.tensor(float(step))],
-            seed=seed,
-            lr=0.0,
-            beta1=0.0,
-        )
+        return op_args("adam_lowbit_step_", params=[mem.place(mem.randn(N, torch.float32))],
+                       grads=[mem.place(g.clone())],
+                       exp_avgs=[mem.place(torch.zeros(N, dtype=torch.bfloat16))],
+                       exp_avg_sqs=[mem.place(torch.zeros(N, dtype=torch.bfloat16))],
+                       state_steps=[torch.tensor(float(step))], seed=seed, lr=0.0,
+                       beta1=0.0)  # fmt: skip
 
     out = run_case("adam_lowbit_step_", build)
     m = out["cpu"][2]
