@@ -3,6 +3,7 @@ bandwidth that the memory-traffic floors are computed against."""
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
 import time
@@ -72,3 +73,13 @@ def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
     return platform.processor() or platform.machine()
+
+
+def write_results(path: str | None, device: str, **fields: object) -> None:
+    """Writes a benchmark's results as JSON to ``path`` (nothing when it is None or empty): the
+    device, its name and the torch version, then ``fields`` in the order given."""
+    if not path:
+        return
+    record = {"device": device, "device_name": device_name(device), "torch": torch.__version__}
+    with open(path, "w") as fh:
+        json.dump({**record, **fields}, fh, indent=2)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fastamp  # noqa: F401  (loads the ops)
+from fastamp.testing import op_args
 
 ops = torch.ops.fastamp
 
@@ -55,8 +56,9 @@ def _torch_optimizer(cls, fa, **options):
 def case_adam_step_():
     fa = _adam()
     opt, tp = _torch_optimizer(torch.optim.AdamW, fa, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.0)
-    f = lambda: ops.adam_step_(fa[0], fa[1], fa[2], fa[3], [], fa[4], [], 1e-2, None, 0.9, 0.99,
-                               0.0, 1e-8, False, True, False, None, None, None)  # fmt: skip
+    f = lambda: ops.adam_step_(*op_args(
+        "adam_step_", params=fa[0], grads=fa[1], exp_avgs=fa[2], exp_avg_sqs=fa[3],
+        state_steps=fa[4], lr=1e-2, beta2=0.99))  # fmt: skip
     names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "state_steps")
     targs = (tp, [p.grad for p in tp], [opt.state[p]["exp_avg"] for p in tp],
              [opt.state[p]["exp_avg_sq"] for p in tp], [opt.state[p]["step"] for p in tp])  # fmt: skip
@@ -66,8 +68,9 @@ def case_adam_step_():
 def case_sgd_step_():
     fa = _adam()
     opt, tp = _torch_optimizer(torch.optim.SGD, fa, lr=1e-2, momentum=0.9)
-    f = lambda: ops.sgd_step_(fa[0], fa[1], fa[2], fa[4], [], 1e-2, None, 0.0, 0.9, 0.0, False,
-                              False, None, None, None)  # fmt: skip
+    f = lambda: ops.sgd_step_(*op_args(
+        "sgd_step_", params=fa[0], grads=fa[1], momentum_buffers=fa[2], state_steps=fa[4],
+        lr=1e-2))  # fmt: skip
     names = ("params", "grads", "momentum_buffers")
     targs = (tp, [p.grad for p in tp], [opt.state[p]["momentum_buffer"] for p in tp])
     # torch's SGD keeps no step counters: fastamp's state_steps are checked by schema below
@@ -126,16 +129,21 @@ def _writing_calls():
     sgd = _adam()
     rflags, rupdate = torch.zeros(3, dtype=torch.bool), torch.tensor(-1)
     return {
-        "adam_step_": (lambda: ops.adam_step_(p, g, m, v, [], steps, [], 1e-2, None, 0.9, 0.99,
-                       0.0, 1e-8, False, True, False, None, None, None), p + m + v + steps),
-        "adam_lowbit_step_": (lambda: ops.adam_lowbit_step_(lp[:1], lg[:1], [codes[0]],
-                              [codes[1]], [scales[0]], [scales[1]], lsteps[:1], [], 3, 1e-2, None,
-                              0.9, 0.99, 0.0, 1e-8, True, False, None, None, None),
+        "adam_step_": (lambda: ops.adam_step_(*op_args("adam_step_", params=p, grads=g,
+                       exp_avgs=m, exp_avg_sqs=v, state_steps=steps, lr=1e-2, beta2=0.99)),
+                       p + m + v + steps),
+        "adam_lowbit_step_": (lambda: ops.adam_lowbit_step_(*op_args("adam_lowbit_step_",
+                              params=lp[:1], grads=lg[:1], exp_avgs=[codes[0]],
+                              exp_avg_sqs=[codes[1]], exp_avg_absmax=[scales[0]],
+                              exp_avg_sq_absmax=[scales[1]], state_steps=lsteps[:1], seed=3,
+                              lr=1e-2, beta2=0.99)),
                               lp[:1] + codes + scales + lsteps[:1]),
-        "sgd_step_": (lambda: ops.sgd_step_(sgd[0], sgd[1], sgd[2], sgd[4], [], 1e-2, None, 0.0,
-                      0.9, 0.0, False, False, None, None, None), sgd[0] + sgd[2] + sgd[4]),
-        "sgd_lowbit_step_": (lambda: ops.sgd_lowbit_step_(lp[1:], lg[1:], bufs[:1], lsteps[1:], [],
-                             3, 1e-2, None, 0.0, 0.9, 0.0, False, False, None, None, None),
+        "sgd_step_": (lambda: ops.sgd_step_(*op_args("sgd_step_", params=sgd[0], grads=sgd[1],
+                      momentum_buffers=sgd[2], state_steps=sgd[4], lr=1e-2)),
+                      sgd[0] + sgd[2] + sgd[4]),
+        "sgd_lowbit_step_": (lambda: ops.sgd_lowbit_step_(*op_args("sgd_lowbit_step_",
+                             params=lp[1:], grads=lg[1:], momentum_buffers=bufs[:1],
+                             state_steps=lsteps[1:], seed=3, lr=1e-2)),
                              lp[1:] + bufs[:1] + lsteps[1:]),
         "bucket_pack_": (lambda: ops.bucket_pack_(bucket, grads, [0, 5, 10], 0.5), [bucket]),
         "bucket_unpack_": (lambda: ops.bucket_unpack_(bucket, grads, [0, 5, 10], torch.tensor(2.0)),

@@ -20,7 +20,6 @@ on CUDA also torch.cuda.max_memory_allocated over the step. Step = forward + bac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ from fastamp.checkpoint import checkpoint, offload_activations, selective
 from fastamp.checkpoint.planner import count_saved_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import device_name, sync, timed  # noqa: E402
+from common import device_name, sync, timed, write_results  # noqa: E402
 
 
 def make_model(layers, dim, heads, device):
@@ -182,20 +181,7 @@ def main(argv=None):
     )
     ratio = med["fastamp every block"] / med["torch every block"]
     print(f"fastamp every block vs torch every block at equal memory: {ratio:.3f}x the time")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                {
-                    "device": dev,
-                    "device_name": device_name(dev),
-                    "torch": torch.__version__,
-                    "config": vars(args),
-                    "budget_bytes": budget,
-                    "rows": rows,
-                },
-                fh,
-                indent=2,
-            )
+    write_results(args.json, dev, config=vars(args), budget_bytes=budget, rows=rows)
     return 0
 
 

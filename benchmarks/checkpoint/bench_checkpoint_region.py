@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ import fastamp
 from fastamp.checkpoint import checkpoint as fa_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import device_name, sync  # noqa: E402
+from common import device_name, sync, write_results  # noqa: E402
 
 
 def torch_checkpoint(fn, *args):
@@ -184,19 +183,7 @@ def main(argv=None) -> int:
             print(
                 f"{row['block']:<46} {statistics.median(ratios):.3f}x ({min(ratios):.3f} - {max(ratios):.3f})"
             )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                {
-                    "device": args.device,
-                    "device_name": device_name(args.device),
-                    "torch": torch.__version__,
-                    "config": vars(args),
-                    "runs": all_runs,
-                },
-                fh,
-                indent=2,
-            )
+    write_results(args.json, args.device, config=vars(args), runs=all_runs)
     return 0
 
 

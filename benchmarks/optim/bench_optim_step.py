@@ -21,7 +21,6 @@ The floor is those bytes over the copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -33,7 +32,7 @@ import fastamp
 from fastamp.testing import transformer_like_shapes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth, device_name, sync, timed  # noqa: E402
+from common import copy_bandwidth, device_name, sync, timed, write_results  # noqa: E402
 
 FASTAMP_BYTES, TORCH_FUSED_BYTES = 32, 48
 
@@ -143,20 +142,9 @@ def main(argv=None):
             f"{TORCH_FUSED_BYTES:>18} / {FASTAMP_BYTES:<8} | {floor * 1e3:>11.1f}ms "
             f"{100 * row['fastamp_fraction_of_floor']:>9.0f}%"
         )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                {
-                    "device": args.device,
-                    "device_name": dev_name,
-                    "torch": torch.__version__,
-                    "threads": torch.get_num_threads(),
-                    "copy_bandwidth_Bps": bw,
-                    "rows": rows,
-                },
-                fh,
-                indent=2,
-            )
+    write_results(
+        args.json, args.device, threads=torch.get_num_threads(), copy_bandwidth_Bps=bw, rows=rows
+    )
     return 0
 
 

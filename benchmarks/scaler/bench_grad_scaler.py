@@ -19,7 +19,6 @@ reads (norm), reads+writes (clip) = 5 passes; fastamp reads (stats) and reads+wr
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -31,7 +30,7 @@ import fastamp
 from fastamp.testing import transformer_like_shapes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth, device_name, sync, timed  # noqa: E402
+from common import copy_bandwidth, device_name, sync, timed, write_results  # noqa: E402
 
 
 class _NoOpOptimizer(torch.optim.Optimizer):
@@ -167,21 +166,14 @@ def main(argv=None):
             f"{f_floor * 1e3:>11.2f}ms {100 * row['fastamp_fraction_of_floor']:>17.0f}% | "
             f"{errors['torch']:>13.1e} / {errors['fastamp']:.1e}"
         )
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(
-                {
-                    "device": args.device,
-                    "device_name": dev_name,
-                    "torch": torch.__version__,
-                    "dtype": args.dtype,
-                    "threads": torch.get_num_threads(),
-                    "copy_bandwidth_Bps": bw,
-                    "rows": rows,
-                },
-                fh,
-                indent=2,
-            )
+    write_results(
+        args.json,
+        args.device,
+        dtype=args.dtype,
+        threads=torch.get_num_threads(),
+        copy_bandwidth_Bps=bw,
+        rows=rows,
+    )
     return 0
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import emu
 import torch
 
+from fastamp.testing import op_args
+
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_FILES = sorted((ROOT / "csrc").rglob("*.cu")) + sorted((ROOT / "csrc").rglob("*.cuh"))
 
@@ -86,44 +88,12 @@ def test_every_global_kernel_runs_under_the_emulator():
         0.0,
         float("inf"),
     )
-    emu.op("adam_step_")(
-        [f.clone()],
-        [f.clone()],
-        [f.clone()],
-        [f.abs()],
-        [],
-        [torch.tensor(0.0)],
-        [],
-        1e-3,
-        None,
-        0.9,
-        0.999,
-        0.0,
-        1e-8,
-        False,
-        True,
-        False,
-        None,
-        None,
-        None,
-    )
-    emu.op("sgd_step_")(
-        [f.clone()],
-        [f.clone()],
-        [f.clone()],
-        [torch.tensor(0.0)],
-        [],
-        0.1,
-        None,
-        0.0,
-        0.9,
-        0.0,
-        False,
-        False,
-        None,
-        None,
-        None,
-    )
+    emu.op("adam_step_")(*op_args("adam_step_", params=[f.clone()], grads=[f.clone()],
+                                  exp_avgs=[f.clone()], exp_avg_sqs=[f.abs()],
+                                  state_steps=[torch.tensor(0.0)], lr=1e-3))  # fmt: skip
+    emu.op("sgd_step_")(*op_args("sgd_step_", params=[f.clone()], grads=[f.clone()],
+                                 momentum_buffers=[f.clone()],
+                                 state_steps=[torch.tensor(0.0)]))  # fmt: skip
     emu.op("tensor_digest")([f.clone()])
     bucket = torch.zeros(5)
     emu.op("bucket_pack_")(bucket, [f.clone()], [0], 1.0)

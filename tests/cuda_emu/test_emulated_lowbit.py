@@ -13,6 +13,7 @@ import torch
 from harness import Mem, run_case, tensors_of
 
 from fastamp.optim import lowbit
+from fastamp.testing import op_args
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 CHUNK = 65536
@@ -69,28 +70,14 @@ def _build(
             [mem.place(p.float(), off) for p, (_, _, off) in zip(params, spec)] if master else []
         )
         steps = [torch.tensor(float(3 + i)) for i in range(len(spec))]
-        return (
-            params,
-            gs,
-            ms,
-            vs,
-            ams,
-            avs,
-            steps,
-            masters,
-            12345,
-            0.05,
-            torch.tensor(0.02) if lr_tensor else None,
-            0.9,
-            0.999,
-            weight_decay,
-            1e-8,
-            decoupled,
-            maximize,
-            torch.tensor(1 / 64) if scaled else None,
-            torch.tensor(found) if scaled else None,
-            torch.tensor(0.7) if scaled else None,
-        )
+        return op_args("adam_lowbit_step_", params=params, grads=gs, exp_avgs=ms, exp_avg_sqs=vs,
+                       exp_avg_absmax=ams, exp_avg_sq_absmax=avs, state_steps=steps,
+                       master_params=masters, seed=12345, lr=0.05,
+                       lr_tensor=torch.tensor(0.02) if lr_tensor else None,
+                       weight_decay=weight_decay, decoupled_weight_decay=decoupled,
+                       maximize=maximize, inv_scale=torch.tensor(1 / 64) if scaled else None,
+                       found_inf=torch.tensor(found) if scaled else None,
+                       clip_coef=torch.tensor(0.7) if scaled else None)  # fmt: skip
 
     return build
 
@@ -157,24 +144,13 @@ def _build_sgd(
             [mem.place(p.float(), off) for p, (_, _, off) in zip(params, spec)] if master else []
         )
         counts = [torch.tensor(0.0 if first else float(2 + i)) for i in range(len(spec))]
-        return (
-            params,
-            gs,
-            bufs,
-            counts,
-            masters,
-            777,
-            0.05,
-            torch.tensor(0.02) if lr_tensor else None,
-            weight_decay,
-            0.9,
-            dampening,
-            nesterov,
-            maximize,
-            torch.tensor(1 / 64) if scaled else None,
-            torch.tensor(found) if scaled else None,
-            torch.tensor(0.7) if scaled else None,
-        )
+        return op_args("sgd_lowbit_step_", params=params, grads=gs, momentum_buffers=bufs,
+                       state_steps=counts, master_params=masters, seed=777, lr=0.05,
+                       lr_tensor=torch.tensor(0.02) if lr_tensor else None,
+                       weight_decay=weight_decay, dampening=dampening, nesterov=nesterov,
+                       maximize=maximize, inv_scale=torch.tensor(1 / 64) if scaled else None,
+                       found_inf=torch.tensor(found) if scaled else None,
+                       clip_coef=torch.tensor(0.7) if scaled else None)  # fmt: skip
 
     return build
 

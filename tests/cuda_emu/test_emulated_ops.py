@@ -18,6 +18,8 @@ import pytest
 import torch
 from harness import Mem, bits, held_variant, run_case
 
+from fastamp.testing import op_args
+
 F32, F16, BF16, F64 = torch.float32, torch.float16, torch.bfloat16, torch.float64
 CHUNK = 65536
 # Sizes: below / not a multiple of the vector width (4 fp32, 8 half, 2 fp64), and around a chunk.
@@ -302,27 +304,12 @@ def _adam_build(
         )
         steps = [mem.place(torch.tensor([float(i % 4)]), i % 3).view(()) for i in range(len(spec))]
         lr_t = torch.tensor(3e-3) if lr_tensor else None
-        return (
-            params,
-            gs,
-            ms,
-            vs,
-            vmax,
-            steps,
-            masters,
-            1e-2,
-            lr_t,
-            beta1,
-            0.999,
-            0.05,
-            1e-8,
-            amsgrad,
-            decoupled,
-            maximize,
-            torch.tensor(1 / 256),
-            torch.tensor(found),
-            torch.tensor(clip),
-        )
+        return op_args("adam_step_", params=params, grads=gs, exp_avgs=ms, exp_avg_sqs=vs,
+                       max_exp_avg_sqs=vmax, state_steps=steps, master_params=masters, lr=1e-2,
+                       lr_tensor=lr_t, beta1=beta1, weight_decay=0.05, amsgrad=amsgrad,
+                       decoupled_weight_decay=decoupled, maximize=maximize,
+                       inv_scale=torch.tensor(1 / 256), found_inf=torch.tensor(found),
+                       clip_coef=torch.tensor(clip))  # fmt: skip
 
     return build
 
@@ -442,23 +429,12 @@ def _sgd_build(
             [mem.place(p.float(), off) for p, (_, _, off, _) in zip(params, spec)] if master else []
         )
         counts = [torch.tensor(0.0 if first else 4.0) for _ in spec]
-        return (
-            params,
-            gs,
-            bufs,
-            counts,
-            masters,
-            0.05,
-            torch.tensor(0.02) if lr_tensor else None,
-            0.01,
-            momentum,
-            dampening,
-            nesterov,
-            maximize,
-            torch.tensor(1 / 64),
-            torch.tensor(found),
-            torch.tensor(0.5),
-        )
+        return op_args("sgd_step_", params=params, grads=gs, momentum_buffers=bufs,
+                       state_steps=counts, master_params=masters, lr=0.05,
+                       lr_tensor=torch.tensor(0.02) if lr_tensor else None, weight_decay=0.01,
+                       momentum=momentum, dampening=dampening, nesterov=nesterov, maximize=maximize,
+                       inv_scale=torch.tensor(1 / 64), found_inf=torch.tensor(found),
+                       clip_coef=torch.tensor(0.5))  # fmt: skip
 
     return build
 

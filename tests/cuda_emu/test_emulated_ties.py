@@ -14,6 +14,7 @@ from tests.optim.test_exact_ties import half_ties, m8_ties, sr_boundaries
 from tests.optim.test_lowbit import _rne_reference
 
 from fastamp.optim import lowbit
+from fastamp.testing import op_args
 
 N = 4096 + 256 * 3 + 5
 
@@ -30,45 +31,12 @@ def test_half_param_store_ties(op, dtype, offset):
         master = mem.place(ties.clone(), offset)
         if op == "adam_step_":
             m, v = mem.place(torch.zeros(N), offset), mem.place(torch.zeros(N), offset)
-            return (
-                [p],
-                [g],
-                [m],
-                [v],
-                [],
-                [torch.tensor(3.0)],
-                [master],
-                0.0,
-                None,
-                0.9,
-                0.999,
-                0.0,
-                1e-8,
-                False,
-                True,
-                False,
-                None,
-                None,
-                None,
-            )
+            return op_args("adam_step_", params=[p], grads=[g], exp_avgs=[m], exp_avg_sqs=[v],
+                           state_steps=[torch.tensor(3.0)], master_params=[master],
+                           lr=0.0)  # fmt: skip
         buf = mem.place(torch.zeros(N), offset)
-        return (
-            [p],
-            [g],
-            [buf],
-            [torch.tensor(0.0)],
-            [master],
-            0.0,
-            None,
-            0.0,
-            0.9,
-            0.0,
-            False,
-            False,
-            None,
-            None,
-            None,
-        )
+        return op_args("sgd_step_", params=[p], grads=[g], momentum_buffers=[buf],
+                       state_steps=[torch.tensor(0.0)], master_params=[master], lr=0.0)  # fmt: skip
 
     out = run_case(op, build)
     params = out["cpu"][0]
@@ -80,28 +48,13 @@ def test_8bit_code_ties():
 
     def build(mem: Mem):
         blocks = lowbit.nblocks(g)
-        return (
-            [mem.place(mem.randn(N, torch.float32), 1)],
-            [mem.place(g.clone(), 1)],
-            [mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
-            [mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
-            [mem.place(torch.zeros(blocks))],
-            [mem.place(torch.zeros(blocks))],
-            [torch.tensor(0.0)],
-            [],
-            0,
-            0.0,
-            None,
-            0.0,
-            0.999,
-            0.0,
-            1e-8,
-            True,
-            False,
-            None,
-            None,
-            None,
-        )
+        return op_args("adam_lowbit_step_", params=[mem.place(mem.randn(N, torch.float32), 1)],
+                       grads=[mem.place(g.clone(), 1)],
+                       exp_avgs=[mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
+                       exp_avg_sqs=[mem.place(torch.zeros(N, dtype=torch.uint8), 1)],
+                       exp_avg_absmax=[mem.place(torch.zeros(blocks))],
+                       exp_avg_sq_absmax=[mem.place(torch.zeros(blocks))],
+                       state_steps=[torch.tensor(0.0)], lr=0.0, beta1=0.0)  # fmt: skip
 
     out = run_case("adam_lowbit_step_", build)
     codes = out["cpu"][2]
@@ -113,28 +66,12 @@ def test_bf16_stochastic_rounding_carry():
     g, up = sr_boundaries(N, seed=9, step=step, sr_seed=seed, high=False)
 
     def build(mem: Mem):
-        return (
-            [mem.place(mem.randn(N, torch.float32))],
-            [mem.place(g.clone())],
-            [mem.place(torch.zeros(N, dtype=torch.bfloat16))],
-            [mem.place(torch.zeros(N, dtype=torch.bfloat16))],
-            [],
-            [],
-            [torch.tensor(float(step))],
-            [],
-            seed,
-            0.0,
-            None,
-            0.0,
-            0.999,
-            0.0,
-            1e-8,
-            True,
-            False,
-            None,
-            None,
-            None,
-        )
+        return op_args("adam_lowbit_step_", params=[mem.place(mem.randn(N, torch.float32))],
+                       grads=[mem.place(g.clone())],
+                       exp_avgs=[mem.place(torch.zeros(N, dtype=torch.bfloat16))],
+                       exp_avg_sqs=[mem.place(torch.zeros(N, dtype=torch.bfloat16))],
+                       state_steps=[torch.tensor(float(step))], seed=seed, lr=0.0,
+                       beta1=0.0)  # fmt: skip
 
     out = run_case("adam_lowbit_step_", build)
     m = out["cpu"][2]

@@ -1,4 +1,5 @@
-"""Shared by the client-integration tests: a learnable task, op counting, loss checks."""
+"""Shared by the client-integration tests: a learnable task, op counting, loss checks, a spy on
+fastamp.clip_grad_norm_ (spy_on_fastamps_clip)."""
 
 from __future__ import annotations
 
@@ -137,3 +138,19 @@ def run_script(tmp_path: Path, text: str, name: str, *args: str) -> dict:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
+
+
+def spy_on_fastamps_clip(monkeypatch) -> list[type]:
+    """Wraps ``fastamp.clip_grad_norm_`` for the test: the returned list collects the type of the
+    optimizer of each call."""
+    import fastamp
+
+    calls: list[type] = []
+    real = fastamp.clip_grad_norm_
+
+    def spy(optimizer, *args, **kwargs):
+        calls.append(type(optimizer))
+        return real(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(fastamp, "clip_grad_norm_", spy)
+    return calls

@@ -19,6 +19,7 @@ from tests.integrations._common import (
     dataset,
     loss_of,
     mlp,
+    spy_on_fastamps_clip,
 )
 
 pytestmark = pytest.mark.clients
@@ -143,18 +144,6 @@ def test_install_grad_scaler_errors_name_the_problem():
 def fresh_state():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-
-
-def spy_on_fastamps_clip(monkeypatch):
-    calls = []
-    real = fastamp.clip_grad_norm_
-
-    def spy(optimizer, *args, **kwargs):
-        calls.append(type(optimizer))
-        return real(optimizer, *args, **kwargs)
-
-    monkeypatch.setattr(fastamp, "clip_grad_norm_", spy)
-    return calls
 
 
 @pytest.mark.parametrize("precision", ["bf16", "no"])

@@ -16,6 +16,7 @@ from tests.integrations._common import (
     dataset,
     loss_of,
     mlp,
+    spy_on_fastamps_clip,
 )
 
 pytestmark = pytest.mark.clients
@@ -123,18 +124,6 @@ def test_value_clipping_with_fastamp_adamw_matches_lightnings_path():
 
 def lightnings_plugin(precision):
     return MixedPrecision(precision, "cpu") if precision == "bf16-mixed" else Precision()
-
-
-def spy_on_fastamps_clip(monkeypatch):
-    calls = []
-    real = fastamp.clip_grad_norm_
-
-    def spy(optimizer, *args, **kwargs):
-        calls.append(type(optimizer))
-        return real(optimizer, *args, **kwargs)
-
-    monkeypatch.setattr(fastamp, "clip_grad_norm_", spy)
-    return calls
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])

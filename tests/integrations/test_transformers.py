@@ -16,6 +16,7 @@ from tests.integrations._common import (
     dataset,
     loss_of,
     mlp,
+    spy_on_fastamps_clip,
 )
 
 pytestmark = pytest.mark.clients
@@ -135,18 +136,6 @@ def test_fastamp_scaler_with_torch_adamw_is_bitwise_the_trainers_path(tmp_path):
     assert losses == ref_losses
     for p, q in zip(ours.parameters(), ref.parameters()):
         assert torch.equal(p, q)
-
-
-def spy_on_fastamps_clip(monkeypatch):
-    calls = []
-    real = fastamp.clip_grad_norm_
-
-    def spy(optimizer, *args, **kwargs):
-        calls.append(type(optimizer))
-        return real(optimizer, *args, **kwargs)
-
-    monkeypatch.setattr(fastamp, "clip_grad_norm_", spy)
-    return calls
 
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])

@@ -8,32 +8,15 @@ import pytest
 import torch
 
 import fastamp  # noqa: F401  (registers the ops)
+from fastamp.testing import op_args
 
 ops = torch.ops.fastamp
 
 
 def _adam(params, grads, exp_avgs, exp_avg_sqs, steps):
-    ops.adam_step_(
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        [],
-        steps,
-        [],
-        1e-3,
-        None,
-        0.9,
-        0.999,
-        0.0,
-        1e-8,
-        False,
-        False,
-        False,
-        None,
-        None,
-        None,
-    )
+    ops.adam_step_(*op_args("adam_step_", params=params, grads=grads, exp_avgs=exp_avgs,
+                            exp_avg_sqs=exp_avg_sqs, state_steps=steps, lr=1e-3,
+                            decoupled_weight_decay=False))  # fmt: skip
 
 
 def test_adam_refuses_a_param_passed_as_its_own_state():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fastamp.optim import lowbit
-from fastamp.testing import assert_bitwise_equal, lowbit_ref
+from fastamp.testing import assert_bitwise_equal, lowbit_ref, op_args
 from tests.optim.test_lowbit import _rne_reference
 
 ops = torch.ops.fastamp  # the ops themselves: their schemas are the interface under test
@@ -53,27 +53,9 @@ def _adam_master_store(dtype, master):
     g = torch.randn(master.shape).to(dtype) * 1e-2
     m, v = torch.zeros_like(master), torch.zeros_like(master)
     p.fill_(0)  # overwritten by the store
-    ops.adam_step_(
-        [p],
-        [g],
-        [m],
-        [v],
-        [],
-        [torch.tensor(3.0)],
-        [master],
-        0.0,
-        None,
-        0.9,
-        0.999,
-        0.0,
-        1e-8,
-        False,
-        True,
-        False,
-        None,
-        None,
-        None,
-    )
+    ops.adam_step_(*op_args("adam_step_", params=[p], grads=[g], exp_avgs=[m], exp_avg_sqs=[v],
+                            state_steps=[torch.tensor(3.0)], master_params=[master],
+                            lr=0.0))  # fmt: skip
     return p
 
 
@@ -81,23 +63,9 @@ def _sgd_master_store(dtype, master):
     p = torch.zeros(master.shape, dtype=dtype)
     g = torch.randn(master.shape).to(dtype) * 1e-2
     buf = torch.zeros_like(master)
-    ops.sgd_step_(
-        [p],
-        [g],
-        [buf],
-        [torch.tensor(0.0)],
-        [master],
-        0.0,
-        None,
-        0.0,
-        0.9,
-        0.0,
-        False,
-        False,
-        None,
-        None,
-        None,
-    )
+    ops.sgd_step_(*op_args("sgd_step_", params=[p], grads=[g], momentum_buffers=[buf],
+                           state_steps=[torch.tensor(0.0)], master_params=[master],
+                           lr=0.0))  # fmt: skip
     return p
 
 
@@ -139,28 +107,9 @@ def test_8bit_codes_round_ties_to_even_through_the_kernel():
     am = torch.zeros(lowbit.nblocks(p))
     av = torch.zeros(lowbit.nblocks(p))
     # beta1 = 0: the new exp_avg is the grad exactly; lr 0 leaves the params.
-    ops.adam_lowbit_step_(
-        [p],
-        [g],
-        [m8],
-        [v8],
-        [am],
-        [av],
-        [torch.tensor(0.0)],
-        [],
-        0,
-        0.0,
-        None,
-        0.0,
-        0.999,
-        0.0,
-        1e-8,
-        True,
-        False,
-        None,
-        None,
-        None,
-    )
+    ops.adam_lowbit_step_(*op_args("adam_lowbit_step_", params=[p], grads=[g], exp_avgs=[m8],
+                                   exp_avg_sqs=[v8], exp_avg_absmax=[am], exp_avg_sq_absmax=[av],
+                                   state_steps=[torch.tensor(0.0)], lr=0.0, beta1=0.0))  # fmt: skip
     assert torch.equal(am, torch.ones_like(am))
     assert_bitwise_equal(m8, lowbit.encode_m8(g), "codes vs the codec")
     assert_bitwise_equal(
@@ -192,28 +141,9 @@ def test_bf16_stochastic_rounding_carries_exactly_at_the_boundary():
     p = torch.randn(N)
     m = torch.zeros(N, dtype=torch.bfloat16)
     v = torch.zeros(N, dtype=torch.bfloat16)
-    ops.adam_lowbit_step_(
-        [p],
-        [g],
-        [m],
-        [v],
-        [],
-        [],
-        [torch.tensor(float(step))],
-        [],
-        seed,
-        0.0,
-        None,
-        0.0,
-        0.999,
-        0.0,
-        1e-8,
-        True,
-        False,
-        None,
-        None,
-        None,
-    )
+    ops.adam_lowbit_step_(*op_args("adam_lowbit_step_", params=[p], grads=[g], exp_avgs=[m],
+                                   exp_avg_sqs=[v], state_steps=[torch.tensor(float(step))],
+                                   seed=seed, lr=0.0, beta1=0.0))  # fmt: skip
     truncated = (g.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
     bumped = ((g.view(torch.int32) >> 16) + 1).to(torch.int16).view(torch.bfloat16)
     assert_bitwise_equal(m, torch.where(up, bumped, truncated), "exp_avg at the carry boundary")

@@ -11,7 +11,7 @@ from torch import nn
 
 import fastamp
 from fastamp.optim import _ops
-from fastamp.testing import assert_bitwise_equal
+from fastamp.testing import assert_bitwise_equal, op_args
 
 ops = torch.ops.fastamp
 
@@ -113,8 +113,8 @@ def test_bad_handles_and_lengths_are_refused_by_name():
     with pytest.raises(ValueError, match=r"adam_step_held_: held is \d+, which holds no"):
         ops.adam_step_held_(held.handle + 10**6, [torch.ones(5)] * 3, *_adam_args())
     with pytest.raises(ValueError, match=r"sgd_step_held_: held \d+ holds 6 tensor lists; exp"):
-        ops.sgd_step_held_(held.handle, [torch.ones(5)] * 3, 0.1, None, 0.0, 0.0, 0.0, False,
-                           False, None, None, None)  # fmt: skip
+        ops.sgd_step_held_(*op_args("sgd_step_held_", held=held.handle, grads=[torch.ones(5)] * 3,
+                                    momentum=0.0))  # fmt: skip
     with pytest.raises(ValueError, match="lengths add up to 4 but 3 tensors were given"):
         ops.hold_tensors(p, [2, 2])
     with pytest.raises(ValueError, match=r"lengths\[0\] is -1"):

@@ -14,7 +14,7 @@ from torch import nn
 
 import fastamp
 from fastamp.optim import lowbit
-from fastamp.testing import adam_ref, assert_bitwise_equal, lowbit_ref
+from fastamp.testing import adam_ref, assert_bitwise_equal, lowbit_ref, op_args
 
 ops = torch.ops.fastamp  # the ops themselves: their schemas are the interface under test
 
@@ -100,36 +100,25 @@ def _lowbit_call(
     p, g, st, steps, mp=None, seed=7, inv=None, found=None, coef=None, maximize=False, lr_t=None
 ):
     int8 = st["exp_avg"].dtype == torch.uint8
-    ops.adam_lowbit_step_(
-        [p], [g], [st["exp_avg"]], [st["exp_avg_sq"]],
-        [st["exp_avg_absmax"]] if int8 else [], [st["exp_avg_sq_absmax"]] if int8 else [],
-        [steps], [mp] if mp is not None else [], seed, HYPER["lr"], lr_t, HYPER["beta1"],
-        HYPER["beta2"], HYPER["weight_decay"], HYPER["eps"], True, maximize, inv, found, coef,
-    )  # fmt: skip
+    ops.adam_lowbit_step_(*op_args("adam_lowbit_step_", params=[p], grads=[g],
+                                   exp_avgs=[st["exp_avg"]], exp_avg_sqs=[st["exp_avg_sq"]],
+                                   exp_avg_absmax=[st["exp_avg_absmax"]] if int8 else [],
+                                   exp_avg_sq_absmax=[st["exp_avg_sq_absmax"]] if int8 else [],
+                                   state_steps=[steps],
+                                   master_params=[mp] if mp is not None else [], seed=seed,
+                                   lr=HYPER["lr"], lr_tensor=lr_t, beta1=HYPER["beta1"],
+                                   beta2=HYPER["beta2"], weight_decay=HYPER["weight_decay"],
+                                   eps=HYPER["eps"], maximize=maximize, inv_scale=inv,
+                                   found_inf=found, clip_coef=coef))  # fmt: skip
 
 
 def _float32_call(p, g, m, v, steps, mp=None, inv=None, coef=None, maximize=False, lr_t=None):
-    ops.adam_step_(
-        [p],
-        [g],
-        [m],
-        [v],
-        [],
-        [steps],
-        [mp] if mp is not None else [],
-        HYPER["lr"],
-        lr_t,
-        HYPER["beta1"],
-        HYPER["beta2"],
-        HYPER["weight_decay"],
-        HYPER["eps"],
-        False,
-        True,
-        maximize,
-        inv,
-        None,
-        coef,
-    )
+    ops.adam_step_(*op_args("adam_step_", params=[p], grads=[g], exp_avgs=[m], exp_avg_sqs=[v],
+                            state_steps=[steps], master_params=[mp] if mp is not None else [],
+                            lr=HYPER["lr"], lr_tensor=lr_t, beta1=HYPER["beta1"],
+                            beta2=HYPER["beta2"], weight_decay=HYPER["weight_decay"],
+                            eps=HYPER["eps"], maximize=maximize, inv_scale=inv,
+                            clip_coef=coef))  # fmt: skip
 
 
 @pytest.mark.parametrize("lr_t", [None, 2e-3], ids=["lr", "lr_tensor"])
@@ -294,28 +283,12 @@ def test_opcheck():
     for fmt in ("int8", "bfloat16"):
         p, g, st, _ = _state(4096, fmt, seed=4)
         int8 = fmt == "int8"
-        args = (
-            [p],
-            [g],
-            [st["exp_avg"]],
-            [st["exp_avg_sq"]],
-            [st["exp_avg_absmax"]] if int8 else [],
-            [st["exp_avg_sq_absmax"]] if int8 else [],
-            [torch.tensor(1.0)],
-            [],
-            5,
-            1e-3,
-            None,
-            0.9,
-            0.999,
-            0.0,
-            1e-8,
-            True,
-            False,
-            torch.tensor(0.5),
-            torch.tensor(0.0),
-            None,
-        )
+        args = op_args("adam_lowbit_step_", params=[p], grads=[g], exp_avgs=[st["exp_avg"]],
+                       exp_avg_sqs=[st["exp_avg_sq"]],
+                       exp_avg_absmax=[st["exp_avg_absmax"]] if int8 else [],
+                       exp_avg_sq_absmax=[st["exp_avg_sq_absmax"]] if int8 else [],
+                       state_steps=[torch.tensor(1.0)], seed=5, lr=1e-3,
+                       inv_scale=torch.tensor(0.5), found_inf=torch.tensor(0.0))  # fmt: skip
         torch.library.opcheck(torch.ops.fastamp.adam_lowbit_step_.default, args)
 
 
@@ -455,52 +428,18 @@ def test_bad_arguments_are_refused_before_anything_changes():
     _, _, st16, _ = _state(5000, "bfloat16", seed=8)
     before = (q.clone(), {k: v.clone() for k, v in st.items()})
     with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[0\] must be a contiguous Byte tensor"):
-        ops.adam_lowbit_step_(
-            [q],
-            [g],
-            [st["exp_avg"]],
-            [st16["exp_avg_sq"]],
-            [st["exp_avg_absmax"]],
-            [st["exp_avg_sq_absmax"]],
-            [torch.tensor(0.0)],
-            [],
-            0,
-            1e-3,
-            None,
-            0.9,
-            0.999,
-            0.0,
-            1e-8,
-            True,
-            False,
-            None,
-            None,
-            None,
-        )
+        ops.adam_lowbit_step_(*op_args(
+            "adam_lowbit_step_", params=[q], grads=[g], exp_avgs=[st["exp_avg"]],
+            exp_avg_sqs=[st16["exp_avg_sq"]], exp_avg_absmax=[st["exp_avg_absmax"]],
+            exp_avg_sq_absmax=[st["exp_avg_sq_absmax"]], state_steps=[torch.tensor(0.0)],
+            lr=1e-3))  # fmt: skip
     with pytest.raises(
         RuntimeError,
         match=r"exp_avg_absmax\[0\] must be a contiguous float32 tensor of 20 elements",
     ):
-        ops.adam_lowbit_step_(
-            [q],
-            [g],
-            [st["exp_avg"]],
-            [st["exp_avg_sq"]],
-            [torch.zeros(19)],
-            [st["exp_avg_sq_absmax"]],
-            [torch.tensor(0.0)],
-            [],
-            0,
-            1e-3,
-            None,
-            0.9,
-            0.999,
-            0.0,
-            1e-8,
-            True,
-            False,
-            None,
-            None,
-            None,
-        )
+        ops.adam_lowbit_step_(*op_args(
+            "adam_lowbit_step_", params=[q], grads=[g], exp_avgs=[st["exp_avg"]],
+            exp_avg_sqs=[st["exp_avg_sq"]], exp_avg_absmax=[torch.zeros(19)],
+            exp_avg_sq_absmax=[st["exp_avg_sq_absmax"]], state_steps=[torch.tensor(0.0)],
+            lr=1e-3))  # fmt: skip
     assert_bitwise_equal((q, st), before)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fastamp
-from fastamp.testing import assert_bitwise_equal, lowbit_ref
+from fastamp.testing import assert_bitwise_equal, lowbit_ref, op_args
 
 ops = torch.ops.fastamp  # the ops themselves: their schemas are the interface under test
 
@@ -49,41 +49,17 @@ def test_step_is_the_float32_step_plus_stochastic_rounding_bit_for_bit(
         None if master is None else master.clone(),
         count.clone(),
     )
-    ops.sgd_step_(
-        [p32],
-        [g],
-        [buf32],
-        [count32],
-        [mp32] if mp32 is not None else [],
-        LR,
-        lr_t,
-        WD,
-        MOMENTUM,
-        DAMPENING,
-        nesterov,
-        False,
-        inv,
-        None,
-        coef,
-    )
-    ops.sgd_lowbit_step_(
-        [p],
-        [g],
-        [buf],
-        [count],
-        [master] if master is not None else [],
-        7,
-        LR,
-        lr_t,
-        WD,
-        MOMENTUM,
-        DAMPENING,
-        nesterov,
-        False,
-        inv,
-        None,
-        coef,
-    )
+    ops.sgd_step_(*op_args("sgd_step_", params=[p32], grads=[g], momentum_buffers=[buf32],
+                           state_steps=[count32], master_params=[mp32] if mp32 is not None else [],
+                           lr=LR, lr_tensor=lr_t, weight_decay=WD, momentum=MOMENTUM,
+                           dampening=DAMPENING, nesterov=nesterov, inv_scale=inv,
+                           clip_coef=coef))  # fmt: skip
+    ops.sgd_lowbit_step_(*op_args("sgd_lowbit_step_", params=[p], grads=[g], momentum_buffers=[buf],
+                                  state_steps=[count],
+                                  master_params=[master] if master is not None else [], seed=7,
+                                  lr=LR, lr_tensor=lr_t, weight_decay=WD, momentum=MOMENTUM,
+                                  dampening=DAMPENING, nesterov=nesterov, inv_scale=inv,
+                                  clip_coef=coef))  # fmt: skip
     assert_bitwise_equal(p, p32, "params")
     if master is not None:
         assert_bitwise_equal(master, mp32, "master")
@@ -97,47 +73,19 @@ def test_found_inf_step_writes_nothing():
     g[3] = math.inf
     count = torch.tensor(2.0)
     before = (p.clone(), buf.clone(), count.clone())
-    ops.sgd_lowbit_step_(
-        [p],
-        [g],
-        [buf],
-        [count],
-        [],
-        0,
-        LR,
-        None,
-        WD,
-        MOMENTUM,
-        0.0,
-        False,
-        False,
-        torch.tensor(1.0),
-        torch.tensor(1.0),
-        None,
-    )
+    ops.sgd_lowbit_step_(*op_args("sgd_lowbit_step_", params=[p], grads=[g], momentum_buffers=[buf],
+                                  state_steps=[count], lr=LR, weight_decay=WD, momentum=MOMENTUM,
+                                  inv_scale=torch.tensor(1.0),
+                                  found_inf=torch.tensor(1.0)))  # fmt: skip
     assert_bitwise_equal((p, buf, count), before)
 
 
 def test_opcheck():
     p, g, buf = _inputs(4096, torch.float32, seed=2)
-    args = (
-        [p],
-        [g],
-        [buf],
-        [torch.tensor(1.0)],
-        [],
-        5,
-        LR,
-        None,
-        WD,
-        MOMENTUM,
-        0.0,
-        False,
-        False,
-        torch.tensor(0.5),
-        torch.tensor(0.0),
-        None,
-    )
+    args = op_args("sgd_lowbit_step_", params=[p], grads=[g], momentum_buffers=[buf],
+                   state_steps=[torch.tensor(1.0)], seed=5, lr=LR, weight_decay=WD,
+                   momentum=MOMENTUM, inv_scale=torch.tensor(0.5),
+                   found_inf=torch.tensor(0.0))  # fmt: skip
     torch.library.opcheck(torch.ops.fastamp.sgd_lowbit_step_.default, args)
 
 
@@ -219,63 +167,19 @@ def test_bad_arguments_are_refused_before_anything_changes():
     with pytest.raises(
         RuntimeError, match=r"momentum_buffers\[0\] must be a contiguous BFloat16 tensor"
     ):
-        ops.sgd_lowbit_step_(
-            [q],
-            [g],
-            [buf.float()],
-            [torch.tensor(0.0)],
-            [],
-            0,
-            LR,
-            None,
-            0.0,
-            MOMENTUM,
-            0.0,
-            False,
-            False,
-            None,
-            None,
-            None,
-        )
+        ops.sgd_lowbit_step_(*op_args(
+            "sgd_lowbit_step_", params=[q], grads=[g], momentum_buffers=[buf.float()],
+            state_steps=[torch.tensor(0.0)], lr=LR, momentum=MOMENTUM))  # fmt: skip
     with pytest.raises(RuntimeError, match=r"momentum is 0"):
-        ops.sgd_lowbit_step_(
-            [q],
-            [g],
-            [buf],
-            [torch.tensor(0.0)],
-            [],
-            0,
-            LR,
-            None,
-            0.0,
-            0.0,
-            0.0,
-            False,
-            False,
-            None,
-            None,
-            None,
-        )
+        ops.sgd_lowbit_step_(*op_args(
+            "sgd_lowbit_step_", params=[q], grads=[g], momentum_buffers=[buf],
+            state_steps=[torch.tensor(0.0)], lr=LR, momentum=0.0))  # fmt: skip
     with pytest.raises(RuntimeError, match=r"params\[0\] and grads\[0\] must be contiguous"):
         wide = torch.randn(100, 50).t()
-        ops.sgd_lowbit_step_(
-            [wide],
-            [wide.clone()],
-            [torch.zeros(50, 100, dtype=torch.bfloat16).t()],
-            [torch.tensor(0.0)],
-            [],
-            0,
-            LR,
-            None,
-            0.0,
-            MOMENTUM,
-            0.0,
-            False,
-            False,
-            None,
-            None,
-            None,
-        )
+        ops.sgd_lowbit_step_(*op_args(
+            "sgd_lowbit_step_", params=[wide], grads=[wide.clone()],
+            momentum_buffers=[torch.zeros(50, 100, dtype=torch.bfloat16).t()],
+            state_steps=[torch.tensor(0.0)], lr=LR, momentum=MOMENTUM))  # fmt: skip
     assert_bitwise_equal((q, buf), before)
     # Momentum-free SGD keeps no state in any format, as torch.optim.SGD.
     plain = fastamp.optim.SGD([p], lr=0.1, state_dtype=torch.bfloat16)

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 
+from fastamp.testing import op_args
 from tests._misuse import *  # noqa: F403 (the catalogue's harness and world builders)
 from tests._misuse import Case, check_misuse, make_case
 
@@ -324,27 +325,9 @@ def _(lib):
     m, v = [torch.zeros(4)], [torch.zeros(4), torch.zeros(5)]
     steps = [_scalar(0.0), _scalar(0.0)]
     world = {"params": ps, "grads": gs, "exp_avgs": m, "exp_avg_sqs": v, "steps": steps}
-    return world, lambda: _F.adam_step_(
-        ps,
-        gs,
-        m,
-        v,
-        [],
-        steps,
-        [],
-        1e-3,
-        None,
-        0.9,
-        0.999,
-        0.0,
-        1e-8,
-        False,
-        True,
-        False,
-        None,
-        None,
-        None,
-    )
+    return world, lambda: _F.adam_step_(*op_args(
+        "adam_step_", params=ps, grads=gs, exp_avgs=m, exp_avg_sqs=v, state_steps=steps,
+        lr=1e-3))  # fmt: skip
 
 
 @case(
@@ -357,9 +340,9 @@ def _(lib):
     ps, gs, bufs = [torch.randn(4)], [torch.randn(4)], [torch.zeros(4)]
     counts = [_scalar(0.0)]
     world = {"params": ps, "grads": gs, "bufs": bufs, "counts": counts}
-    return world, lambda: _F.sgd_step_(
-        ps, gs, bufs, counts, [], 0.1, None, 0.0, 0.0, 0.0, False, False, None, None, None
-    )
+    return world, lambda: _F.sgd_step_(*op_args(
+        "sgd_step_", params=ps, grads=gs, momentum_buffers=bufs, state_steps=counts,
+        momentum=0.0))  # fmt: skip
 
 
 @pytest.mark.parametrize("c", CASES, ids=lambda c: c.id)

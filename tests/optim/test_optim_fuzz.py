@@ -16,7 +16,7 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 
-from fastamp.testing import adam_ref, sgd_ref
+from fastamp.testing import adam_ref, op_args, sgd_ref
 from tests._fuzz import (
     DENSE_LAYOUTS,
     HALF_DTYPES,
@@ -318,44 +318,23 @@ def _call(case, views, steps, scalars):
     hp = case["hp"]
     sc = {k: scalars.get(k) for k in OPTIONAL_SCALARS}
     if case["kind"] == "adam":
-        return lambda: torch.ops.fastamp.adam_step_(
-            views["params"],
-            views["grads"],
-            views["exp_avgs"] if "exp_avgs" in views else [],
-            views["exp_avg_sqs"] if "exp_avg_sqs" in views else [],
-            views.get("max_exp_avg_sqs", []),
-            steps,
-            views["master_params"],
-            hp["lr"],
-            sc["lr_tensor"],
-            hp["beta1"],
-            hp["beta2"],
-            hp["weight_decay"],
-            hp["eps"],
-            hp["amsgrad"],
-            hp["decoupled"],
-            hp["maximize"],
-            sc["inv_scale"],
-            sc["found_inf"],
-            sc["clip_coef"],
-        )
-    return lambda: torch.ops.fastamp.sgd_step_(
-        views["params"],
-        views["grads"],
-        views.get("momentum_buffers", []),
-        steps,
-        views["master_params"],
-        hp["lr"],
-        sc["lr_tensor"],
-        hp["weight_decay"],
-        hp["momentum"],
-        hp["dampening"],
-        hp["nesterov"],
-        hp["maximize"],
-        sc["inv_scale"],
-        sc["found_inf"],
-        sc["clip_coef"],
-    )
+        return lambda: torch.ops.fastamp.adam_step_(*op_args(
+            "adam_step_", params=views["params"], grads=views["grads"],
+            exp_avgs=views["exp_avgs"] if "exp_avgs" in views else [],
+            exp_avg_sqs=views["exp_avg_sqs"] if "exp_avg_sqs" in views else [],
+            max_exp_avg_sqs=views.get("max_exp_avg_sqs", []), state_steps=steps,
+            master_params=views["master_params"], lr=hp["lr"], lr_tensor=sc["lr_tensor"],
+            beta1=hp["beta1"], beta2=hp["beta2"], weight_decay=hp["weight_decay"], eps=hp["eps"],
+            amsgrad=hp["amsgrad"], decoupled_weight_decay=hp["decoupled"], maximize=hp["maximize"],
+            inv_scale=sc["inv_scale"], found_inf=sc["found_inf"],
+            clip_coef=sc["clip_coef"]))  # fmt: skip
+    return lambda: torch.ops.fastamp.sgd_step_(*op_args(
+        "sgd_step_", params=views["params"], grads=views["grads"],
+        momentum_buffers=views.get("momentum_buffers", []), state_steps=steps,
+        master_params=views["master_params"], lr=hp["lr"], lr_tensor=sc["lr_tensor"],
+        weight_decay=hp["weight_decay"], momentum=hp["momentum"], dampening=hp["dampening"],
+        nesterov=hp["nesterov"], maximize=hp["maximize"], inv_scale=sc["inv_scale"],
+        found_inf=sc["found_inf"], clip_coef=sc["clip_coef"]))  # fmt: skip
 
 
 # --- oracle -------------------------------------------------------------------------------------
@@ -530,50 +509,15 @@ test_sgd_step, test_sgd_step_slow = tiered(default=120, slow=4000, case=step_cas
 def test_empty_step_is_a_no_op():
     """Empty lists and no optional tensor: nothing to dispatch on, nothing to do (it used to be the
     dispatcher's "no fallback function is registered" NotImplementedError)."""
-    torch.ops.fastamp.adam_step_(
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-        [],
-        1e-3,
-        None,
-        0.9,
-        0.999,
-        0.0,
-        1e-8,
-        False,
-        True,
-        False,
-        None,
-        None,
-        None,
-    )
-    torch.ops.fastamp.sgd_step_(
-        [], [], [], [], [], 0.1, None, 0.0, 0.0, 0.0, False, False, None, None, None
-    )
-    expect_error(
-        lambda: torch.ops.fastamp.sgd_step_(
-            [],
-            [torch.ones(2)],
-            [],
-            [],
-            [],
-            0.1,
-            None,
-            0.0,
-            0.0,
-            0.0,
-            False,
-            False,
-            None,
-            None,
-            None,
-        ),
-        ["grads given without params"],
-    )
+    torch.ops.fastamp.adam_step_(*op_args(
+        "adam_step_", params=[], grads=[], exp_avgs=[], exp_avg_sqs=[], state_steps=[],
+        lr=1e-3))  # fmt: skip
+    torch.ops.fastamp.sgd_step_(*op_args(
+        "sgd_step_", params=[], grads=[], momentum_buffers=[], state_steps=[],
+        momentum=0.0))  # fmt: skip
+    expect_error(lambda: torch.ops.fastamp.sgd_step_(*op_args(
+        "sgd_step_", params=[], grads=[torch.ones(2)], momentum_buffers=[], state_steps=[],
+        momentum=0.0)), ["grads given without params"])  # fmt: skip
 
 
 def test_meta_tensor_in_any_list_is_rejected():
@@ -586,27 +530,10 @@ def test_meta_tensor_in_any_list_is_rejected():
     args = dict(lr=0.1, beta1=0.9, beta2=0.99, wd=0.0, eps=1e-8)
 
     def adam(m, v, steps, lr_t=None):
-        torch.ops.fastamp.adam_step_(
-            p,
-            g,
-            m,
-            v,
-            [],
-            steps,
-            [],
-            args["lr"],
-            lr_t,
-            args["beta1"],
-            args["beta2"],
-            args["wd"],
-            args["eps"],
-            False,
-            True,
-            False,
-            None,
-            None,
-            None,
-        )
+        torch.ops.fastamp.adam_step_(*op_args(
+            "adam_step_", params=p, grads=g, exp_avgs=m, exp_avg_sqs=v, state_steps=steps,
+            lr=args["lr"], lr_tensor=lr_t, beta1=args["beta1"], beta2=args["beta2"],
+            weight_decay=args["wd"], eps=args["eps"]))  # fmt: skip
 
     expect_error(lambda: adam([torch.zeros(4)], [meta], step), ["exp_avg_sqs[0]"])
     expect_error(
@@ -617,10 +544,7 @@ def test_meta_tensor_in_any_list_is_rejected():
         lambda: adam([torch.zeros(4)], [torch.zeros(4)], step, torch.tensor(0.1, device="meta")),
         ["lr_tensor"],
     )
-    expect_error(
-        lambda: torch.ops.fastamp.sgd_step_(
-            p, g, [meta], step, [], 0.1, None, 0.0, 0.9, 0.0, False, False, None, None, None
-        ),
-        ["momentum_buffers[0]"],
-    )
+    expect_error(lambda: torch.ops.fastamp.sgd_step_(*op_args(
+        "sgd_step_", params=p, grads=g, momentum_buffers=[meta],
+        state_steps=step)), ["momentum_buffers[0]"])  # fmt: skip
     assert torch.equal(p[0], snap) and float(step[0]) == 0.0

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from fastamp.testing import adam_ref, make_grads, sgd_ref
+from fastamp.testing import adam_ref, make_grads, op_args, sgd_ref
 
 SHAPES = [(300,), (65536 + 5,), (17, 13), (1,)]
 TOL = {torch.float32: (2e-5, 1e-6), torch.bfloat16: (1.6e-2, 1e-3), torch.float16: (2e-3, 1e-4)}
@@ -61,27 +61,12 @@ def test_adam_step_matches_float64(device, dtype, master, amsgrad, decoupled, ma
         )
         for i in range(len(SHAPES))
     ]
-    torch.ops.fastamp.adam_step_(
-        params,
-        grads,
-        m,
-        v,
-        vmax,
-        steps,
-        masters,
-        hp["lr"],
-        None,
-        0.9,
-        0.999,
-        0.05,
-        1e-8,
-        amsgrad,
-        decoupled,
-        maximize,
-        torch.tensor(inv, device=device),
-        torch.zeros((), device=device),
-        torch.tensor(coef, device=device),
-    )
+    torch.ops.fastamp.adam_step_(*op_args(
+        "adam_step_", params=params, grads=grads, exp_avgs=m, exp_avg_sqs=v, max_exp_avg_sqs=vmax,
+        state_steps=steps, master_params=masters, lr=hp["lr"], weight_decay=0.05, amsgrad=amsgrad,
+        decoupled_weight_decay=decoupled, maximize=maximize,
+        inv_scale=torch.tensor(inv, device=device), found_inf=torch.zeros((), device=device),
+        clip_coef=torch.tensor(coef, device=device)))  # fmt: skip
     for i, (ep, em, ev, evm) in enumerate(expected):
         _close(masters[i] if master else params[i], ep, torch.float32 if master else dtype)
         if master:
@@ -133,23 +118,11 @@ def test_sgd_step_matches_float64(device, dtype, master, momentum, dampening, ne
         )
         for i in range(len(SHAPES))
     ]
-    torch.ops.fastamp.sgd_step_(
-        params,
-        grads,
-        bufs,
-        counts,
-        masters,
-        0.05,
-        None,
-        0.01,
-        momentum,
-        dampening,
-        nesterov,
-        False,
-        torch.tensor(1 / 64, device=device),
-        None,
-        torch.tensor(0.5, device=device),
-    )
+    torch.ops.fastamp.sgd_step_(*op_args(
+        "sgd_step_", params=params, grads=grads, momentum_buffers=bufs, state_steps=counts,
+        master_params=masters, lr=0.05, weight_decay=0.01, momentum=momentum, dampening=dampening,
+        nesterov=nesterov, inv_scale=torch.tensor(1 / 64, device=device),
+        clip_coef=torch.tensor(0.5, device=device)))  # fmt: skip
     for i, (ep, eb) in enumerate(expected):
         _close(params[i], ep, dtype)
         if momentum:
@@ -169,45 +142,13 @@ def test_found_inf_writes_nothing(device, which):
     found = torch.ones((), device=device)
     lr_t = torch.tensor(0.1, device=device)
     if which == "adam":
-        torch.ops.fastamp.adam_step_(
-            params,
-            grads,
-            state,
-            state2,
-            [],
-            steps,
-            [],
-            0.1,
-            lr_t,
-            0.9,
-            0.99,
-            0.0,
-            1e-8,
-            False,
-            True,
-            False,
-            None,
-            found,
-            None,
-        )
+        torch.ops.fastamp.adam_step_(*op_args(
+            "adam_step_", params=params, grads=grads, exp_avgs=state, exp_avg_sqs=state2,
+            state_steps=steps, lr_tensor=lr_t, beta2=0.99, found_inf=found))  # fmt: skip
     else:
-        torch.ops.fastamp.sgd_step_(
-            params,
-            grads,
-            state,
-            steps,
-            [],
-            0.1,
-            lr_t,
-            0.0,
-            0.9,
-            0.0,
-            False,
-            False,
-            None,
-            found,
-            None,
-        )
+        torch.ops.fastamp.sgd_step_(*op_args(
+            "sgd_step_", params=params, grads=grads, momentum_buffers=state, state_steps=steps,
+            lr_tensor=lr_t, found_inf=found))  # fmt: skip
     for a, b in zip(params + state + state2 + steps, before):
         assert torch.equal(a, b)
 
@@ -216,23 +157,10 @@ def test_lr_tensor_overrides_float_lr(device):
     p1, p2 = _tensors(device, torch.float32, 12), _tensors(device, torch.float32, 12)
     g = _tensors(device, torch.float32, 13)
     for p, lr, lr_t in ((p1, 0.3, None), (p2, 99.0, torch.tensor(0.3, device=device))):
-        torch.ops.fastamp.sgd_step_(
-            p,
-            g,
-            [],
-            [torch.tensor(0.0, device=device) for _ in SHAPES],
-            [],
-            lr,
-            lr_t,
-            0.0,
-            0.0,
-            0.0,
-            False,
-            False,
-            None,
-            None,
-            None,
-        )
+        torch.ops.fastamp.sgd_step_(*op_args(
+            "sgd_step_", params=p, grads=g, momentum_buffers=[],
+            state_steps=[torch.tensor(0.0, device=device) for _ in SHAPES], lr=lr, lr_tensor=lr_t,
+            momentum=0.0))  # fmt: skip
     for a, b in zip(p1, p2):
         assert torch.equal(a, b)
 
@@ -244,81 +172,22 @@ def test_bad_input_raises_before_writing(device):
     steps = [torch.tensor(0.0, device=device) for _ in SHAPES]
     bufs = [torch.zeros_like(p) for p in params]
     with pytest.raises(RuntimeError, match=r"grads\[2\] has shape"):
-        torch.ops.fastamp.sgd_step_(
-            params,
-            grads[:2] + [grads[0]] + grads[3:],
-            bufs,
-            steps,
-            [],
-            0.1,
-            None,
-            0.0,
-            0.9,
-            0.0,
-            False,
-            False,
-            None,
-            None,
-            None,
-        )
+        torch.ops.fastamp.sgd_step_(*op_args(
+            "sgd_step_", params=params, grads=grads[:2] + [grads[0]] + grads[3:],
+            momentum_buffers=bufs, state_steps=steps))  # fmt: skip
     with pytest.raises(RuntimeError, match="momentum_buffers has 3 tensors"):
-        torch.ops.fastamp.sgd_step_(
-            params,
-            grads,
-            bufs[:3],
-            steps,
-            [],
-            0.1,
-            None,
-            0.0,
-            0.9,
-            0.0,
-            False,
-            False,
-            None,
-            None,
-            None,
-        )
+        torch.ops.fastamp.sgd_step_(*op_args(
+            "sgd_step_", params=params, grads=grads, momentum_buffers=bufs[:3],
+            state_steps=steps))  # fmt: skip
     with pytest.raises(RuntimeError, match=r"exp_avgs\[1\] has dtype Half"):
-        torch.ops.fastamp.adam_step_(
-            params,
-            grads,
-            [b.half() if i == 1 else b for i, b in enumerate(bufs)],
-            bufs,
-            [],
-            steps,
-            [],
-            0.1,
-            None,
-            0.9,
-            0.99,
-            0.0,
-            1e-8,
-            False,
-            True,
-            False,
-            None,
-            None,
-            None,
-        )
+        torch.ops.fastamp.adam_step_(*op_args(
+            "adam_step_", params=params, grads=grads,
+            exp_avgs=[b.half() if i == 1 else b for i, b in enumerate(bufs)], exp_avg_sqs=bufs,
+            state_steps=steps, beta2=0.99))  # fmt: skip
     with pytest.raises(RuntimeError, match="found_inf has dtype Double"):
-        torch.ops.fastamp.sgd_step_(
-            params,
-            grads,
-            bufs,
-            steps,
-            [],
-            0.1,
-            None,
-            0.0,
-            0.9,
-            0.0,
-            False,
-            False,
-            None,
-            torch.zeros((), dtype=torch.float64, device=device),
-            None,
-        )
+        torch.ops.fastamp.sgd_step_(*op_args(
+            "sgd_step_", params=params, grads=grads, momentum_buffers=bufs, state_steps=steps,
+            found_inf=torch.zeros((), dtype=torch.float64, device=device)))  # fmt: skip
     for p, s in zip(params, snap):
         assert torch.equal(p, s)
     assert all(float(s) == 0.0 for s in steps)
@@ -331,49 +200,14 @@ def test_opcheck(device):
     m = [torch.zeros_like(x) for x in masters]
     v = [torch.zeros_like(x) for x in masters]
     steps = [torch.tensor(0.0, device=device) for _ in SHAPES]
-    torch.library.opcheck(
-        torch.ops.fastamp.adam_step_.default,
-        (
-            params,
-            grads,
-            m,
-            v,
-            [],
-            steps,
-            masters,
-            1e-3,
-            None,
-            0.9,
-            0.999,
-            0.01,
-            1e-8,
-            False,
-            True,
-            False,
-            torch.tensor(0.5, device=device),
-            torch.zeros((), device=device),
-            torch.tensor(0.9, device=device),
-        ),
-    )
+    torch.library.opcheck(torch.ops.fastamp.adam_step_.default, op_args(
+        "adam_step_", params=params, grads=grads, exp_avgs=m, exp_avg_sqs=v, state_steps=steps,
+        master_params=masters, lr=1e-3, weight_decay=0.01,
+        inv_scale=torch.tensor(0.5, device=device), found_inf=torch.zeros((), device=device),
+        clip_coef=torch.tensor(0.9, device=device)))  # fmt: skip
     p32 = _tensors(device, torch.float32, 18)
     g32 = _tensors(device, torch.float32, 19)
-    torch.library.opcheck(
-        torch.ops.fastamp.sgd_step_.default,
-        (
-            p32,
-            g32,
-            [torch.zeros_like(x) for x in p32],
-            [torch.tensor(0.0, device=device) for _ in SHAPES],
-            [],
-            0.1,
-            torch.tensor(0.2, device=device),
-            0.01,
-            0.9,
-            0.0,
-            True,
-            False,
-            None,
-            None,
-            None,
-        ),
-    )
+    torch.library.opcheck(torch.ops.fastamp.sgd_step_.default, op_args(
+        "sgd_step_", params=p32, grads=g32, momentum_buffers=[torch.zeros_like(x) for x in p32],
+        state_steps=[torch.tensor(0.0, device=device) for _ in SHAPES],
+        lr_tensor=torch.tensor(0.2, device=device), weight_decay=0.01, nesterov=True))  # fmt: skip

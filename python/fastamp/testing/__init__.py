@@ -1,5 +1,7 @@
-"""Reference implementations and input makers shared by fastamp's tests and benchmarks."""
+"""Reference implementations, input makers and raw-op call helpers shared by fastamp's tests and
+benchmarks."""
 
+from fastamp.testing.op_args import OP_DEFAULTS, op_args, op_names
 from fastamp.testing.reference import (
     adam_ref,
     assert_bitwise_equal,
@@ -14,6 +16,9 @@ from fastamp.testing.reference import (
 from fastamp.testing.syncs import count_host_syncs
 
 __all__ = [
+    "OP_DEFAULTS",
+    "op_args",
+    "op_names",
     "adam_ref",
     "assert_bitwise_equal",
     "sgd_ref",
