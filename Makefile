@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 # Extra pip arguments for the .deps step (the clients tier adds its pinned client libraries).
 EXTRA_DEPS ?=
 
-.PHONY: help demo test test-all test-clients test-matrix test-matrix-ci wheel wheel-cpu bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample mutate-cpu mutate-python emu emu-faults sanitize lint format clean
+.PHONY: help demo test test-full test-all test-capabilities test-clients test-matrix test-matrix-ci wheel wheel-cpu bench cuda-build gpu-check gpu-resources gpu-traffic mutate mutate-sample mutate-cpu mutate-python emu emu-faults sanitize lint format clean
 .DEFAULT_GOAL := help
 
 # The build tools, pinned as the Dockerfile pins them (what CI builds with).
@@ -25,7 +25,9 @@ help:
 	@echo "fastamp's make targets (each builds what it needs first, in .venv unless said):"
 	@echo "  make demo          build, then train fastamp vs torch side by side (examples/demo.py)"
 	@echo "  make test          build, build the CUDA emulator library, run the quick test tier (~6 min on 2 cores)"
-	@echo "  make test-all      the same, then the full test suite: the quick tier and the tests marked full (what CI runs)"
+	@echo "  make test-full     the tests marked full only (the rest of the suite after make test; CI runs both)"
+	@echo "  make test-all      make test, then make test-full: the whole suite, each test once"
+	@echo "  make test-capabilities  the differential tests vs torch under each CPU capability below this machine's (CI runs it)"
 	@echo "  make emu           build the CUDA emulator library only"
 	@echo "  make emu-faults    planted CUDA faults the emulated tests must catch"
 	@echo "  make mutate        generated mutants of the CUDA kernels vs the emulated tests (score, survivors)"
@@ -75,20 +77,44 @@ emu: $(VENV)/.built
 
 # The test tiers (README "Tests"). `make test` is the quick tier: every capability, without the
 # tests marked `full` (the soak, the multi-process parity suites, the emulator's whole case matrix).
-# `make test-all` is the full suite CI runs (everything but `slow`, as a bare `pytest` selects):
-# the quick tier's tests and the `full` ones, in one session (the argument-coverage check needs
-# the whole run). pytest prints a line per test file with the run's progress; --durations names
-# the slowest tests at the end.
+# `make test-full` runs only the tests marked `full`; `make test-all` is both, each test once (the
+# full suite, everything but `slow`, as a bare `pytest` selects, in two sessions). CI runs
+# `make test` then `make test-full`. The argument-coverage check judges the whole suite: a whole
+# quick tier that passed saves its records (ARGCOV_QUICK), and the `full` session adds them
+# (tests/conftest.py). pytest prints a line per test file with the run's progress; --durations
+# names the slowest tests at the end.
 QUICK_TIER := -m "not slow and not full"
-FULL_TIER := -m "not slow"
+FULL_ONLY := -m full
+ARGCOV_QUICK := build/argcov-quick.json
 
 test: emu
 	$(PY) .ci/check_fp_contract.py build/$(notdir $(VENV))
-	$(PY) -m pytest $(QUICK_TIER) --durations=5 $(PYTEST_ARGS)
+	FASTAMP_ARGCOV_SAVE=$(ARGCOV_QUICK) $(PY) -m pytest $(QUICK_TIER) --durations=5 $(PYTEST_ARGS)
 
-test-all: emu
-	$(PY) .ci/check_fp_contract.py build/$(notdir $(VENV))
-	$(PY) -m pytest $(FULL_TIER) --durations=10 $(PYTEST_ARGS)
+test-full: emu
+	FASTAMP_ARGCOV_PRIOR=$(ARGCOV_QUICK) $(PY) -m pytest $(FULL_ONLY) --durations=10 $(PYTEST_ARGS)
+
+test-all: test
+	$(MAKE) --no-print-directory test-full
+
+# The differential tests against torch (params, state and scale vs torch's, ill-conditioned cases
+# vs a float64 run) under each CPU capability this machine offers below its own (make test ran
+# that one): fastamp's kernels capped with FASTAMP_CPU_CAPABILITY and torch's with
+# ATEN_CPU_CAPABILITY, so an AVX-512 machine also runs what an AVX2-only one (AMD Zen 3) and the
+# baseline build compute. The files that compare with torch's bits, not the whole quick tier
+# (tests/optim + tests/scaler take about 5 minutes per capability on 2 cores; these about 35 s).
+# tests/*/test_cpu_capabilities.py (in the quick tier) holds every op equal across capabilities.
+CAPABILITY_TESTS ?= tests/optim/test_step_plan.py tests/optim/test_optim_fidelity.py \
+  tests/optim/test_cpu_capabilities.py tests/scaler/test_scaler_fidelity.py
+test-capabilities: $(VENV)/.built
+	@native=$$($(PY) -c 'import fastamp; print(fastamp.build_info()["cpu_capability"])'); \
+	caps=$$(case $$native in avx512) echo "default avx2";; avx2) echo default;; *) echo;; esac); \
+	echo "CPU capability of this machine: $$native; the differential tests under: $${caps:-none below it}"; \
+	for c in $$caps; do \
+	  echo "=== FASTAMP_CPU_CAPABILITY=$$c ATEN_CPU_CAPABILITY=$$c ==="; \
+	  FASTAMP_CPU_CAPABILITY=$$c ATEN_CPU_CAPABILITY=$$c $(PY) -m pytest $(QUICK_TIER) -q -p no:cacheprovider \
+	    $(CAPABILITY_TESTS) $(PYTEST_ARGS) || exit 1; \
+	done
 
 # Planted faults (a removed barrier, a wrong chunk index, a divergent shuffle, a misaligned 16-byte
 # load, an out-of-bounds write, six in the low-precision kernels (one of them moving one element per lane, which the traffic budget must catch) and a half store rounding ties away; tests/cuda_emu/mutants.py): each is built into its own emulator library and must make the
@@ -160,9 +186,18 @@ WHEEL_EXCLUDE := --exclude libtorch_cpu.so --exclude libtorch_cuda.so --exclude 
 # this project's GCC 12 / glibc 2.36 within it).
 WHEEL_PLAT := manylinux_2_28_x86_64
 
+# The CPU wheel compiles in its own tree, build/wheel-cpu (kept: a second `make wheel-cpu`
+# recompiles only what changed), not in the editable install's build/$(VENV): that tree is
+# configured for an editable install with .venv's torch's CUDA setting (a CUDA torch builds the
+# CUDA kernels there), and building the wheel in it would reconfigure it both ways on every switch
+# between `make test` and `make wheel-cpu`. The first wheel build compiles every object once more.
 dist/cpu/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake python -type f -not -name '*.pyc' 2>/dev/null)
-	rm -rf dist/cpu dist/raw-cpu && mkdir -p dist
-	FASTAMP_CUDA=OFF FASTAMP_WERROR=ON $(PIP) wheel -q --no-build-isolation --no-deps -w dist/raw-cpu . -Cbuild-dir=build/wheel-cpu
+	rm -rf dist/cpu dist/raw-cpu && mkdir -p dist build
+	@echo "compiling the CPU wheel in build/wheel-cpu (its own tree: see the Makefile; a few minutes the first time, then only what changed; full log: build/wheel-cpu.log) ..."
+	@set -o pipefail; FASTAMP_CUDA=OFF FASTAMP_WERROR=ON $(PIP) wheel -v --no-build-isolation --no-deps -w dist/raw-cpu . -Cbuild-dir=build/wheel-cpu 2>&1 \
+	  | tee build/wheel-cpu.log | { grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|-- fastamp:|ninja: no work to do' || true; } \
+	  || { grep -E -A8 'CMake Error|error:|FAILED:' build/wheel-cpu.log | head -80; \
+	       echo "fastamp: the wheel build failed; full log: build/wheel-cpu.log"; exit 1; }
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/auditwheel repair --plat $(WHEEL_PLAT) $(WHEEL_EXCLUDE) -w dist/cpu dist/raw-cpu/*.whl
 	rm -rf dist/raw-cpu
 	touch $@

@@ -247,6 +247,33 @@ def missing(ops: Iterable[str] | None = None) -> list[str]:
 _installed = False
 
 
+def save(path: str, nodeids: list[str]) -> None:
+    """The session's records and the tests that made them, for a later session of the other
+    tier to add to its own (``make test`` then ``make test-full``: each test runs once)."""
+    import json
+
+    data = {
+        "seen": [
+            [b, op, {a: sorted(c) for a, c in args.items()}] for (b, op), args in SEEN.items()
+        ],
+        "nodeids": nodeids,
+    }
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+def load(path: str) -> list[str]:
+    """Adds the records :func:`save` wrote to this session's; returns the tests that made them."""
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    for b, op, args in data["seen"]:
+        for a, classes in args.items():
+            SEEN[(b, op)][a].update(classes)
+    return list(data["nodeids"])
+
+
 def install() -> None:
     """Wraps the dispatcher entry points of torch.ops calls (OpOverloadPacket and OpOverload) so
     that successful fastamp and fastamp_emu calls are recorded."""

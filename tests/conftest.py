@@ -195,3 +195,31 @@ def _quick_tier_summary(terminalreporter) -> None:
             f"quick tier: {left} tests marked `full` not run; `make test-all` runs the full suite "
             "(what CI runs)"
         )
+
+
+# The two tiers in two sessions, each test once (`make test` then `make test-full`, what CI runs):
+# the quick tier's session saves its argument-coverage records (FASTAMP_ARGCOV_SAVE, written only
+# by a whole quick tier that passed: no -k, nothing but `slow` and `full` tests left out), and the
+# `-m full` session adds them to its own (FASTAMP_ARGCOV_PRIOR) and to the tests it counts as run
+# (tests/test_argument_coverage.py).
+QUICK_MARKEXPR = "not slow and not full"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("FASTAMP_ARGCOV_SAVE")
+    config = session.config
+    if not path or "_argcov" not in globals():
+        return
+    if os.path.exists(path):
+        os.remove(path)  # a stale file from another run must not stand in for this one
+    whole = (
+        exitstatus == 0
+        and config.getoption("markexpr", "") == QUICK_MARKEXPR
+        and not config.getoption("keyword", "")
+        and all(
+            i.get_closest_marker("slow") or i.get_closest_marker("full")
+            for i in getattr(config, "_fastamp_deselected", [])
+        )
+    )
+    if whole:
+        _argcov.save(path, [i.nodeid for i in session.items])

@@ -5,13 +5,17 @@ tensor lr that never reaches a CUDA kernel, maximize=True that never reaches a C
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests import _argcov
 
 # The suites whose calls count: the coverage is only judged on a run that collected all of them
-# and left out nothing but `slow` tests (`make test-all`, `pytest`: not the quick tier, not -k).
+# and left out nothing but `slow` tests (`pytest`: not the quick tier, not -k), or on a `-m full`
+# run that adds the records a whole quick tier saved (`make test` then `make test-full`, CI's
+# order: tests/conftest.py).
 SUITES = (
     "tests/cuda_emu/",
     "tests/scaler/",
@@ -21,14 +25,32 @@ SUITES = (
 )
 
 
+_PRIOR: list[str] | None = None
+
+
+def _prior_quick_tier() -> list[str]:
+    """The tests of the quick tier whose records FASTAMP_ARGCOV_PRIOR holds, added once to this
+    session's records; [] without one."""
+    global _PRIOR
+    if _PRIOR is None:
+        path = os.environ.get("FASTAMP_ARGCOV_PRIOR", "")
+        _PRIOR = _argcov.load(path) if path and os.path.exists(path) else []
+    return _PRIOR
+
+
 def _whole_suite(request) -> bool:
     config = request.config
     if config.getoption("keyword", "") or getattr(config, "workerinput", None) is not None:
         return False
     deselected = getattr(config, "_fastamp_deselected", [])  # tests/conftest.py
-    if any(i.get_closest_marker("slow") is None for i in deselected):
-        return False
     paths = {i.nodeid for i in request.session.items}
+    if config.getoption("markexpr", "") == "full":
+        prior = set(_prior_quick_tier())
+        if any(i.nodeid not in prior and i.get_closest_marker("slow") is None for i in deselected):
+            return False  # a quick-tier test neither run here nor in the saved quick tier
+        paths |= prior
+    elif any(i.get_closest_marker("slow") is None for i in deselected):
+        return False
     return all(any(p.startswith(s) for p in paths) for s in SUITES)
 
 

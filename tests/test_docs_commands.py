@@ -208,3 +208,109 @@ def test_documented_pytest_selections_select_tests(doc, line, command):
     )
     assert proc.returncode == 0, f"{doc}:{line}: {command!r}:\n{proc.stdout[-2000:]}"
     assert re.search(r"\b[1-9]\d* tests? collected|^\S+::", proc.stdout, re.M), proc.stdout[-500:]
+
+
+# --- The Python snippets of README.md and docs/*.md run as written --------------------------------
+#
+# Every ```python block runs in a fresh interpreter on the CPU, as a reader would paste it. A block
+# directly under ``<!-- readme-test: NAME -->`` is run by tests/integrations/test_readme.py (the
+# client integrations, with their packages); one under ``<!-- snippet: skip REASON -->`` is not run,
+# and must say why (a GPU, several processes); ``<!-- snippet: NAME -->`` names a block whose
+# output a test below checks too.
+
+SNIPPET_DOCS = ["README.md"] + sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
+)
+_MARK = re.compile(r"^\s*<!--\s*(readme-test|snippet):\s*(.*?)\s*-->\s*$")
+
+
+def _snippets() -> list[tuple[str, int, str, str, str]]:
+    """(file, line of the fence, code, mark, mark text) of every ```python block; mark is
+    "readme-test", "skip", "named" or "" (the line directly above the fence, if it is a mark)."""
+    out = []
+    for doc in SNIPPET_DOCS:
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        n = 0
+        while n < len(lines):
+            stripped = lines[n].strip()
+            if stripped.startswith("```") and stripped[3:].strip().lower() in ("python", "py"):
+                indent = len(lines[n]) - len(lines[n].lstrip())
+                end = n + 1
+                while end < len(lines) and lines[end].strip() != "```":
+                    end += 1
+                code = "\n".join(line[indent:] for line in lines[n + 1 : end]) + "\n"
+                mark, text = "", ""
+                m = _MARK.match(lines[n - 1]) if n else None
+                if m:
+                    mark, text = m.group(1), m.group(2)
+                    if mark == "snippet":
+                        if text == "skip" or text.startswith("skip "):
+                            mark, text = "skip", text[4:].strip()
+                        else:
+                            mark = "named"
+                out.append((doc, n + 1, code, mark, text))
+                n = end
+            n += 1
+    return out
+
+
+SNIPPETS = _snippets()
+RUNNABLE = [(doc, n, code, text) for doc, n, code, mark, text in SNIPPETS if mark in ("", "named")]
+# How many snippets are not run here: adding one to the list is a decision this count records.
+SKIPPED_SNIPPETS = 7
+
+
+def test_the_docs_python_snippets_are_found_and_skips_say_why():
+    """The extraction finds the README's quick start; each skipped snippet gives a reason of a
+    few words, and the number skipped is the one recorded above."""
+    assert any(doc == "README.md" and text == "quickstart" for doc, _, _, text in RUNNABLE)
+    assert len(RUNNABLE) >= 5, [(d, n) for d, n, _, _ in RUNNABLE]
+    skipped = [(doc, n, text) for doc, n, _, mark, text in SNIPPETS if mark == "skip"]
+    vague = [(doc, n, text) for doc, n, text in skipped if len(text.split()) < 3]
+    assert not vague, f"a skipped snippet must say why it cannot run here: {vague}"
+    assert len(skipped) == SKIPPED_SNIPPETS, skipped
+
+
+def test_readme_starts_with_the_code():
+    """A reader meets the quick start in the first screen: the first ``import fastamp`` of
+    README.md within its first 40 lines, inside the quick start snippet."""
+    lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines()
+    first = next(n for n, line in enumerate(lines, 1) if line.strip() == "import fastamp")
+    assert first <= 40, f"README.md's first `import fastamp` is at line {first}"
+    start = next(n for d, n, _, text in RUNNABLE if d == "README.md" and text == "quickstart")
+    assert start < first, (start, first)
+
+
+def _run_snippet(code: str, cwd) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=600, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    "doc, line, code, name",
+    [
+        pytest.param(
+            *s, id=f"{s[0]}:{s[1]}", marks=[] if s[3] == "quickstart" else [pytest.mark.full]
+        )
+        for s in RUNNABLE
+    ],
+)
+def test_python_snippet_runs_as_written(doc, line, code, name, tmp_path):
+    proc = _run_snippet(code, tmp_path)
+    assert proc.returncode == 0, (
+        f"{doc}:{line}: the snippet failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
+    # Dynamo's warnings (a cache it traces through, a graph break) are for fastamp to fix, not for
+    # a reader of the docs to wonder about.
+    assert "torch._dynamo" not in proc.stderr and "Silent incorrectness" not in proc.stderr, (
+        f"{doc}:{line}: the snippet printed Dynamo warnings:\n{proc.stderr[-4000:]}"
+    )
+    if name == "quickstart":
+        # It trains with the loss really scaled (fp16 autocast on the CPU too), and learns.
+        m = re.search(r"accuracy ([\d.]+)%, loss scale (\S+)", proc.stdout)
+        assert m, proc.stdout
+        assert float(m.group(1)) > 90 and float(m.group(2)) > 1, proc.stdout

@@ -27,6 +27,10 @@ def test_demo_prints_matching_runs_progress_and_writes_a_plot(tmp_path):
     assert "training with torch.GradScaler" in out and "step   12/12" in out  # progress as it runs
     assert "autocast torch.float16" in out  # fp16 on CPU too: the scalers are really at work
     assert f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # No fastamp-vs-torch timing: run after run on a tiny model it measured the machine's load and
+    # contradicted the benchmarks (the README's tables are measured interleaved, threads fixed).
+    assert not re.search(r"\d\s*(ms|us|s)\b.*fastamp|fastamp.*\d\s*(ms|us)\b", out), out[-1500:]
+    assert "README.md#benchmarks" in out
 
 
 def test_demo_data_is_learnable():

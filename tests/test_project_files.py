@@ -126,11 +126,15 @@ def _make_dry_run(target: str) -> list[str]:
     return out.stdout.splitlines()
 
 
-def _pytest_selection(target: str) -> tuple[str, set[str]]:
-    # The -m expression of TARGET's pytest command, and the tests it selects (collected, not run).
-    (line,) = [ln for ln in _make_dry_run(target) if " -m pytest " in ln]
-    args = shlex.split(line.split(" -m pytest ", 1)[1])
-    expr = args[args.index("-m") + 1]
+def _pytest_selection(target: str | None) -> tuple[str, set[str]]:
+    # The -m expression of TARGET's pytest command (None: a bare pytest's, from pyproject.toml),
+    # and the tests it selects (collected, not run).
+    if target is None:
+        expr = "not slow"
+    else:
+        (line,) = [ln for ln in _make_dry_run(target) if " -m pytest " in ln]
+        args = shlex.split(line.split(" -m pytest ", 1)[1])
+        expr = args[args.index("-m") + 1]
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
         + ["-m", expr],
@@ -143,23 +147,35 @@ def _pytest_selection(target: str) -> tuple[str, set[str]]:
     return expr, {ln for ln in out.stdout.splitlines() if ln.startswith("tests/") and "::" in ln}
 
 
-@pytest.mark.full  # collects the suite twice (about 15 s): checked where CI runs it
-def test_quick_tier_is_a_part_of_the_full_suite_ci_runs():
-    # CI (.ci/run) runs `make test-all`; the README's first test command, `make test`, runs the
-    # quick tier: a part of the same suite, with every capability in it.
+@pytest.mark.full  # collects the suite three times (about 20 s): checked where CI runs it
+def test_quick_tier_and_full_tier_are_the_suite_ci_runs_each_test_once():
+    # CI (.ci/run) runs the README's first test command, `make test` (the quick tier, every
+    # capability in it), then `make test-full` (the tests marked full): together the whole suite a
+    # bare pytest selects, and no test twice. `make test-all` is the two in a row.
     ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^make test-all$", ci, re.M), "CI no longer runs `make test-all`"
+    assert re.search(r"^make test$", ci, re.M), "CI no longer runs `make test`"
+    assert re.search(r"^make test-full$", ci, re.M), "CI no longer runs `make test-full`"
+    assert ci.index("\nmake test\n") < ci.index(
+        "\nmake test-full\n"
+    )  # the quick tier's records first
+    assert not re.search(r"^make test-all$", ci, re.M), "CI would run the quick tier twice"
+    assert [ln for ln in _make_dry_run("test-all") if "test-full" in ln], (
+        "test-all: test + test-full"
+    )
     quick_expr, quick = _pytest_selection("test")
-    full_expr, full = _pytest_selection("test-all")
-    assert "not full" in quick_expr and "not full" not in full_expr, (quick_expr, full_expr)
-    assert quick and quick < full, (len(quick), len(full), sorted(quick - full)[:5])
+    full_expr, full = _pytest_selection("test-full")
+    _, suite = _pytest_selection(None)
+    assert "not full" in quick_expr and full_expr == "full", (quick_expr, full_expr)
+    assert quick and full and not quick & full, sorted(quick & full)[:5]
+    assert quick | full == suite, sorted(suite ^ (quick | full))[:5]
     capabilities = sorted(
         p.name for p in (ROOT / "tests").iterdir() if (p / "__init__.py").exists()
     )
     capabilities.append("cuda_emu")
     missing = [c for c in capabilities if not any(t.startswith(f"tests/{c}/") for t in quick)]
     assert not missing, f"capabilities without a test in the quick tier: {missing}"
-    # The argument-coverage check judges the whole suite: it runs in the full tier only.
+    # The argument-coverage check judges the whole suite: it runs in the full tier only (with the
+    # quick tier's saved records).
     argcov = (
         "tests/test_argument_coverage.py::test_every_argument_value_class_reaches_both_backends"
     )

@@ -1,7 +1,13 @@
 """The step replays (fastamp.optim._replay.StepReplay, fastamp.scaler._grads.GradReplay) see every change
 they depend on: after a few steps (a plan in use), each change below is made to a torch optimizer
 and to fastamp's on identical models, and the next steps must give the same params and state as
-torch's. Each test first checks that a plan was in use, so the steady state is what is tested."""
+torch's. Each test first checks that a plan was in use, so the steady state is what is tested.
+
+"The same" is judged against a third run, torch's optimizer on a float64 copy of the model: some
+changes make the steps ill-conditioned (a moment set to 1.0 moves every weight of the Linear by
+the whole lr, which the LayerNorm after it amplifies), and there torch's own float32 bits differ
+between machines (AVX-512 vs AVX2) by more than any fixed rtol, so fastamp's error is bounded by
+torch's error on the same input (tests/_reference64.py)."""
 
 from __future__ import annotations
 
@@ -12,21 +18,25 @@ import torch
 from torch import nn
 
 import fastamp
+from tests._reference64 import assert_as_close_as_torch
 
 TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
 FASTAMP = {"Adam": fastamp.optim.Adam, "AdamW": fastamp.optim.AdamW, "SGD": fastamp.optim.SGD}
 OPTIONS = {"Adam": {"lr": 1e-2}, "AdamW": {"lr": 1e-2}, "SGD": {"lr": 1e-2, "momentum": 0.9}}
 
 
-def _model() -> nn.Module:
+def _model(dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 5), nn.LayerNorm(5))
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 5), nn.LayerNorm(5))
+    return m.to(dtype)
 
 
 def _pair(name: str, groups=None):
-    models = [_model(), _model()]
+    """[torch's, fastamp's, the float64 reference] models and optimizers: fastamp's are at
+    index 1, the reference (torch's optimizer on a float64 copy) at index 2."""
+    models = [_model(), _model(), _model(torch.float64)]
     opts = []
-    for model, table in zip(models, (TORCH, FASTAMP)):
+    for model, table in zip(models, (TORCH, FASTAMP, TORCH)):
         params = groups(model) if groups else model.parameters()
         extra = {"foreach": False} if table is TORCH else {}
         opts.append(table[name](params, **OPTIONS[name], **extra))
@@ -39,7 +49,8 @@ def _grads(models, seed: int) -> None:
     for m in models:
         for p in m.parameters():
             p.grad = None
-        m(x.to(memory_format=torch.channels_last) if _is_cl(m) else x).square().sum().backward()
+        xm = x.to(next(m.parameters()).dtype)
+        m(xm.to(memory_format=torch.channels_last) if _is_cl(m) else xm).square().sum().backward()
 
 
 def _is_cl(m: nn.Module) -> bool:
@@ -54,14 +65,17 @@ def _steps(models, opts, n: int, seed: int = 0) -> None:
             o.step()
 
 
-def _same(models, opts) -> None:
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=5e-5)
-    for pa, pb in zip(models[0].parameters(), models[1].parameters()):
-        sa, sb = opts[0].state.get(pa, {}), opts[1].state.get(pb, {})
-        for k in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
-            if k in sa:
-                torch.testing.assert_close(sb[k], sa[k], rtol=1e-4, atol=5e-5)
+def _same(models, opts, keys=("exp_avg", "exp_avg_sq", "momentum_buffer")) -> None:
+    """fastamp's params and state as close to the float64 run's as torch's are (within a factor
+    of torch's own error there: see the module docstring)."""
+    named = [dict(m.named_parameters()) for m in models]
+    triples = []
+    for n, pt in named[0].items():
+        pf, p64 = named[1][n], named[2][n]
+        triples.append((n, pf, pt, p64))
+        st, sf, s64 = (o.state.get(p, {}) for o, p in zip(opts, (pt, pf, p64)))
+        triples += [(f"{n} {k}", sf[k], st[k], s64[k]) for k in keys if k in st]
+    assert_as_close_as_torch(triples)
 
 
 def _planned(opt) -> bool:
@@ -83,7 +97,7 @@ def _change_data_swapped(models, opts):
 def _change_add_param_group(models, opts):
     head = nn.Linear(5, 2)
     for m, o in zip(models, opts):
-        m.extra = copy.deepcopy(head)
+        m.extra = copy.deepcopy(head).to(next(m.parameters()).dtype)
         o.add_param_group({"params": list(m.extra.parameters()), "lr": 1e-3})
 
     def forward(self, x):  # the extra head joins the loss
@@ -296,13 +310,7 @@ def test_plan_sees_a_structural_option_edited(option):
             for p in m.parameters():  # torch's Adam reads it once amsgrad is on
                 o.state[p]["max_exp_avg_sq"] = torch.zeros_like(p)
     _steps(models, opts, 3, seed=50)
-    _same(models, opts)
-    for pa, pb in zip(models[0].parameters(), models[1].parameters()):
-        if option == "amsgrad":
-            torch.testing.assert_close(
-                opts[1].state[pb]["max_exp_avg_sq"], opts[0].state[pa]["max_exp_avg_sq"],
-                rtol=1e-4, atol=5e-5,
-            )  # fmt: skip
+    _same(models, opts, keys=("exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq"))
 
 
 def test_the_traced_step_walk_is_the_one_docs_architecture_lists():

@@ -6,6 +6,9 @@ as they were (a retry then steps every group once)."""
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -20,6 +23,20 @@ from fastamp._sharding import is_dtensor, local, local_param, misplaced_state
 from fastamp.optim import _ops, lowbit
 from fastamp.optim._family import OptimizerFamily
 from fastamp.optim._layout import FLOAT_TYPES, where_in_groups
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
+    for m in (sys.modules["fastamp"], torch)
+)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside fastamp and torch (the user's
+    ``optimizer.step()`` or ``scaler.step(optimizer)``, however deep the step's path is)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class _Where:
@@ -47,6 +64,8 @@ class StepChecks:
         self.name = name
         self.family = family
         self.master_weights = master_weights
+        # Whether the float16-without-master-weights warning was given (once per optimizer).
+        self.warned_fp16 = False
 
     def params(
         self, g: int, group: dict[str, Any], state: Mapping[Tensor, dict[str, Any]]
@@ -101,6 +120,26 @@ class StepChecks:
         if params:
             self._state(g, group, state, params, places)
         return params, places
+
+    def _warn_fp16(self, g: int, params: list[Tensor], places: list[int]) -> None:
+        """float16 params updated in place lose every update smaller than half the spacing of
+        float16 at the weight (2**-11 of it): at small learning rates most weights never move.
+        torch's fused AdamW steps them the same way without a word; this says so, once."""
+        i = next((i for p, i in zip(params, places) if p.dtype == torch.float16), None)
+        if i is None or torch.compiler.is_compiling():
+            return
+        self.warned_fp16 = True
+        warnings.warn(
+            f"fastamp.optim.{self.name}: {where_in_groups(g, i)} is float16 and the optimizer "
+            "keeps no master weights, so each update is rounded to float16 in the weight itself: "
+            "an update smaller than half a float16 step at the weight (2**-11 of it: 4.9e-4 at "
+            "1.0) is lost, not carried to the next step, so at small learning rates (an Adam "
+            "update is about lr) the larger weights never change. Pass master_weights=True to "
+            "keep a float32 copy that the updates accumulate in (or keep the params float32 "
+            "under autocast). Warned once per optimizer.",
+            UserWarning,
+            stacklevel=_user_stacklevel(),
+        )
 
     def _sharded(self, g: int, i: int, p: Tensor) -> None:
         """A DTensor param (FSDP2) steps as its local shard with its grad's local shard: both
@@ -212,6 +251,9 @@ class StepChecks:
                     f"fastamp.optim.{name}: state['step'] of {where_in_groups(g, i)} is {step!r}; expected "
                     "a number or a one-element tensor"
                 )
+        # Last: a group that fails a check above warns of nothing and records nothing.
+        if halves and not self.master_weights and not self.warned_fp16:
+            self._warn_fp16(g, params, places)
 
     def _sharded_state(self, g: int, i: int, p: Tensor, state: Mapping[str, Any]) -> None:
         """The state tensors of a DTensor param's shape must be DTensors laid out as it is."""

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import abc
 import copy
-import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias
 
@@ -342,24 +341,45 @@ def check_seed(value: Any, where: str) -> int:
     return value
 
 
-@functools.cache
+# The key lists below are asked for per param on every full step (a few us each to build, under a
+# microsecond to look up), so each is kept in a plain dict. Not functools.cache: the full step also
+# runs under torch.compile, and Dynamo warns at every lru_cache-wrapped function it traces through
+# ("Dynamo detected a call to a `functools.lru_cache`-wrapped function ... Silent incorrectness is
+# only a potential risk if the wrapped function is not pure"), which it traces like any function
+# instead; a dict lookup it traces without a word. The functions are pure, so either is correct.
+_INT8_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
+_MOMENT_KEYS: dict[tuple[str, ...], tuple[str, ...]] = {}
+_OTHER_KEYS: dict[tuple[str, tuple[str, ...]], tuple[str, ...]] = {}
+
+
 def _int8_keys(moments: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(k for m in moments for k in (f"{m}_codes", f"{m}_absmax"))
+    keys = _INT8_KEYS.get(moments)
+    if keys is None:
+        keys = tuple(k for m in moments for k in (f"{m}_codes", f"{m}_absmax"))
+        _INT8_KEYS[moments] = keys
+    return keys
 
 
-@functools.cache
 def moment_keys(moments: tuple[str, ...]) -> tuple[str, ...]:
     """Every state key any format keeps the moments under."""
-    keys = dict.fromkeys(
-        k for f in _BY_NAME.values() if f.supports(moments) for k in f.keys(moments)
-    )
-    return tuple(keys)
+    keys = _MOMENT_KEYS.get(moments)
+    if keys is None:
+        keys = tuple(
+            dict.fromkeys(
+                k for f in _BY_NAME.values() if f.supports(moments) for k in f.keys(moments)
+            )
+        )
+        _MOMENT_KEYS[moments] = keys
+    return keys
 
 
-@functools.cache
 def _other_keys(fmt: StateFormat, moments: tuple[str, ...]) -> tuple[str, ...]:
     """The moment keys of the other formats (a state holding them beside ``fmt``'s is corrupt)."""
-    return tuple(k for k in moment_keys(moments) if k not in fmt.keys(moments))
+    keys = _OTHER_KEYS.get((fmt.name, moments))
+    if keys is None:
+        keys = tuple(k for k in moment_keys(moments) if k not in fmt.keys(moments))
+        _OTHER_KEYS[(fmt.name, moments)] = keys
+    return keys
 
 
 def format_of(state: Mapping[str, Any], moments: Sequence[str]) -> StateFormat | None:
