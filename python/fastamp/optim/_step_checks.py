@@ -10,6 +10,7 @@ import os
 import sys
 import warnings
 from collections.abc import Mapping
+from types import FrameType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -33,7 +34,8 @@ _LIBRARY_DIRS = tuple(
 def _user_stacklevel() -> int:
     """The ``stacklevel`` of the first caller outside fastamp and torch (the user's
     ``optimizer.step()`` or ``scaler.step(optimizer)``, however deep the step's path is)."""
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame, level = frame.f_back, level + 1
     return level
