@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - build fastamp in .venv and train fastamp vs torch side by side
-#   make test   - build fastamp in .venv and run the quick test tier (about 6 minutes of tests)
-#   make test-all - the same build, then the full test suite (what CI runs)
+#   make test   - build fastamp in .venv and run the quick test tier (tests: about 3 min on 2 idle cores, 10 shared)
+#   make test-all - make test, then the tests marked full (CI runs the two as make test, make test-full)
 # TORCH_SPEC picks the torch to build against (default: the CPU 2.13.0 wheel; use torch==2.14.1 for CUDA).
 # A bare `make` (or `make help`) lists every target.
 
@@ -24,7 +24,7 @@ BUILD_TOOLS := "scikit-build-core==1.1.2" "cmake==4.4.5" "ninja==1.13.2"
 help:
 	@echo "fastamp's make targets (each builds what it needs first, in .venv unless said):"
 	@echo "  make demo          build, then train fastamp vs torch side by side (examples/demo.py)"
-	@echo "  make test          build, build the CUDA emulator library, run the quick test tier (~6 min on 2 cores)"
+	@echo "  make test          build, build the CUDA emulator library, run the quick test tier (tests: ~3 min on 2 idle cores, ~10 shared)"
 	@echo "  make test-full     the tests marked full only (the rest of the suite after make test; CI runs both)"
 	@echo "  make test-all      make test, then make test-full: the whole suite, each test once"
 	@echo "  make test-capabilities  the differential tests vs torch under each CPU capability below this machine's (CI runs it)"

@@ -45,9 +45,24 @@ def _whole_suite(request) -> bool:
     deselected = getattr(config, "_fastamp_deselected", [])  # tests/conftest.py
     paths = {i.nodeid for i in request.session.items}
     if config.getoption("markexpr", "") == "full":
+        if config.args_source == pytest.Config.ArgsSource.ARGS:
+            return False  # paths named: the full tier of part of the suite
         prior = set(_prior_quick_tier())
-        if any(i.nodeid not in prior and i.get_closest_marker("slow") is None for i in deselected):
-            return False  # a quick-tier test neither run here nor in the saved quick tier
+        unrun = [
+            i.nodeid
+            for i in deselected
+            if i.nodeid not in prior and i.get_closest_marker("slow") is None
+        ]
+        if prior and unrun:
+            # A saved quick tier was handed over (make test-full) but is not this suite's: a
+            # test added or renamed since (a docs test's id names its line). Not a silent skip.
+            pytest.fail(
+                f"the quick tier's saved records ({os.environ['FASTAMP_ARGCOV_PRIOR']}) are "
+                f"stale: {len(unrun)} quick-tier tests of this suite are not in them, e.g. "
+                f"{unrun[0]}; run `make test` again before `make test-full` (`make test-all`)"
+            )
+        if unrun:
+            return False  # no saved quick tier: this session alone is not the whole suite
         paths |= prior
     elif any(i.get_closest_marker("slow") is None for i in deselected):
         return False
