@@ -488,3 +488,29 @@ def test_scaler_accepts_what_pytorch_does():
     sc.set_growth_interval(3)
     outs = sc.scale([torch.ones(()), (torch.ones(2),)])
     assert float(outs[0]) == 64.0 and outs[1][0].tolist() == [64.0, 64.0]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fastamp_optimizer", "torch_optimizer"])
+def test_step_after_zero_grad_says_the_grads_are_none(fused):
+    """torch raises AssertionError("No inf checks were recorded for this optimizer.") when
+    zero_grad() ran between backward and step; fastamp raises the same class and words, then
+    says why."""
+    import torch
+
+    import fastamp
+
+    model = torch.nn.Linear(3, 2)
+    opt = (fastamp.optim.AdamW if fused else torch.optim.AdamW)(model.parameters())
+    tmodel = torch.nn.Linear(3, 2)
+    topt = torch.optim.AdamW(tmodel.parameters())
+    for m, o, s in (
+        (model, opt, fastamp.GradScaler("cpu")),
+        (tmodel, topt, torch.amp.GradScaler("cpu")),
+    ):
+        s.scale(m(torch.randn(4, 3)).sum()).backward()
+        o.zero_grad()
+        with pytest.raises(AssertionError) as err:
+            s.step(o)
+        assert str(err.value).startswith("No inf checks were recorded for this optimizer")
+        if isinstance(s, fastamp.GradScaler):
+            assert "grad None" in str(err.value) and "zero_grad()" in str(err.value)

@@ -175,3 +175,20 @@ def check_initialised(
     if growth_tracker is None:
         raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + fix)
     return scale, growth_tracker
+
+
+def no_inf_checks(optimizer: torch.optim.Optimizer) -> AssertionError:
+    """torch's "No inf checks were recorded for this optimizer." (its class and words first),
+    saying why when the reason is plain: every param's grad is None (``zero_grad()`` between the
+    backward and the step, or a loss that does not reach these params)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if params and all(p.grad is None for p in params):
+        return AssertionError(
+            "No inf checks were recorded for this optimizer: all of its "
+            f"{len(params)} params have grad None, so there was nothing to check or step. Was "
+            "optimizer.zero_grad() (set_to_none=True by default) called between "
+            "scaler.scale(loss).backward() and scaler.step(optimizer)? Expected the grads "
+            "zeroed before the backward or after scaler.update() (or the loss does not depend "
+            "on these params)"
+        )
+    return AssertionError("No inf checks were recorded for this optimizer.")

@@ -54,6 +54,7 @@ from fastamp.scaler._validation import (
     check_new_scale,
     check_not_meta,
     check_scale,
+    no_inf_checks,
 )
 from fastamp.scaler.clip import clip_grad_norm_
 from fastamp.scaler.diagnostics import OverflowReport
@@ -66,10 +67,6 @@ def _inverse(scale: Tensor) -> Tensor:
     one op instead of three (a quotient rounded to double and then to float is the quotient
     rounded to float: 53 >= 2 * 24 + 2 bits, so the double rounding is innocuous)."""
     return torch.reciprocal(scale)
-
-
-def _is_fastamp_fused(optimizer: torch.optim.Optimizer) -> bool:
-    return isinstance(optimizer, AmpFusedOptimizer)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -403,11 +400,16 @@ class GradScaler(torch.amp.GradScaler):
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> float | None:
         if not self._enabled:
             return super().step(optimizer, *args, **kwargs)
-        if _is_fastamp_fused(optimizer):
+        if isinstance(optimizer, AmpFusedOptimizer):
             with self._restore_on_error(optimizer):
                 return self._fused_step(optimizer, *args, **kwargs)
         with self._restore_on_error(optimizer):
-            retval = super().step(optimizer, *args, **kwargs)
+            try:
+                retval = super().step(optimizer, *args, **kwargs)
+            except AssertionError as e:
+                if str(e) == "No inf checks were recorded for this optimizer.":
+                    raise no_inf_checks(optimizer) from None  # torch's, saying why
+                raise
         if self._enabled:
             state = self._optimizer_state(optimizer)
             if state["found_inf_per_device"]:
@@ -436,7 +438,7 @@ class GradScaler(torch.amp.GradScaler):
         else:  # unscale_ already rewrote the grads
             inv_scale, coef = None, None
         if not state["found_inf_per_device"]:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
+            raise no_inf_checks(optimizer)
         found = self._found_total(id(optimizer), state)
         assert isinstance(optimizer, AmpFusedOptimizer)  # step() calls this only for them
         # Handed over as torch's scaler hands grad_scale / found_inf to its fused optimizers: a
