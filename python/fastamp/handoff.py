@@ -98,13 +98,19 @@ class PendingClip:
 
     @classmethod
     def of(
-        cls, amp: AmpStep, total_norm: Tensor, max_norm: float, params: Sequence[Tensor]
+        cls,
+        amp: AmpStep,
+        total_norm: Tensor,
+        max_norm: float,
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor] | None = None,
     ) -> PendingClip:
-        """The clip of ``params``' grads as they are now (not tracked while torch.compile traces:
-        clip and step are then one graph, with nothing between them)."""
+        """The clip of ``params``' grads as they are now (``grads``: the ``p.grad`` of each, when
+        the caller has just read them; not tracked while torch.compile traces: clip and step are
+        then one graph, with nothing between them)."""
         if torch.compiler.is_compiling():
             return cls(amp, total_norm, max_norm, (), (), None)
-        grads = tuple(map(_GRAD, params))
+        grads = tuple(map(_GRAD, params)) if grads is None else tuple(grads)
         return cls(amp, total_norm, max_norm, tuple(params), grads, _versions(grads))
 
     def current(self) -> bool:

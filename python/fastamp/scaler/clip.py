@@ -229,8 +229,14 @@ def _clip(
                 id(optimizer), [(per_device[d], flags[d]) for d in flags], found_total
             )
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        seen = None
+        if len(per_device) == 1:
+            (entry,) = per_device.values()
+            # A replay's read of plain grads, one per param in order: these are the p.grad.
+            if entry.plain and entry.counts is None and len(entry.grads) == len(params):
+                seen = entry.grads
         optimizer.pending_clip = PendingClip.of(
-            AmpStep(None, found_total, coef), total_norm, max_norm, params
+            AmpStep(None, found_total, coef), total_norm, max_norm, params, seen
         )
     else:
         invs = {dev: ones(dev) for dev in per_device}
