@@ -109,9 +109,8 @@ class _FusedOptimizer(AmpFusedOptimizer):
     _load_check_handle: RemovableHandle | None
     _loads: dict[int, _LoadCall]
 
-    def _launches(self) -> LaunchBuilder:
-        """This optimizer's launch builder (fastamp.optim._build), made by each class."""
-        raise NotImplementedError
+    # Each optimizer class's method: its family's launch builder (fastamp.optim._build).
+    _launches: Callable[[], LaunchBuilder]
 
     def _fastamp_setup(
         self, master_weights: bool, state_dtype: Any, state_seed: Any, flat_buffers: Any = False
