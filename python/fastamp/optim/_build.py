@@ -21,7 +21,7 @@ from fastamp._sharding import local, local_param, wrap_like
 from fastamp.optim import _family as family
 from fastamp.optim import lowbit
 from fastamp.optim._launch import AdamRule, Launch, SgdRule, StepOp, written
-from fastamp.optim._layout import grad_like, kernel_view
+from fastamp.optim._layout import grad_like, kernel_view, same_strides
 from fastamp.optim.lowbit import StateFormat
 
 __all__ = ["AdamLaunches", "SgdLaunches", "UpdateCounts"]
@@ -37,7 +37,7 @@ def master(
     if not master_weights or p.dtype == torch.float32:
         return None
     m = state.get("master_param")
-    if m is None or m.stride() != kp.stride():
+    if m is None or not same_strides(m, kp):
         src = p if m is None else m
         m = new["master_param"] = torch.empty_like(kp, dtype=torch.float32).copy_(src)
     return m
@@ -144,7 +144,7 @@ class AdamLaunches:
                 mx = pstate.get("max_exp_avg_sq")
                 if mx is None:
                     mx = new["max_exp_avg_sq"] = torch.zeros_like(like)
-                elif mx.stride() != like.stride():  # re-strided, as the moments
+                elif not same_strides(mx, like):  # re-strided, as the moments
                     mx = new["max_exp_avg_sq"] = torch.empty_like(like).copy_(mx)
                 max_sqs.append(mx)
             kparams.append(kp)

@@ -17,7 +17,19 @@ def grad_like(g: Tensor, like: Tensor) -> Tensor:
     """The grad ``g`` with the strides of ``like`` (the param as the kernel sees it): the kernel
     walks both as one flat span. PyTorch accepts a grad of any layout; a re-strided copy
     (read-only, so a temporary) keeps that working."""
-    return g if g.stride() == like.stride() else torch.empty_like(like).copy_(g)
+    if same_strides(g, like):
+        return g
+    return torch.empty_like(like).copy_(g)
+
+
+def same_strides(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one shape) lay their elements out alike. Two contiguous tensors
+    do, whatever their strides say: under torch.compile a view of a flat buffer (a grad or state
+    of ``flat_buffers=True``) has symbolic strides, which Dynamo cannot compare as a tuple, while
+    ``is_contiguous()`` it guards on."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    return a.stride() == b.stride()
 
 
 def is_dense(p: Tensor) -> bool:
