@@ -261,7 +261,7 @@ mutate: emu
 # compiled library copied in: commit first. Results: benchmarks/results/mutation_{cpu,python}.md,
 # and a cache of outcomes in build/ (a mutant is re-run when its file or its tests change).
 MUTATE_CPU_PER_FILE ?= 6
-MUTATE_PY_PER_FILE ?= 15
+MUTATE_PY_PER_FILE ?= 6
 define mutate_worktree
 	git worktree remove --force $(1) 2>/dev/null || rm -rf $(1)
 	git worktree prune

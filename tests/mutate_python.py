@@ -46,17 +46,74 @@ _SCALER = [
 # The optimizers' modules: their tests, the scaler's (which drive them), and FSDP2's recipe and
 # sharded-checkpoint tests (DTensor params, grads and state).
 _OPTIM = [
+    "tests/optim/test_optimizers.py",
+    "tests/optim/test_optim_fidelity.py",
     "tests/optim",
     "tests/scaler/test_grad_scaler.py",
     "tests/parallel/test_fsdp.py",
 ]
+# The flat buffers (issue 53's widening): their own tests, the every-mode survival test (deepcopy,
+# pickle, state_dict both ways, refusals) and the compiled recipe over flat grads.
+_FLAT = [
+    "tests/optim/test_flat_buffers.py",
+    "tests/optim/test_flat_sparse.py",
+    "tests/optim/test_every_mode_survives.py",
+    "tests/optim/test_compile_step.py::test_flat_buffers_recipe_compiles_fullgraph_and_equals_eager",
+]
+# DDP's comm hook: the hook's own tests, the parity suite against torch's reducer (its division
+# order included) and the scaler-free step fed by the hook's statistics.
+_COMM = [
+    "tests/parallel/test_ddp.py",
+    "tests/parallel/test_ddp_parity.py",
+    "tests/parallel/test_bf16_step.py",
+]
+# The scaler-free clip: its tests, DDP/FSDP2's bf16 step and every optimizer mode under it.
+_CLIP = [
+    "tests/scaler/test_clip_no_scaler.py",
+    "tests/parallel/test_bf16_step.py",
+    "tests/optim/test_every_mode_survives.py",
+]
+# The Python op layer (argument checks, fake kernels, typed wrappers): each op family's op and
+# misuse tests, write counters, and the differential tests that call the ops through the classes.
+# (parallel/_ops.py has no mutable site: its wrappers only pass their arguments on.)
+_OPS = {
+    "scaler/_ops.py": [
+        "tests/scaler/test_ops.py",
+        "tests/scaler/test_misuse.py",
+        "tests/scaler/test_inverse_scale.py",
+        "tests/test_write_counters.py",
+        "tests/scaler/test_grad_scaler.py",
+    ],
+    "optim/_ops.py": [
+        "tests/optim/test_optim_ops.py",
+        "tests/optim/test_held_ops.py",
+        "tests/optim/test_misuse.py",
+        "tests/optim/test_direct_calls.py",
+        "tests/test_write_counters.py",
+    ],
+    "checkpoint/_ops.py": [
+        "tests/checkpoint/test_checkpoint_ops.py",
+        "tests/checkpoint/test_misuse.py",
+        "tests/checkpoint/test_checkpoint.py",
+        "tests/test_write_counters.py",
+    ],
+}
 FILES = {
     "scaler/grad_scaler.py": _SCALER,
     "scaler/_grads.py": _SCALER,
     "scaler/_clip.py": _SCALER,
+    "scaler/clip.py": _CLIP,
     "optim/optimizers.py": _OPTIM,
+    "optim/_stepper.py": _OPTIM,
+    "optim/_build.py": _OPTIM,
+    "optim/_replay.py": _OPTIM,
+    "optim/_state_dict.py": _OPTIM,
     "optim/_step_checks.py": _OPTIM,
     "optim/lowbit.py": _OPTIM,
+    "optim/_flat.py": _FLAT,
+    "parallel/_comm.py": _COMM,
+    "resume/_checksums.py": ["tests/resume"],
+    **_OPS,
 }
 
 # Survivors no test here can kill, by "file:line:mutated text" -> why: equivalent (no
