@@ -37,6 +37,9 @@ PKG = ROOT / "python" / "fastamp"
 # DDP's statistics-reuse test (clip_grad_norm_ reuses what DDP's unpack measured) and FSDP2's
 # recipe test.
 _SCALER = [
+    "tests/scaler/test_grad_scaler.py",
+    "tests/scaler/test_scaler_fidelity.py",
+    "tests/scaler/test_clip_no_scaler.py",
     "tests/scaler",
     "tests/optim/test_optimizers.py",
     "tests/parallel/test_ddp_parity.py::test_statistics_reused_only_while_grads_unchanged",
