@@ -54,7 +54,7 @@ $(VENV)/.deps: requirements/wheel.txt $(filter-out -r,$(EXTRA_DEPS))
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@echo "installing $(TORCH_SPEC) and the build/test tools into $(VENV) (a minute or more: torch is large) ..."
-	$(PIP) install -q "$(TORCH_SPEC)" $(BUILD_TOOLS) -r requirements/wheel.txt numpy pytest expecttest hypothesis tqdm matplotlib $(EXTRA_DEPS)
+	$(PIP) install -q "$(TORCH_SPEC)" $(BUILD_TOOLS) -r requirements/wheel.txt numpy pytest pytest-xdist==3.8.0 expecttest hypothesis tqdm matplotlib $(EXTRA_DEPS)
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps pyproject.toml CMakeLists.txt $(shell find csrc cmake -type f 2>/dev/null)
@@ -86,13 +86,22 @@ emu: $(VENV)/.built
 QUICK_TIER := -m "not slow and not full"
 FULL_ONLY := -m full
 ARGCOV_QUICK := build/argcov-quick.json
+# Both tiers run in TEST_WORKERS pytest-xdist processes (default: one per core; TEST_WORKERS=1 runs
+# one process, as a bare pytest does), each test file in one worker (--dist loadfile: a module's
+# fixtures and order as in one process). The workers' argument-coverage records are added up by
+# the controller (tests/conftest.py). OMP_WAIT_POLICY=passive: each worker keeps torch's intra-op
+# threads (the kernels' threaded paths stay tested), which then sleep rather than spin while they
+# wait, so two workers' thread pools share the cores instead of burning them.
+TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
+XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,-p no:xdist)
+TEST_ENV = $(if $(filter-out 0 1,$(TEST_WORKERS)),OMP_WAIT_POLICY=passive,)
 
 test: emu
 	$(PY) .ci/check_fp_contract.py build/$(notdir $(VENV))
-	FASTAMP_ARGCOV_SAVE=$(ARGCOV_QUICK) $(PY) -m pytest $(QUICK_TIER) --durations=5 $(PYTEST_ARGS)
+	FASTAMP_ARGCOV_SAVE=$(ARGCOV_QUICK) $(TEST_ENV) $(PY) -m pytest $(QUICK_TIER) $(XDIST) --durations=5 $(PYTEST_ARGS)
 
 test-full: emu
-	FASTAMP_ARGCOV_PRIOR=$(ARGCOV_QUICK) $(PY) -m pytest $(FULL_ONLY) --durations=10 $(PYTEST_ARGS)
+	FASTAMP_ARGCOV_PRIOR=$(ARGCOV_QUICK) $(TEST_ENV) $(PY) -m pytest $(FULL_ONLY) $(XDIST) --durations=10 $(PYTEST_ARGS)
 
 test-all: test
 	$(MAKE) --no-print-directory test-full
@@ -261,7 +270,7 @@ mutate: emu
 # compiled library copied in: commit first. Results: benchmarks/results/mutation_{cpu,python}.md,
 # and a cache of outcomes in build/ (a mutant is re-run when its file or its tests change).
 MUTATE_CPU_PER_FILE ?= 6
-MUTATE_PY_PER_FILE ?= 6
+MUTATE_PY_PER_FILE ?= 3
 define mutate_worktree
 	git worktree remove --force $(1) 2>/dev/null || rm -rf $(1)
 	git worktree prune
