@@ -244,12 +244,10 @@ def missing(ops: Iterable[str] | None = None) -> list[str]:
     return out
 
 
-_installed = False
-
-
-def save(path: str, nodeids: list[str]) -> None:
+def save(path: str, nodeids: list[str], extra: dict[str, Any] | None = None) -> None:
     """The session's records and the tests that made them, for a later session of the other
-    tier to add to its own (``make test`` then ``make test-full``: each test runs once)."""
+    tier to add to its own (``make test`` then ``make test-full``: each test runs once), or for
+    the pytest-xdist controller to add up (``extra``: what the worker collected and left out)."""
     import json
 
     data = {
@@ -257,21 +255,29 @@ def save(path: str, nodeids: list[str]) -> None:
             [b, op, {a: sorted(c) for a, c in args.items()}] for (b, op), args in SEEN.items()
         ],
         "nodeids": nodeids,
+        **(extra or {}),
     }
     with open(path, "w") as f:
         json.dump(data, f)
 
 
-def load(path: str) -> list[str]:
-    """Adds the records :func:`save` wrote to this session's; returns the tests that made them."""
+def load_part(path: Path) -> dict[str, Any]:
+    """Adds the records :func:`save` wrote to this session's; returns the whole file's data."""
     import json
 
-    with open(path) as f:
-        data = json.load(f)
+    data: dict[str, Any] = json.loads(Path(path).read_text())
     for b, op, args in data["seen"]:
         for a, classes in args.items():
             SEEN[(b, op)][a].update(classes)
-    return list(data["nodeids"])
+    return data
+
+
+def load(path: str) -> list[str]:
+    """Adds the records :func:`save` wrote to this session's; returns the tests that made them."""
+    return list(load_part(Path(path))["nodeids"])
+
+
+_installed = False
 
 
 def install() -> None:

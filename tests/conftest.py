@@ -205,14 +205,9 @@ def _quick_tier_summary(terminalreporter) -> None:
 QUICK_MARKEXPR = "not slow and not full"
 
 
-def pytest_sessionfinish(session, exitstatus):
-    path = os.environ.get("FASTAMP_ARGCOV_SAVE")
-    config = session.config
-    if not path or "_argcov" not in globals():
-        return
-    if os.path.exists(path):
-        os.remove(path)  # a stale file from another run must not stand in for this one
-    whole = (
+def _whole_quick_tier(config, exitstatus) -> bool:
+    """A passed quick tier that left out nothing but `slow` and `full` tests, with no -k."""
+    return (
         exitstatus == 0
         and config.getoption("markexpr", "") == QUICK_MARKEXPR
         and not config.getoption("keyword", "")
@@ -221,5 +216,119 @@ def pytest_sessionfinish(session, exitstatus):
             for i in getattr(config, "_fastamp_deselected", [])
         )
     )
-    if whole:
+
+
+# With pytest-xdist (`make test`/`make test-full` run two workers, TEST_WORKERS) each worker
+# records the calls of the tests it ran: at its end it writes them, with what it collected and
+# deselected, beside the records' path (`<path>.gw0`, ...), and the controller, once every worker
+# has finished, adds them up: the quick tier saves the sum as one session does; the full tier
+# judges the argument coverage there (tests/test_argument_coverage.py's check, which a worker,
+# having seen only its share, cannot make).
+def _worker_id(config) -> str | None:
+    workerinput = getattr(config, "workerinput", None)
+    return None if workerinput is None else workerinput["workerid"]
+
+
+def _xdist_controller(config) -> bool:
+    return _worker_id(config) is None and bool(getattr(config.option, "numprocesses", None))
+
+
+def _parts_path(config) -> str:
+    return os.environ.get("FASTAMP_ARGCOV_SAVE") or str(
+        Path(config.rootpath) / "build" / "argcov-full-parts"
+    )
+
+
+def pytest_sessionstart(session):
+    if "_argcov" in globals() and _xdist_controller(session.config):
+        for part in Path(_parts_path(session.config)).parent.glob(
+            Path(_parts_path(session.config)).name + ".gw*"
+        ):
+            part.unlink()  # a stale worker file from another run must not be added
+
+
+def _save_worker_part(session, exitstatus) -> None:
+    config = session.config
+    deselected = getattr(config, "_fastamp_deselected", [])
+    _argcov.save(
+        f"{_parts_path(config)}.{_worker_id(config)}",
+        [i.nodeid for i in session.items],
+        extra={
+            "passed": exitstatus == 0,
+            "whole_quick": _whole_quick_tier(config, exitstatus),
+            "deselected_not_slow": [
+                i.nodeid for i in deselected if i.get_closest_marker("slow") is None
+            ],
+        },
+    )
+
+
+def _add_worker_parts(session) -> None:
+    config = session.config
+    base = Path(_parts_path(config))
+    parts = sorted(base.parent.glob(base.name + ".gw*"))
+    datas = [_argcov.load_part(p) for p in parts]
+    for p in parts:
+        p.unlink()
+    workers = int(config.option.numprocesses)
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if len(datas) != workers:
+        return  # a worker that stopped early (-x, a crash): no record of the whole tier
+    save = os.environ.get("FASTAMP_ARGCOV_SAVE")
+    if save:
+        if os.path.exists(save):
+            os.remove(save)
+        if session.exitstatus == 0 and all(d["whole_quick"] for d in datas):
+            _argcov.save(save, sorted({n for d in datas for n in d["nodeids"]}))
+        return
+    if config.getoption("markexpr", "") != "full" or config.getoption("keyword", ""):
+        return
+    if config.args_source == pytest.Config.ArgsSource.ARGS:
+        return  # paths named: the full tier of part of the suite
+    from tests.test_argument_coverage import SUITES, _prior_quick_tier
+
+    prior = set(_prior_quick_tier())
+    unrun = sorted({n for d in datas for n in d["deselected_not_slow"]} - prior)
+    items = {n for d in datas for n in d["nodeids"]} | prior
+    verdict: list[str] = []
+    if unrun:
+        verdict = [
+            f"the quick tier's saved records (FASTAMP_ARGCOV_PRIOR) lack {len(unrun)} quick-tier "
+            f"tests of this suite, e.g. {unrun[0]}: run `make test` again before `make test-full`"
+        ]
+    elif all(any(n.startswith(s) for n in items) for s in SUITES):
+        gaps = _argcov.missing()
+        verdict = [f"{len(gaps)} argument value class(es) never reached a kernel:", *gaps]
+        if not gaps:
+            verdict = []
+            if reporter is not None:
+                reporter.write_line(
+                    "argument coverage (the workers' records with the quick tier's): every "
+                    "value class of every op argument reached both backends"
+                )
+    if verdict:
+        if reporter is not None:
+            reporter.section("argument coverage (tests/test_argument_coverage.py)", sep="-")
+            for line in verdict:
+                reporter.write_line(line)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    if "_argcov" not in globals():
+        return
+    if _worker_id(config) is not None:
+        if os.environ.get("FASTAMP_ARGCOV_SAVE") or config.getoption("markexpr", "") == "full":
+            _save_worker_part(session, exitstatus)
+        return
+    if _xdist_controller(config):
+        _add_worker_parts(session)
+        return
+    path = os.environ.get("FASTAMP_ARGCOV_SAVE")
+    if not path:
+        return
+    if os.path.exists(path):
+        os.remove(path)  # a stale file from another run must not stand in for this one
+    if _whole_quick_tier(config, exitstatus):
         _argcov.save(path, [i.nodeid for i in session.items])
