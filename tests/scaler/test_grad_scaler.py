@@ -628,3 +628,26 @@ def test_host_syncs_per_step_match_torch(opt_kind, expected):
         counts[cls] = per_step
     assert counts[fastamp.GradScaler] == [expected] * 3
     assert counts[torch.amp.GradScaler] == [expected] * 3
+
+
+def test_grad_replay_holds_in_the_steady_state_and_sees_a_new_group_list():
+    """The scaler's GradReplay serves a steady-state step (grads kept, nothing changed) with the
+    optimizer's own grads in its order; a ``param_groups`` list replaced by another (the same
+    dicts) is not the list it replays, and the grads are collected in full again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = fastamp.GradScaler("cpu")
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+    replay = scaler._reader.replays[opt]
+    held = replay.collect(opt, allow_fp16=False)
+    assert held is not None
+    (on_cpu,) = held.values()
+    assert all(g is p.grad for g, p in zip(on_cpu.grads, model.parameters(), strict=True))
+    opt.param_groups = list(opt.param_groups)
+    assert replay.collect(opt, allow_fp16=False) is None
