@@ -4,7 +4,6 @@ failure anywhere makes torch.multiprocessing.spawn raise in the test with the tr
 from __future__ import annotations
 
 import copy
-import datetime
 import math
 import os
 
@@ -14,26 +13,13 @@ from torch import Tensor, nn
 
 import fastamp
 from fastamp.parallel import DistributedDataParallel as FDDP
+from tests._dist import finish, init_gloo
 
-
-def _finish() -> None:
-    # Every rank leaves together: a rank that tears its process group down while a peer is still
-    # finishing the last collective can make gloo abort that peer (SIGABRT at exit).
-    import gc
-
-    gc.collect()  # drop DDP objects (and any Work they hold) before the group goes
-    dist.barrier()
-    dist.destroy_process_group()
+_finish = finish
 
 
 def _init(rank: int, world: int, init_file: str, timeout_s: float = 60.0) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    init_gloo(rank, world, init_file, timeout_s)
     torch.manual_seed(0)
 
 
