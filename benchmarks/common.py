@@ -3,6 +3,7 @@ bandwidth that the memory-traffic floors are computed against."""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import platform
@@ -96,6 +97,17 @@ def per_step_us(
             sync(device)
             per_tensor[v].append((time.perf_counter() - t0) / steps / per * 1e6)
     return per_tensor
+
+
+def int_options(ap: argparse.ArgumentParser, **defaults: int) -> None:
+    """Adds to ``ap`` an int option per keyword (``batch_size=32``: ``--batch-size``, default 32)."""
+    for name, default in defaults.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+
+
+def switch_option(ap: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:
+    """Adds to ``ap`` an on/off option ``flag`` taking 0 or 1."""
+    ap.add_argument(flag, type=int, choices=[0, 1], default=default, help=help)
 
 
 def device_name(device: str) -> str:
