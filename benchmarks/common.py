@@ -110,6 +110,12 @@ def switch_option(ap: argparse.ArgumentParser, flag: str, default: int, help: st
     ap.add_argument(flag, type=int, choices=[0, 1], default=default, help=help)
 
 
+def print_header(header: str) -> None:
+    """Prints a table's header line and a rule of its width under it."""
+    print(header)
+    print("-" * len(header))
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()

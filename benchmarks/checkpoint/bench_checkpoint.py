@@ -32,7 +32,7 @@ from fastamp.checkpoint import checkpoint, offload_activations, selective
 from fastamp.checkpoint.planner import count_saved_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import device_name, int_options, sync, timed, write_results  # noqa: E402
+from common import device_name, int_options, print_header, sync, timed, write_results  # noqa: E402
 
 
 def make_model(layers, dim, heads, device):
@@ -144,8 +144,7 @@ def main(argv=None):
     )
     cuda_col = f" {'CUDA peak MiB':>13}" if dev == "cuda" else ""
     header = f"{'strategy':<22} {'activations MiB':>15} {'vs none':>8}{cuda_col} {'step ms':>9} {'vs torch ckpt':>13}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     rows = []
     for name in fns:
         saved, peak = mem[name]

@@ -58,7 +58,7 @@ from torch import nn
 import fastamp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import balanced_order, device_name, int_options, switch_option  # noqa: E402
+from common import balanced_order, device_name, int_options, print_header, switch_option  # noqa: E402
 
 VARIANTS = [("torch", False), ("fastamp", False), ("torch", True), ("fastamp", True)]
 # torch's DDP with fastamp's scaler and optimizer: the same step around both DDPs, so that their
@@ -347,8 +347,7 @@ def report(args, world, threads, n_params, med, gathered, mem, run_s):
         f"{'variant':<14} | {'fwd+bwd ms':>10} {'step ms':>8} {'total ms':>9} | {'fastamp/torch':>13} | "
         f"{'buckets':>7} {'comm buf MiB':>12} {'grads MiB':>9} {'extra beyond grads MiB':>22}"
     )
-    print(hdr)
-    print("-" * len(hdr))
+    print_header(hdr)
     rows = []
     for n, (kind, view) in zip(med, VARIANTS):
         m = med[n]
