@@ -7,6 +7,7 @@ import datetime
 import gc
 
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 
 def init_gloo(rank: int, world: int, init_file: str, timeout_s: float = 60.0) -> None:
@@ -27,3 +28,9 @@ def finish() -> None:
     gc.collect()  # drop DDP objects (and any Work they hold) before the group goes
     dist.barrier()
     dist.destroy_process_group()
+
+
+def spawn(fn, world: int, tmp_path) -> None:
+    """Runs ``fn(rank, world, init_file)`` in ``world`` spawned processes that meet at a file in
+    ``tmp_path``; a failing rank makes this raise with its traceback."""
+    mp.spawn(fn, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
