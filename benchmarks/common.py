@@ -3,11 +3,13 @@ bandwidth that the memory-traffic floors are computed against."""
 
 from __future__ import annotations
 
+import argparse
+import gc
 import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -67,6 +69,51 @@ def balanced_order(names: Sequence[T], rep: int) -> list[T]:
     if row >= n:  # odd n needs the mirrored square as well
         order.reverse()
     return [names[k] for k in order]
+
+
+def per_step_us(
+    fns: Mapping[str, Callable[[], object]],
+    runs: int,
+    steps: int,
+    warmup: int,
+    per: int,
+    device: str = "cpu",
+) -> dict[str, list[float]]:
+    """Host-side microseconds per step and per ``per`` (tensors) of each variant's step ``fns``:
+    ``warmup`` calls each, then ``runs`` timed blocks of ``steps`` calls, in
+    :func:`balanced_order` (the device synchronised around each block)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    per_tensor: dict[str, list[float]] = {v: [] for v in fns}
+    for rep in range(runs):
+        for v in balanced_order(list(fns), rep):
+            gc.collect()
+            fn = fns[v]
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            sync(device)
+            per_tensor[v].append((time.perf_counter() - t0) / steps / per * 1e6)
+    return per_tensor
+
+
+def int_options(ap: argparse.ArgumentParser, **defaults: int) -> None:
+    """Adds to ``ap`` an int option per keyword (``batch_size=32``: ``--batch-size``, default 32)."""
+    for name, default in defaults.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+
+
+def switch_option(ap: argparse.ArgumentParser, flag: str, default: int, help: str) -> None:
+    """Adds to ``ap`` an on/off option ``flag`` taking 0 or 1."""
+    ap.add_argument(flag, type=int, choices=[0, 1], default=default, help=help)
+
+
+def print_header(header: str) -> None:
+    """Prints a table's header line and a rule of its width under it."""
+    print(header)
+    print("-" * len(header))
 
 
 def device_name(device: str) -> str:

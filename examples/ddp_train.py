@@ -71,6 +71,56 @@ def judge_learning(steps, final, chance):
     return judge, learned, verdict
 
 
+def summary(rank, run, steps, first, final, chance, what, same):
+    """Prints (on rank 0) what the ``run`` learned and whether ``what`` was the ``same`` on every
+    rank; the exit status: 0 when it was, and the run learned or was too short to judge."""
+    judge, learned, verdict = judge_learning(steps, final, chance)
+    if rank == 0:
+        print(
+            f"{run}; loss {first:.3f} -> {final:.3f} (chance {chance:.3f}): {verdict}; "
+            f"{what} identical on every rank: {same}"
+        )
+    return 0 if same and (learned or not judge) else 1
+
+
+def init_distributed():
+    """Joins the process group torchrun describes (NCCL on GPUs, else gloo): (rank, world size,
+    this rank's device)."""
+    use_cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    return rank, world, device
+
+
+def log_step(rank, step, steps, loss, chance, norm, scaler):
+    if rank == 0 and (step % 5 == 0 or step == steps - 1):
+        print(
+            f"step {step:>4}  loss {loss.item():.4f} (chance {chance:.2f})  "
+            f"grad norm {float(norm):.3f}  scale {scaler.get_scale():g}",
+            flush=True,
+        )
+
+
+def same_on_every_rank(t, world):
+    """Whether every rank holds the same values in ``t``."""
+    everyone = [torch.zeros_like(t) for _ in range(world)]
+    dist.all_gather(everyone, t)
+    return all(torch.equal(everyone[0], s) for s in everyone)
+
+
+def leave_together():
+    """Waits for every rank, then tears the group down (a rank that exits while a peer is still
+    finishing its last collective can abort the peer); the caller drops what holds the group
+    first."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 class Model(nn.Module):
     def __init__(self, vocab=VOCAB, dim=128, heads=4, layers=4, checkpoint=False):
         super().__init__()
@@ -109,19 +159,13 @@ def main(argv=None):
     if args.batch_size % args.accum_steps:
         ap.error("--batch-size must be a multiple of --accum-steps")
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "off": None}[args.amp]
 
     torch.manual_seed(0)  # the same initial model everywhere (DDP also broadcasts rank 0's)
     model = fastamp.parallel.DistributedDataParallel(
         Model(checkpoint=args.checkpoint).to(device),
-        device_ids=[local] if use_cuda else None,
+        device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=args.bucket_cap_mb,
         gradient_as_bucket_view=args.bucket_view,
     )
@@ -143,39 +187,23 @@ def main(argv=None):
                     logits = model(tokens)
                 loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
                 scaler.scale(loss / args.accum_steps).backward()
+        if step == 0:
+            first = loss.item()
         norm = scaler.clip_grad_norm_(opt, 1.0)
         scaler.step(opt)
         scaler.update()
-        if step == 0:
-            first = loss.item()
-        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(
-                f"step {step:>4}  loss {loss.item():.4f} (chance {chance:.2f})  grad norm {float(norm):.3f}  "
-                f"scale {scaler.get_scale():g}",
-                flush=True,
-            )
+        log_step(rank, step, args.steps, loss, chance, norm, scaler)
     elapsed = time.perf_counter() - t0
 
     # Every rank must hold the same parameters: compare a checksum.
     flat = torch.cat([p.detach().float().flatten() for p in model.parameters()])
     sums = torch.stack([flat.sum(), flat.square().sum()]).to(device)
-    everyone = [torch.zeros_like(sums) for _ in range(world)]
-    dist.all_gather(everyone, sums)
-    same = all(torch.equal(everyone[0], s) for s in everyone)
-    final = loss.item()
-    judge, learned, verdict = judge_learning(args.steps, final, chance)
-    if rank == 0:
-        print(
-            f"{world} ranks ({dist.get_backend()}), {args.steps} steps in {elapsed:.1f}s; loss {first:.3f} -> "
-            f"{final:.3f} (chance {chance:.3f}): {verdict}; parameters identical on every rank: {same}"
-        )
-    # Leave together: drop what holds the process group, wait for every rank, then tear down
-    # (a rank that exits while a peer is still finishing its last collective can abort the peer).
-    del model, opt, scaler
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if same and (learned or not judge) else 1
+    same = same_on_every_rank(sums, world)
+    run = f"{world} ranks ({dist.get_backend()}), {args.steps} steps in {elapsed:.1f}s"
+    status = summary(rank, run, args.steps, first, loss.item(), chance, "parameters", same)
+    del model, opt, scaler  # what holds the process group
+    leave_together()
+    return status
 
 
 if __name__ == "__main__":

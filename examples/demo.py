@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 import torch
 from torch import nn
 
 import fastamp
+from plotting import two_panels
 
 VOCAB = 64
 STRIDES = (1, 2, 3, 5)
@@ -168,30 +168,18 @@ def main(argv=None):
 
 
 def _plot(t_rows, f_rows, chance, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(matplotlib is not installed: no plot written to {path}; pip install matplotlib)")
-        return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, rows, style in (("torch", t_rows, "-"), ("fastamp", f_rows, "--")):
-        ax1.plot([r[0] for r in rows], style, label=name)
-        ax2.plot([r[1] for r in rows], style, label=name)
-    ax1.axhline(chance, color="grey", lw=0.8, ls=":", label="chance")
-    ax1.set(title="loss", xlabel="step")
-    ax2.set(
-        title="loss scale (x2 after 20 clean steps, /2 at inf/NaN)", xlabel="step", yscale="log"
-    )
-    for ax in (ax1, ax2):
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {os.path.abspath(path)}")
+    with two_panels(path) as panels:
+        if panels is None:
+            return
+        ax1, ax2 = panels
+        for name, rows, style in (("torch", t_rows, "-"), ("fastamp", f_rows, "--")):
+            ax1.plot([r[0] for r in rows], style, label=name)
+            ax2.plot([r[1] for r in rows], style, label=name)
+        ax1.axhline(chance, color="grey", lw=0.8, ls=":", label="chance")
+        ax1.set(title="loss", xlabel="step")
+        ax2.set(
+            title="loss scale (x2 after 20 clean steps, /2 at inf/NaN)", xlabel="step", yscale="log"
+        )
 
 
 if __name__ == "__main__":

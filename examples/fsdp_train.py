@@ -24,7 +24,6 @@ are and whether the model learned.
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import os
 import sys
@@ -40,7 +39,16 @@ from torch.distributed.fsdp import fully_shard
 import fastamp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ddp_train import VOCAB, Model, judge_learning, sequences  # noqa: E402
+from ddp_train import (  # noqa: E402
+    VOCAB,
+    Model,
+    init_distributed,
+    leave_together,
+    log_step,
+    same_on_every_rank,
+    sequences,
+    summary,
+)
 
 
 def main(argv=None):
@@ -70,13 +78,7 @@ def main(argv=None):
         category=UserWarning,
     )
 
-    use_cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     if world % args.replicas:
         raise SystemExit(f"--replicas {args.replicas} must divide the world size {world}")
     shape = (world,) if args.replicas == 1 else (args.replicas, world // args.replicas)
@@ -105,37 +107,26 @@ def main(argv=None):
             logits = model(tokens)
         loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten())
         scaler.scale(loss).backward()
+        if step == 0:
+            first = loss.item()
         norm = scaler.clip_grad_norm_(opt, 1.0)  # over every shard: one all-reduce
         scaler.step(opt)
         scaler.update()
-        if step == 0:
-            first = loss.item()
-        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(
-                f"step {step:>4}  loss {loss.item():.4f} (chance {chance:.2f})  "
-                f"grad norm {float(norm):.3f}  scale {scaler.get_scale():g}",
-                flush=True,
-            )
+        log_step(rank, step, args.steps, loss, chance, norm, scaler)
     elapsed = time.perf_counter() - t0
 
     # The decisions every rank shares: the scale and the (global) grad norm.
     mine = torch.tensor([scaler.get_scale(), float(norm)], dtype=torch.float64, device=device)
-    everyone = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
-    same = all(torch.equal(everyone[0], s) for s in everyone)
-    final = loss.item()
-    judge, learned, verdict = judge_learning(args.steps, final, chance)
-    if rank == 0:
-        print(
-            f"{world} ranks ({dist.get_backend()}, mesh {tuple(shape)}), {args.steps} steps in "
-            f"{elapsed:.1f}s; loss {first:.3f} -> {final:.3f} (chance {chance:.3f}): {verdict}; "
-            f"scale and grad norm identical on every rank: {same}"
-        )
-    del model, opt, scaler
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0 if same and (learned or not judge) else 1
+    same = same_on_every_rank(mine, world)
+    run = (
+        f"{world} ranks ({dist.get_backend()}, mesh {tuple(shape)}), {args.steps} steps in "
+        f"{elapsed:.1f}s"
+    )
+    what = "scale and grad norm"
+    status = summary(rank, run, args.steps, first, loss.item(), chance, what, same)
+    del model, opt, scaler  # what holds the process group
+    leave_together()
+    return status
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 
@@ -27,6 +26,7 @@ import torch
 from torch import nn
 
 import fastamp
+from plotting import two_panels
 
 try:
     from tqdm import tqdm
@@ -208,27 +208,15 @@ def main(argv=None):
 
 
 def _plot(runs, path):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(matplotlib is not installed: no plot written to {path}; pip install matplotlib)")
-        return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for name, r in runs.items():
-        ax1.plot(r["losses"], label=name)
-        ax2.plot([t * 1e3 for t in r["step_times"]], label=name)
-    ax1.set(title="loss per optimizer step", xlabel="step", ylabel="loss")
-    ax2.set(title="step time", xlabel="step", ylabel="ms")
-    for ax in (ax1, ax2):
-        ax.legend()
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {os.path.abspath(path)}")
+    with two_panels(path) as panels:
+        if panels is None:
+            return
+        ax1, ax2 = panels
+        for name, r in runs.items():
+            ax1.plot(r["losses"], label=name)
+            ax2.plot([t * 1e3 for t in r["step_times"]], label=name)
+        ax1.set(title="loss per optimizer step", xlabel="step", ylabel="loss")
+        ax2.set(title="step time", xlabel="step", ylabel="ms")
 
 
 if __name__ == "__main__":

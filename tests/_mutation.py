@@ -4,6 +4,7 @@ checkout, and a mutant is killed when they fail."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -42,3 +43,26 @@ def run_tests(root: Path, files: list[str], timeout: int) -> tuple[str, str]:
         first = next((ln for ln in r.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))), "")
         return "killed", first[:200] or f"pytest exited {r.returncode}"
     return "survived", ""
+
+
+def mutation_parser(doc: str | None, per_file: int) -> argparse.ArgumentParser:
+    """The options both tiers take (--per-file, --seed, --timeout, --out, --list, --state)."""
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--per-file", type=int, default=per_file)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--state", type=Path, default=None, help="cache of results (JSON) to reuse")
+    return ap
+
+
+def write_report(lines: list[str], out: Path | None) -> int:
+    """Prints the report (and writes it to ``out`` when given); the tier's exit status (0)."""
+    text = "\n".join(lines) + "\n"
+    if out:
+        out.write_text(text)
+    print(text)
+    return 0

@@ -17,7 +17,6 @@ checkout, and python/ is put first on the path).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import random
@@ -34,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import mutate  # noqa: E402  (the generator of the CUDA tier)
 
-from _mutation import checkout_env, run_tests  # noqa: E402
+from _mutation import checkout_env, mutation_parser, run_tests, write_report  # noqa: E402
 
 BUILD = ROOT / "build" / "mutate-cpu"
 
@@ -115,15 +114,7 @@ def run(m: mutate.Mutant, timeout: int) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--per-file", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=int, default=900)
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--list", action="store_true")
-    ap.add_argument("--state", type=Path, default=None, help="cache of results (JSON) to reuse")
+    ap = mutation_parser(__doc__, per_file=3)
     a = ap.parse_args(argv)
     state = json.loads(a.state.read_text()) if a.state and a.state.exists() else {}
     chosen = []
@@ -187,11 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", "## Every mutant", ""]
     lines += [f"- {s}: `csrc/{m.file}:{m.line}` {m.op}: `{m.new_line.strip()}` {d[:120]}"
               for m, s, d in results]  # fmt: skip
-    text = "\n".join(lines) + "\n"
-    if a.out:
-        a.out.write_text(text)
-    print(text)
-    return 0
+    return write_report(lines, a.out)
 
 
 if __name__ == "__main__":

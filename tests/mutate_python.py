@@ -15,7 +15,6 @@ in the results file.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import copy
 import hashlib
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _mutation import run_tests  # noqa: E402
+from _mutation import mutation_parser, run_tests, write_report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "python" / "fastamp"
@@ -241,15 +240,7 @@ def run(m: Mutant, timeout: int) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--per-file", type=int, default=6)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--timeout", type=int, default=900)
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--list", action="store_true")
-    ap.add_argument("--state", type=Path, default=None, help="cache of results (JSON) to reuse")
+    ap = mutation_parser(__doc__, per_file=6)
     ap.add_argument(
         "--report-only",
         action="store_true",
@@ -325,11 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         for m, s, _ in results
         if s == "equivalent"
     ] or ["None."]
-    text = "\n".join(lines) + "\n"
-    if a.out:
-        a.out.write_text(text)
-    print(text)
-    return 0
+    return write_report(lines, a.out)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,14 @@ def _py_files() -> list[pathlib.Path]:
     return sorted(p for p in PY.rglob("*.py") if "__pycache__" not in p.parts)
 
 
+EACH_PY_FILE = pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
+
+
+def _assert_none_found(path: pathlib.Path, found: list[str], says: str, sep: str, fix: str) -> None:
+    """Fails naming ``path``, what ``says`` is wrong, each of ``found`` and the ``fix``."""
+    assert not found, f"{path.relative_to(ROOT)}{says}{sep.join(found)} -- {fix}"
+
+
 def _module_name(path: pathlib.Path) -> str:
     rel = path.relative_to(PY.parent).with_suffix("")
     parts = list(rel.parts)
@@ -200,15 +208,17 @@ def test_capability_private_import_scanner_catches_and_allows():
     ]
 
 
-@pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
+@EACH_PY_FILE
 def test_no_import_of_another_capabilitys_private_modules(path):
     rel = path.relative_to(PY)
     capability = rel.parts[0] if len(rel.parts) > 1 else ""
     bad = capability_private_imports(path.read_text(), capability)
-    assert not bad, (
-        f"{path.relative_to(ROOT)} imports other capabilities' private modules: "
-        + "; ".join(f"line {n}: {m}" for n, m in bad)
-        + " -- use what that capability exports (its __init__: e.g. fastamp.optim.ops)"
+    _assert_none_found(
+        path,
+        [f"line {n}: {m}" for n, m in bad],
+        " imports other capabilities' private modules: ",
+        "; ",
+        "use what that capability exports (its __init__: e.g. fastamp.optim.ops)",
     )
 
 
@@ -331,25 +341,29 @@ def _provided_by_bases(module_name: str) -> Callable[[str, str], bool]:
     return provided
 
 
-@pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
+@EACH_PY_FILE
 def test_classes_declare_what_they_read(path):
     bad = undeclared_self_reads(path.read_text(), _provided_by_bases(_module_name(path)))
-    assert not bad, (
-        f"{path.relative_to(ROOT)}: classes read attributes they neither assign nor declare: "
-        + ", ".join(f"{c}.{a}" for c, a in bad)
-        + " -- assign it in the class, or declare it in the class body (an annotation saying "
-        "where it is set), so a reader of this file sees every attribute the class uses"
+    _assert_none_found(
+        path,
+        [f"{c}.{a}" for c, a in bad],
+        ": classes read attributes they neither assign nor declare: ",
+        ", ",
+        "assign it in the class, or declare it in the class body (an annotation saying where it "
+        "is set), so a reader of this file sees every attribute the class uses",
     )
 
 
-@pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
+@EACH_PY_FILE
 def test_no_private_access_across_objects(path):
     bad = private_accesses(path.read_text())
-    assert not bad, (
-        f"{path.relative_to(ROOT)} reaches into private attributes of other objects: "
-        + "; ".join(f"line {n}: {e}" for n, e in bad)
-        + " -- add a public interface (see fastamp.handoff), or a '# private-ok: <reason>' note "
-        "for PyTorch/client internals with no public spelling"
+    _assert_none_found(
+        path,
+        [f"line {n}: {e}" for n, e in bad],
+        " reaches into private attributes of other objects: ",
+        "; ",
+        "add a public interface (see fastamp.handoff), or a '# private-ok: <reason>' note for "
+        "PyTorch/client internals with no public spelling",
     )
 
 
@@ -459,12 +473,15 @@ def test_header_scanner_catches_and_allows():
     ]
 
 
-@pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
+@EACH_PY_FILE
 def test_one_concern_per_python_file(path):
-    bad = header_problems(path.read_text())
-    assert not bad, (
-        f"{path.relative_to(ROOT)}: {'; '.join(bad)} -- the header says what the file is for and "
-        "names each class in it; a class that is not part of that concern goes in its own file"
+    _assert_none_found(
+        path,
+        header_problems(path.read_text()),
+        ": ",
+        "; ",
+        "the header says what the file is for and names each class in it; a class that is not "
+        "part of that concern goes in its own file",
     )
 
 
@@ -480,7 +497,7 @@ def test_one_concern_per_csrc_file(path):
     )
 
 
-@pytest.mark.parametrize("path", _py_files(), ids=lambda p: str(p.relative_to(PY)))
+@EACH_PY_FILE
 def test_classes_call_the_op_layer(path):
     if path.name in ("_ops.py", "_library.py"):
         return

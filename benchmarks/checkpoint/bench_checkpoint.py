@@ -32,7 +32,7 @@ from fastamp.checkpoint import checkpoint, offload_activations, selective
 from fastamp.checkpoint.planner import count_saved_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import device_name, sync, timed, write_results  # noqa: E402
+from common import device_name, int_options, print_header, sync, timed, write_results  # noqa: E402
 
 
 def make_model(layers, dim, heads, device):
@@ -104,13 +104,7 @@ def main(argv=None):
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=2)
+    int_options(ap, layers=12, dim=256, heads=4, seq=128, batch=8, reps=7, warmup=2)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     dev = args.device
@@ -150,8 +144,7 @@ def main(argv=None):
     )
     cuda_col = f" {'CUDA peak MiB':>13}" if dev == "cuda" else ""
     header = f"{'strategy':<22} {'activations MiB':>15} {'vs none':>8}{cuda_col} {'step ms':>9} {'vs torch ckpt':>13}"
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     rows = []
     for name in fns:
         saved, peak = mem[name]

@@ -37,7 +37,7 @@ import fastamp
 from fastamp.checkpoint import checkpoint as fa_checkpoint
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import device_name, sync, write_results  # noqa: E402
+from common import device_name, print_header, sync, write_results  # noqa: E402
 
 
 def torch_checkpoint(fn, *args):
@@ -169,8 +169,7 @@ def main(argv=None) -> int:
             f"{'block':<46} {'torch us/region':>15} {'fastamp us/region':>17} {'diff us':>8} "
             f"{'fastamp/torch':>13}"
         )
-        print(header)
-        print("-" * len(header))
+        print_header(header)
         for row in rows:
             print(
                 f"{row['block']:<46} {row['torch_us']:>15.1f} {row['fastamp_us']:>17.1f} "

@@ -20,6 +20,7 @@ import gc
 import importlib.util
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -28,9 +29,13 @@ from torch import nn
 import fastamp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from common import int_options  # noqa: E402
 
 
 def _train_module():
+    if os.path.join(ROOT, "examples") not in sys.path:  # train.py imports its sibling plotting.py
+        sys.path.insert(0, os.path.join(ROOT, "examples"))
     spec = importlib.util.spec_from_file_location(
         "fastamp_example_train", os.path.join(ROOT, "examples", "train.py")
     )
@@ -95,16 +100,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--runs", type=int, default=1)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--dim", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
+    int_options(
+        ap, steps=30, warmup=3, runs=1, batch_size=32, dim=128, heads=4, layers=4, seq=64,
+        vocab=256, seed=0,
+    )  # fmt: skip
     args = ap.parse_args(argv)
     ex = _train_module()
     print(

@@ -58,7 +58,7 @@ from torch import nn
 import fastamp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import balanced_order, device_name  # noqa: E402
+from common import balanced_order, device_name, int_options, print_header, switch_option  # noqa: E402
 
 VARIANTS = [("torch", False), ("fastamp", False), ("torch", True), ("fastamp", True)]
 # torch's DDP with fastamp's scaler and optimizer: the same step around both DDPs, so that their
@@ -347,8 +347,7 @@ def report(args, world, threads, n_params, med, gathered, mem, run_s):
         f"{'variant':<14} | {'fwd+bwd ms':>10} {'step ms':>8} {'total ms':>9} | {'fastamp/torch':>13} | "
         f"{'buckets':>7} {'comm buf MiB':>12} {'grads MiB':>9} {'extra beyond grads MiB':>22}"
     )
-    print(hdr)
-    print("-" * len(hdr))
+    print_header(hdr)
     rows = []
     for n, (kind, view) in zip(med, VARIANTS):
         m = med[n]
@@ -454,30 +453,23 @@ def main(argv=None):
     ap.add_argument(
         "--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)"
     )
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--dim", type=int, default=384)
-    ap.add_argument("--heads", type=int, default=6)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--seq", type=int, default=32)
+    int_options(ap, vocab=8192, dim=384, heads=6, layers=6, seq=32)
     ap.add_argument("--batch", type=int, default=2, help="sequences per rank")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--max-norm", type=float, default=1.0)
-    ap.add_argument(
+    switch_option(
+        ap,
         "--set-to-none",
-        type=int,
-        choices=[0, 1],
-        default=0,
-        help="zero_grad(set_to_none=...); 0 keeps the grads as bucket views across steps",
+        0,
+        "zero_grad(set_to_none=...); 0 keeps the grads as bucket views across steps",
     )
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument(
+    int_options(ap, reps=30, warmup=3)
+    switch_option(
+        ap,
         "--ddp-control",
-        type=int,
-        choices=[0, 1],
-        default=1,
-        help="also time torch's DDP with fastamp's scaler and AdamW (the DDP part alone)",
+        1,
+        "also time torch's DDP with fastamp's scaler and AdamW (the DDP part alone)",
     )
     ap.add_argument(
         "--block",

@@ -42,7 +42,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import fastamp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import balanced_order, device_name  # noqa: E402
+from common import balanced_order, device_name, int_options  # noqa: E402
 
 VARIANTS = ["torch", "torch fused", "fastamp float32", "fastamp bfloat16", "fastamp int8"]
 
@@ -152,12 +152,7 @@ def worker(rank: int, world: int, init_file: str, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--reps", type=int, default=20)
+    int_options(ap, world=2, width=1024, layers=4, batch=8, warmup=3, reps=20)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(worker, args=(args.world, os.path.join(d, "init"), args), nprocs=args.world)

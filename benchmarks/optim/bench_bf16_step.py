@@ -33,7 +33,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -42,7 +41,7 @@ import fastamp
 from fastamp.testing import transformer_like_shapes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import balanced_order, copy_bandwidth, device_name, sync, timed  # noqa: E402
+from common import balanced_order, copy_bandwidth, device_name, per_step_us, sync, timed  # noqa: E402
 
 BYTES = {"torch": 40, "fastamp": 32, "flat": 32, "guarded": 32}
 
@@ -145,21 +144,7 @@ def host(variants, n, numel, runs, steps, warmup, max_norm, device="cpu"):
     shapes = [(numel,)] * n
     setups = {v: _setup(v, shapes, torch.float32, device=device) for v in variants}
     fns = {v: _step(v, setups[v][0], setups[v][1], max_norm) for v in variants}
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    per_tensor: dict[str, list[float]] = {v: [] for v in variants}
-    for rep in range(runs):
-        for v in balanced_order(list(variants), rep):
-            gc.collect()
-            fn = fns[v]
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            sync(device)
-            per_tensor[v].append((time.perf_counter() - t0) / steps / n * 1e6)
-    return per_tensor
+    return per_step_us(fns, runs, steps, warmup, n, device)
 
 
 def _fmt(values: list[float], scale: float = 1.0) -> str:

@@ -25,19 +25,17 @@ timed together with the assignment that replaces them in every recipe.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 import fastamp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import balanced_order, device_name  # noqa: E402
+from common import device_name, per_step_us  # noqa: E402
 
 VARIANTS: tuple[str, ...] = ("torch", "fastamp")
 
@@ -115,19 +113,7 @@ def verify(n: int, numel: int, mode: str) -> None:
 def bench(n: int, numel: int, mode: str, runs: int, steps: int, warmup: int, fresh: bool):
     setups = {v: _make(v, n, numel, fresh) for v in VARIANTS}
     fns = {v: _step(v, mode, *setups[v]) for v in VARIANTS}
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    per_tensor: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for rep in range(runs):
-        for v in balanced_order(list(VARIANTS), rep):
-            gc.collect()
-            fn = fns[v]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                fn()
-            per_tensor[v].append((time.perf_counter() - t0) / steps / n * 1e6)
-    return per_tensor
+    return per_step_us(fns, runs, steps, warmup, n)
 
 
 def _fmt(values: list[float]) -> str:

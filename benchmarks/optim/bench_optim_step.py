@@ -32,7 +32,7 @@ import fastamp
 from fastamp.testing import transformer_like_shapes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth, device_name, sync, timed, write_results  # noqa: E402
+from common import copy_bandwidth, device_name, print_header, sync, timed, write_results  # noqa: E402
 
 FASTAMP_BYTES, TORCH_FUSED_BYTES = 32, 48
 
@@ -119,8 +119,7 @@ def main(argv=None):
         f"{'vs fused':>8} {'vs foreach':>10} | {'B/param torch fused / fastamp':>29} | "
         f"{'fastamp floor':>13} {'% of floor':>10}"
     )
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     rows = []
     for n in args.sizes:
         numel, med = bench_size(n, args.device, args.reps, args.warmup, args.max_norm)

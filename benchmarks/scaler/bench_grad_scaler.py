@@ -30,7 +30,7 @@ import fastamp
 from fastamp.testing import transformer_like_shapes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth, device_name, sync, timed, write_results  # noqa: E402
+from common import copy_bandwidth, device_name, print_header, sync, timed, write_results  # noqa: E402
 
 
 class _NoOpOptimizer(torch.optim.Optimizer):
@@ -137,8 +137,7 @@ def main(argv=None):
         f"{'torch B/el':>10} {'fastamp B/el':>12} | {'torch floor':>11} {'fastamp floor':>13} "
         f"{'fastamp % of floor':>18} | {'norm rel err torch / fastamp':>28}"
     )
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     rows = []
     for n in args.sizes:
         numel, med, errors = bench_size(

@@ -19,17 +19,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 
 from fastamp.checkpoint import ops
-from tests._fuzz import (
-    ALL_DTYPES,
-    LAYOUTS,
-    bits,
-    build,
-    compute_devices,
-    expect_error,
-    foreign_devices,
-    tensor_specs,
-    tiered,
-)
+from tests import _fuzz as fuzz
 
 
 @pytest.fixture(autouse=True)
@@ -86,13 +76,13 @@ def _check_rng_roundtrip(seed, warmup, seq):
         assert torch.equal(s, k), "rng_set_state wrote into its argument"
     again = _replay(seq)
     for a, b in zip(first, again):
-        assert torch.equal(bits(a), bits(b))
+        assert torch.equal(fuzz.bits(a), fuzz.bits(b))
     states[0].fill_(7)  # a snapshot is a copy: scribbling on it changes nothing
     assert torch.equal(ops.rng_get_state()[0], torch.get_rng_state())
     assert not torch.equal(torch.get_rng_state(), states[0])
 
 
-test_rng_roundtrip, test_rng_roundtrip_slow = tiered(
+test_rng_roundtrip, test_rng_roundtrip_slow = fuzz.tiered(
     default=60,
     slow=2000,
     seed=st.integers(0, 2**63 - 1),
@@ -178,14 +168,14 @@ def _check_rng_set_state_rejects(case):
         else:
             assert torch.equal(torch.get_rng_state(), s0)
     else:
-        expect_error(lambda: ops.rng_set_state(states), names)
+        fuzz.expect_error(lambda: ops.rng_set_state(states), names)
         assert torch.equal(torch.get_rng_state(), now), "a rejected restore changed the generator"
     for s, k in zip(states, kept):
         if k is not None:
-            assert torch.equal(bits(s.contiguous()), bits(k.contiguous()))
+            assert torch.equal(fuzz.bits(s.contiguous()), fuzz.bits(k.contiguous()))
 
 
-test_rng_set_state_rejects, test_rng_set_state_rejects_slow = tiered(
+test_rng_set_state_rejects, test_rng_set_state_rejects_slow = fuzz.tiered(
     default=80,
     slow=2000,
     case=bad_states(),
@@ -230,28 +220,29 @@ def digest_reference(t: torch.Tensor) -> int:
 
 @st.composite
 def digest_cases(draw):
-    device = draw(st.sampled_from(compute_devices()))
+    device = draw(st.sampled_from(fuzz.compute_devices()))
     n = draw(st.integers(0, 5))
     specs = [
-        draw(tensor_specs(dtypes=ALL_DTYPES, layouts=LAYOUTS, device=device)) for _ in range(n)
+        draw(fuzz.tensor_specs(dtypes=fuzz.ALL_DTYPES, layouts=fuzz.LAYOUTS, device=device))
+        for _ in range(n)
     ]
     if n and draw(st.integers(0, 9)) == 0:
         i = draw(st.integers(0, n - 1))
-        specs[i] = replace(specs[i], device=draw(st.sampled_from(foreign_devices(device))))
+        specs[i] = replace(specs[i], device=draw(st.sampled_from(fuzz.foreign_devices(device))))
     return specs
 
 
 def _check_tensor_digest(specs):
     """tensor_digest equals the Python transcription for every dtype, shape and layout (expanded
     and overlapping views included: it digests the logical elements); inputs untouched."""
-    ts = [build(s) for s in specs]
+    ts = [fuzz.build(s) for s in specs]
     for t in ts:
         t.freeze()
     views = [t.view for t in ts]
     if views and any(v.device != views[0].device for v in views):
         names = [f"tensors[{i}]" for i, v in enumerate(views) if v.device != views[0].device]
         event("rejected")
-        expect_error(lambda: ops.tensor_digest(views), names, ts)
+        fuzz.expect_error(lambda: ops.tensor_digest(views), names, ts)
         return
     out = ops.tensor_digest(views)
     assert out.dtype == torch.int64 and out.shape == (len(views),)
@@ -268,7 +259,7 @@ def _check_tensor_digest(specs):
     # One flipped bit in a non-empty tensor changes its digest (and only its digest).
     k = next((i for i, t in enumerate(dense) if t.numel()), None)
     if k is not None:
-        b = bits(dense[k]).clone()
+        b = fuzz.bits(dense[k]).clone()
         b[(specs[k].seed % b.numel())] ^= 1 << (specs[k].seed % 8)
         dense[k] = b.view(dense[k].dtype).reshape(dense[k].shape)
         changed = ops.tensor_digest(dense)
@@ -276,9 +267,9 @@ def _check_tensor_digest(specs):
         assert all(int(changed[j]) == int(out[j]) for j in range(len(dense)) if j != k)
 
 
-test_tensor_digest, test_tensor_digest_slow = tiered(default=120, slow=4000, specs=digest_cases())(
-    _check_tensor_digest
-)
+test_tensor_digest, test_tensor_digest_slow = fuzz.tiered(
+    default=120, slow=4000, specs=digest_cases()
+)(_check_tensor_digest)
 
 
 def test_tensor_digest_empty_list_and_zero_bytes():

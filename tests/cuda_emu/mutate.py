@@ -379,26 +379,28 @@ def report(
             f"| {rel} | {len(rs)} | {n['killed']} | {n['survived']} | {n['equivalent']} | "
             f"{n['stillborn']} | {n['unreachable']} |"
         )
-    lines += ["", "## Survivors", ""]
-    surv = [r for r in results if r[1] == "survived"]
-    if not surv:
-        lines.append("None.")
-    for m, _, _ in surv:
-        lines += [
+
+    def survivor(m: Mutant) -> list[str]:
+        gap = [f"  - not equivalent: {GAPS[m.key]}"] if m.key in GAPS else []
+        return [
             f"- `{m.file}:{m.line}` ({m.op}, mutant {m.key})",
             f"  - was: `{m.old_line.strip()}`",
             f"  - now: `{m.new_line.strip()}`",
+            *gap,
         ]
-        if m.key in GAPS:
-            lines.append(f"  - not equivalent: {GAPS[m.key]}")
-    lines += ["", "## Equivalent mutants", ""]
-    if not equivalent:
-        lines.append("None.")
-    for m, _, _ in equivalent:
-        lines += [
+
+    def argued(m: Mutant) -> list[str]:
+        return [
             f"- `{m.file}:{m.line}` ({m.op}, mutant {m.key}): `{m.new_line.strip()}`",
             f"  - {EQUIVALENT[m.key]}",
         ]
+
+    for title, rows, entry in (
+        ("Survivors", [r for r in results if r[1] == "survived"], survivor),
+        ("Equivalent mutants", equivalent, argued),
+    ):
+        lines += ["", f"## {title}", ""]
+        lines += [line for m, _, _ in rows for line in entry(m)] or ["None."]
     return "\n".join(lines) + "\n"
 
 

@@ -106,15 +106,20 @@ def test_adam_lowbit_step_variants(variant, fmt):
     run_case("adam_lowbit_step_", build, orders=("ascending", "random"))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
-def test_adam_lowbit_step_found_inf_writes_nothing(fmt):
-    build = _build(SPECS["fp32-blocks"], fmt, False, found=1.0, inject={5: [(70, math.inf)]})
-    out = run_case("adam_lowbit_step_", build, orders=("ascending", "random"))
+def _assert_writes_nothing(op, build):
+    """``op`` (its arguments from ``build``, found_inf set) leaves every argument as it was."""
+    out = run_case(op, build, orders=("ascending", "random"))
     fresh = tensors_of(list(build(Mem(0))))
     for i, (a, b) in enumerate(zip(out["emu"], fresh)):
         assert torch.equal(
             a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
-        ), f"adam_lowbit_step_ with found_inf=1 wrote into argument tensor {i}"
+        ), f"{op} with found_inf=1 wrote into argument tensor {i}"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+def test_adam_lowbit_step_found_inf_writes_nothing(fmt):
+    build = _build(SPECS["fp32-blocks"], fmt, False, found=1.0, inject={5: [(70, math.inf)]})
+    _assert_writes_nothing("adam_lowbit_step_", build)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
@@ -179,9 +184,4 @@ def test_sgd_lowbit_step_variants(variant):
 
 def test_sgd_lowbit_step_found_inf_writes_nothing():
     build = _build_sgd(SPECS["fp32-blocks"], False, found=1.0)
-    out = run_case("sgd_lowbit_step_", build, orders=("ascending", "random"))
-    fresh = tensors_of(list(build(Mem(0))))
-    for i, (a, b) in enumerate(zip(out["emu"], fresh)):
-        assert torch.equal(
-            a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
-        ), f"sgd_lowbit_step_ with found_inf=1 wrote into argument tensor {i}"
+    _assert_writes_nothing("sgd_lowbit_step_", build)

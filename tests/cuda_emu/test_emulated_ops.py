@@ -322,16 +322,18 @@ ADAM_VARIANTS = [
 ]
 
 
-# master weights are for fp16/bf16 params (the op's checks refuse them for fp32)
-@pytest.mark.parametrize(
-    "dtype,variant",
-    [
+def _dtype_variants(variants):
+    """(dtype, variant index) of each OPT_SPECS dtype and variant, but master weights with fp32
+    params: they are for fp16/bf16 params (the op's checks refuse them for fp32)."""
+    return [
         (d, v)
         for d in sorted(OPT_SPECS)
-        for v in range(len(ADAM_VARIANTS))
-        if not (ADAM_VARIANTS[v]["master"] and d == "fp32")
-    ],
-)
+        for v in range(len(variants))
+        if not (variants[v]["master"] and d == "fp32")
+    ]
+
+
+@pytest.mark.parametrize("dtype,variant", _dtype_variants(ADAM_VARIANTS))
 def test_adam_step(dtype, variant):
     v = ADAM_VARIANTS[variant]
     run_case("adam_step_", _adam_build(OPT_SPECS[dtype], found=0.0, clip=0.7, **v))
@@ -453,15 +455,7 @@ def test_sgd_step_maximize(momentum):
     run_case("sgd_step_", build, orders=("ascending", "random"))
 
 
-@pytest.mark.parametrize(
-    "dtype,variant",
-    [
-        (d, v)
-        for d in sorted(OPT_SPECS)
-        for v in range(len(SGD_VARIANTS))
-        if not (SGD_VARIANTS[v]["master"] and d == "fp32")
-    ],
-)
+@pytest.mark.parametrize("dtype,variant", _dtype_variants(SGD_VARIANTS))
 def test_sgd_step(dtype, variant):
     v = SGD_VARIANTS[variant]
     run_case("sgd_step_", _sgd_build(OPT_SPECS[dtype], lr_tensor=variant == 1, **v))

@@ -9,18 +9,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tests.integrations._common import (
-    OpCounter,
-    assert_fused_clip,
-    assert_learns,
-    assert_params_close,
-    assert_params_equal,
-    assert_within_torchs_error,
-    dataset,
-    loss_of,
-    mlp,
-    spy_on_fastamps_clip,
-)
+from tests.integrations import _common as common
 
 pytestmark = pytest.mark.clients
 accelerate = pytest.importorskip("accelerate")
@@ -43,21 +32,21 @@ def _fresh_accelerate_state():
 
 
 def run(accelerator, make_opt, clip=None, count=False, dtype=torch.float32, norms=None):
-    x, y = dataset()
+    x, y = common.dataset()
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x.to(dtype), y), batch_size=32
     )
-    model = mlp().to(dtype)
+    model = common.mlp().to(dtype)
     opt = make_opt(model.parameters())
     model, opt, loader = accelerator.prepare(model, opt, loader)
     losses = []
-    counter = OpCounter()
+    counter = common.OpCounter()
     with counter if count else contextlib.nullcontext():
         for step, (xb, yb) in enumerate(loader):
             if step == STEPS:
                 break
             opt.zero_grad(set_to_none=True)
-            loss = loss_of(model(xb), yb)
+            loss = common.loss_of(model(xb), yb)
             accelerator.backward(loss)
             if clip is not None:
                 norm = accelerator.clip_grad_norm_(model.parameters(), clip)
@@ -91,10 +80,10 @@ def test_accelerator_installs_fastamp_scaler_and_folds_clip_into_fused_step():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     ref, ref_losses, _, _ = run(reference_accelerator(), torch_adamw, clip=0.5)
-    assert_learns(losses)
-    assert_fused_clip(counts, STEPS)
+    common.assert_learns(losses)
+    common.assert_fused_clip(counts, STEPS)
     torch.testing.assert_close(losses, ref_losses, rtol=2e-3, atol=2e-3)
-    assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
+    common.assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
 
 
 def test_fastamp_scaler_with_torch_optimizer_is_bitwise_accelerates_path():
@@ -104,17 +93,17 @@ def test_fastamp_scaler_with_torch_optimizer_is_bitwise_accelerates_path():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     ref, ref_losses, _, _ = run(reference_accelerator(), torch_adamw)
-    assert_learns(losses)
+    common.assert_learns(losses)
     assert losses == ref_losses
-    assert_params_equal(ours, ref)
+    common.assert_params_equal(ours, ref)
     assert counts["fastamp.non_finite_check_and_unscale_"] == STEPS
 
 
 def test_skipped_fused_step_is_reported_as_skipped():
     acc = fa.Accelerator(mixed_precision="fp16", cpu=True)
-    model = mlp()
+    model = common.mlp()
     opt = acc.prepare(fastamp_adamw(model.parameters()))
-    x, y = dataset(32)
+    x, y = common.dataset(32)
     loss = F.cross_entropy(model(x), y)
     acc.backward(loss)
     model[0].weight.grad[0, 0] = float("inf")
@@ -136,7 +125,7 @@ def test_install_grad_scaler_errors_name_the_problem():
     acc = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
     with pytest.raises(TypeError, match="scaler must be a torch.amp.GradScaler.*got int"):
         fa.install_grad_scaler(acc, 3)
-    acc.prepare(torch_adamw(mlp().parameters()))
+    acc.prepare(torch_adamw(common.mlp().parameters()))
     with pytest.raises(RuntimeError, match="before accelerator.prepare"):
         fa.install_grad_scaler(acc)
 
@@ -150,14 +139,14 @@ def fresh_state():
 @pytest.mark.parametrize("optimizer", ["fastamp", "torch"])
 def test_clip_without_scaler_goes_through_fastamps_clip(precision, optimizer, monkeypatch):
     make_opt = fastamp_adamw if optimizer == "fastamp" else torch_adamw
-    calls = spy_on_fastamps_clip(monkeypatch)
+    calls = common.spy_on_fastamps_clip(monkeypatch)
     acc = fa.Accelerator(mixed_precision=precision, cpu=True)
     assert acc.scaler is None
     norms = []
     ours, losses, counts, opt = run(acc, make_opt, clip=0.5, count=True, norms=norms)
     assert calls == [type(make_opt([torch.zeros(1, requires_grad=True)]))] * STEPS
     if optimizer == "fastamp":
-        assert_fused_clip(counts, STEPS)
+        common.assert_fused_clip(counts, STEPS)
         assert fa._unwrap(opt).pending_clip is None  # each clip was taken by its step
     fresh_state()
     ref_norms = []
@@ -171,24 +160,24 @@ def test_clip_without_scaler_goes_through_fastamps_clip(precision, optimizer, mo
     exact, exact_losses, _, _ = run(
         accelerate.Accelerator(cpu=True), torch_adamw, clip=0.5, dtype=torch.float64
     )
-    assert_learns(losses)
+    common.assert_learns(losses)
     # The returned norm is accelerate's: a tensor of the grads' dtype; at the first step (the
     # same grads on both sides) equal up to the rounding of an fp32 sum of squares.
     assert all(n.dtype == r.dtype == torch.float32 for n, r in zip(norms, ref_norms))
     torch.testing.assert_close(norms[0], ref_norms[0], rtol=1e-5, atol=0)
-    assert_within_torchs_error((losses, ours), (ref_losses, ref), (exact_losses, exact))
+    common.assert_within_torchs_error((losses, ours), (ref_losses, ref), (exact_losses, exact))
 
 
 def test_clip_on_an_accumulation_micro_step_is_accelerates_own(monkeypatch):
-    calls = spy_on_fastamps_clip(monkeypatch)
+    calls = common.spy_on_fastamps_clip(monkeypatch)
     acc = fa.Accelerator(mixed_precision="bf16", cpu=True, gradient_accumulation_steps=2)
-    model = mlp()
+    model = common.mlp()
     opt = fastamp_adamw(model.parameters())
     model, opt = acc.prepare(model, opt)
-    x, y = dataset(64)
+    x, y = common.dataset(64)
     for xb, yb in ((x[:32], y[:32]), (x[32:], y[32:])):
         with acc.accumulate(model):
-            acc.backward(loss_of(model(xb), yb))
+            acc.backward(common.loss_of(model(xb), yb))
             acc.clip_grad_norm_(model.parameters(), 0.5)
             opt.step()
             opt.zero_grad()

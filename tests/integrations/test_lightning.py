@@ -6,18 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integrations._common import (
-    OpCounter,
-    assert_fused_clip,
-    assert_learns,
-    assert_params_close,
-    assert_params_equal,
-    assert_within_torchs_error,
-    dataset,
-    loss_of,
-    mlp,
-    spy_on_fastamps_clip,
-)
+from tests.integrations import _common as common
 
 pytestmark = pytest.mark.clients
 L = pytest.importorskip("lightning")
@@ -36,13 +25,13 @@ STEPS = 40
 class Net(L.LightningModule):
     def __init__(self, make_opt):
         super().__init__()
-        self.net = mlp()
+        self.net = common.mlp()
         self.make_opt = make_opt
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = loss_of(self.net(x), y)
+        loss = common.loss_of(self.net(x), y)
         self.losses.append(float(loss.detach()))
         return loss
 
@@ -51,7 +40,7 @@ class Net(L.LightningModule):
 
 
 def fit(plugin, make_opt, clip=None, count=False, algorithm=None):
-    x, y = dataset()
+    x, y = common.dataset()
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x, y), batch_size=32, shuffle=False
     )
@@ -68,7 +57,7 @@ def fit(plugin, make_opt, clip=None, count=False, algorithm=None):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    counter = OpCounter()
+    counter = common.OpCounter()
     if count:
         with counter:
             trainer.fit(model, loader)
@@ -98,19 +87,19 @@ def test_lightning_refuses_clipping_with_fused_optimizer_without_the_plugin():
 def test_gradient_clip_val_with_fastamp_adamw_is_folded_into_the_fused_step():
     ours, counts = fit(FastampPrecision("16-mixed", "cpu"), fastamp_adamw, clip=0.5, count=True)
     ref, _ = fit(MixedPrecision("16-mixed", "cpu"), torch_adamw, clip=0.5)
-    assert_learns(ours.losses)
-    assert_fused_clip(counts, STEPS)
+    common.assert_learns(ours.losses)
+    common.assert_fused_clip(counts, STEPS)
     # The same training as Lightning's torch path (fp32 norm accumulation: equal up to rounding).
     torch.testing.assert_close(ours.losses, ref.losses, rtol=2e-3, atol=2e-3)
-    assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
+    common.assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
 
 
 def test_fastamp_scaler_with_torch_optimizer_is_bitwise_lightnings_path():
     ours, counts = fit(FastampPrecision("16-mixed", "cpu"), torch_adamw, count=True)
     ref, _ = fit(MixedPrecision("16-mixed", "cpu"), torch_adamw)
-    assert_learns(ours.losses)
+    common.assert_learns(ours.losses)
     assert ours.losses == ref.losses
-    assert_params_equal(ours, ref)
+    common.assert_params_equal(ours, ref)
     assert counts["fastamp.non_finite_check_and_unscale_"] == STEPS  # fastamp's scaler did the work
     assert counts["aten._amp_foreach_non_finite_check_and_unscale_"] == 0
 
@@ -118,7 +107,7 @@ def test_fastamp_scaler_with_torch_optimizer_is_bitwise_lightnings_path():
 def test_value_clipping_with_fastamp_adamw_matches_lightnings_path():
     ours, _ = fit(FastampPrecision("16-mixed", "cpu"), fastamp_adamw, clip=0.01, algorithm="value")
     ref, _ = fit(MixedPrecision("16-mixed", "cpu"), torch_adamw, clip=0.01, algorithm="value")
-    assert_learns(ours.losses)
+    common.assert_learns(ours.losses)
     torch.testing.assert_close(ours.losses, ref.losses, rtol=2e-3, atol=2e-3)
 
 
@@ -130,25 +119,25 @@ def lightnings_plugin(precision):
 def test_gradient_clip_val_without_scaler_is_folded_into_the_fused_step(precision, monkeypatch):
     plugin = FastampPrecision(precision, "cpu")
     assert plugin.scaler is None
-    calls = spy_on_fastamps_clip(monkeypatch)
+    calls = common.spy_on_fastamps_clip(monkeypatch)
     ours, counts = fit(plugin, fastamp_adamw, clip=0.5, count=True)
     assert calls == [fastamp.optim.AdamW] * STEPS
-    assert_fused_clip(counts, STEPS)
+    common.assert_fused_clip(counts, STEPS)
     assert ours.trainer.optimizers[0].pending_clip is None  # each clip was taken by its step
     assert plugin.last_grad_norm is not None and plugin.last_grad_norm.dtype == torch.float32
     ref, _ = fit(lightnings_plugin(precision), torch_adamw, clip=0.5)
     exact, _ = fit(DoublePrecision(), torch_adamw, clip=0.5)
-    assert_learns(ours.losses)
-    assert_within_torchs_error((ours.losses, ours), (ref.losses, ref), (exact.losses, exact))
+    common.assert_learns(ours.losses)
+    common.assert_within_torchs_error((ours.losses, ours), (ref.losses, ref), (exact.losses, exact))
 
 
 def test_bf16_torch_optimizer_gets_its_grads_clipped_in_place_as_lightnings(monkeypatch):
-    calls = spy_on_fastamps_clip(monkeypatch)
+    calls = common.spy_on_fastamps_clip(monkeypatch)
     ours, _ = fit(FastampPrecision("bf16-mixed", "cpu"), torch_adamw, clip=0.5)
     assert calls == [torch.optim.AdamW] * STEPS
     ref, _ = fit(MixedPrecision("bf16-mixed", "cpu"), torch_adamw, clip=0.5)
     exact, _ = fit(DoublePrecision(), torch_adamw, clip=0.5)
-    assert_within_torchs_error((ours.losses, ours), (ref.losses, ref), (exact.losses, exact))
+    common.assert_within_torchs_error((ours.losses, ours), (ref.losses, ref), (exact.losses, exact))
 
 
 def test_32_true_takes_no_scaler():

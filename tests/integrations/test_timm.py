@@ -11,16 +11,7 @@ import torch
 
 import fastamp
 from fastamp.integrations.timm import NativeScaler, check_optimizer_name
-from tests.integrations._common import (
-    OpCounter,
-    assert_fused_clip,
-    assert_learns,
-    assert_params_close,
-    assert_within_torchs_error,
-    dataset,
-    loss_of,
-    mlp,
-)
+from tests.integrations import _common as common
 
 STEPS = 40
 
@@ -66,16 +57,16 @@ class TimmNoScalerRecipe:
 
 
 def run(loss_scaler, make_opt, clip=0.5, count=False, autocast=torch.float16, dtype=torch.float32):
-    x, y = dataset()
-    model = mlp().to(dtype)
+    x, y = common.dataset()
+    model = common.mlp().to(dtype)
     opt = make_opt(model.parameters())
     losses = []
-    counter = OpCounter()
+    counter = common.OpCounter()
     for step in range(STEPS):
         xb, yb = x[32 * step : 32 * step + 32].to(dtype), y[32 * step : 32 * step + 32]
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-            loss = loss_of(model(xb), yb)
+            loss = common.loss_of(model(xb), yb)
         if count:
             with counter:
                 loss_scaler(
@@ -94,10 +85,10 @@ def test_native_scaler_folds_norm_clip_into_fastamp_adamw():
     ref, ref_losses, _ = run(
         TimmRecipe("cpu"), lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=False)
     )
-    assert_learns(losses)
-    assert_fused_clip(counts, STEPS)
+    common.assert_learns(losses)
+    common.assert_fused_clip(counts, STEPS)
     torch.testing.assert_close(losses, ref_losses, rtol=2e-3, atol=2e-3)
-    assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
+    common.assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
 
 
 @pytest.mark.parametrize("autocast", [torch.bfloat16, None], ids=["bf16", "fp32"])
@@ -113,7 +104,7 @@ def test_disabled_native_scaler_folds_norm_clip_into_fastamp_adamw(autocast, mon
         scaler, lambda p: fastamp.optim.AdamW(p, lr=1e-2), count=True, autocast=autocast
     )
     assert len(calls) == STEPS and calls[0].pending_clip is None
-    assert_fused_clip(counts, STEPS)
+    common.assert_fused_clip(counts, STEPS)
     assert counts["fastamp.non_finite_check_and_unscale_"] == 0  # nothing scaled
     ref, ref_losses, _ = run(
         TimmNoScalerRecipe(), lambda p: torch.optim.AdamW(p, lr=1e-2), autocast=autocast
@@ -124,8 +115,8 @@ def test_disabled_native_scaler_folds_norm_clip_into_fastamp_adamw(autocast, mon
         autocast=None,
         dtype=torch.float64,
     )
-    assert_learns(losses)
-    assert_within_torchs_error((losses, ours), (ref_losses, ref), (exact_losses, exact))
+    common.assert_learns(losses)
+    common.assert_within_torchs_error((losses, ours), (ref_losses, ref), (exact_losses, exact))
 
 
 def test_native_scaler_state_dict_is_timms():
@@ -139,7 +130,7 @@ def test_native_scaler_state_dict_is_timms():
 
 
 def test_clip_without_parameters_is_a_clear_error():
-    model = mlp()
+    model = common.mlp()
     opt = fastamp.optim.AdamW(model.parameters())
     loss = model(torch.randn(2, 16)).sum()
     with pytest.raises(AssertionError):  # timm's own class

@@ -7,17 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.integrations._common import (
-    OpCounter,
-    assert_fused_clip,
-    assert_learns,
-    assert_params_close,
-    assert_within_torchs_error,
-    dataset,
-    loss_of,
-    mlp,
-    spy_on_fastamps_clip,
-)
+from tests.integrations import _common as common
 
 pytestmark = pytest.mark.clients
 transformers = pytest.importorskip("transformers")
@@ -34,21 +24,21 @@ STEPS = 30
 class Classifier(nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = mlp()
+        self.net = common.mlp()
         self.losses: list[float] = []  # every step's, unrounded (the Trainer logs 4 digits)
 
     def forward(self, x, labels=None):
         logits = self.net(x.to(self.net[0].weight.dtype))
         out = {"logits": logits}
         if labels is not None:
-            out["loss"] = loss_of(logits, labels)
+            out["loss"] = common.loss_of(logits, labels)
             self.losses.append(float(out["loss"].detach()))
         return out
 
 
 class Rows(torch.utils.data.Dataset):
     def __init__(self):
-        self.x, self.y = dataset()
+        self.x, self.y = common.dataset()
 
     def __len__(self):
         return len(self.y)
@@ -92,7 +82,7 @@ def train(
     torch.manual_seed(0)
     model = Classifier().to(dtype)
     trainer = cls(model=model, args=args, train_dataset=Rows())
-    counter = OpCounter()
+    counter = common.OpCounter()
     if count:
         with counter:
             trainer.train()
@@ -108,11 +98,11 @@ def test_fastamp_trainer_uses_fastamp_scaler_adamw_and_fused_clip(tmp_path):
     assert isinstance(trainer.optimizer.optimizer, fastamp.optim.AdamW)
     _, ref, ref_losses, _ = train(TorchScalerTrainer, tmp_path / "b")
     assert len(losses) == STEPS
-    assert_learns(losses)
+    common.assert_learns(losses)
     # decay and no-decay parameter groups: two fused launches per step
-    assert_fused_clip(counts, STEPS, groups=2)
+    common.assert_fused_clip(counts, STEPS, groups=2)
     torch.testing.assert_close(losses, ref_losses, rtol=5e-3, atol=5e-3)
-    assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
+    common.assert_params_close(ours, ref, rtol=5e-3, atol=5e-4)
 
 
 def test_fastamp_scaler_with_torch_adamw_is_bitwise_the_trainers_path(tmp_path):
@@ -132,7 +122,7 @@ def test_fastamp_scaler_with_torch_adamw_is_bitwise_the_trainers_path(tmp_path):
     _, ref, ref_losses, _ = train(RefWithTorchAdamW, tmp_path / "b", max_grad_norm=0.0)
     assert isinstance(trainer.accelerator.scaler, fastamp.GradScaler)
     assert counts["fastamp.grad_stats"] == STEPS
-    assert_learns(losses)
+    common.assert_learns(losses)
     assert losses == ref_losses
     for p, q in zip(ours.parameters(), ref.parameters()):
         assert torch.equal(p, q)
@@ -140,7 +130,7 @@ def test_fastamp_scaler_with_torch_adamw_is_bitwise_the_trainers_path(tmp_path):
 
 @pytest.mark.parametrize("bf16", [True, False], ids=["bf16", "fp32"])
 def test_max_grad_norm_without_scaler_is_folded_into_the_fused_step(bf16, tmp_path, monkeypatch):
-    calls = spy_on_fastamps_clip(monkeypatch)
+    calls = common.spy_on_fastamps_clip(monkeypatch)
     trainer, ours, _, counts = train(
         FastampTrainer, tmp_path / "a", count=True, bf16=bf16, fp16=False
     )
@@ -148,12 +138,12 @@ def test_max_grad_norm_without_scaler_is_folded_into_the_fused_step(bf16, tmp_pa
     assert isinstance(trainer.accelerator, fa.Accelerator)
     assert isinstance(trainer.optimizer.optimizer, fastamp.optim.AdamW)
     assert calls == [fastamp.optim.AdamW] * STEPS
-    assert_fused_clip(counts, STEPS, groups=2)
+    common.assert_fused_clip(counts, STEPS, groups=2)
     assert trainer.optimizer.optimizer.pending_clip is None  # each clip was taken by its step
     _, ref, _, _ = train(transformers.Trainer, tmp_path / "b", bf16=bf16, fp16=False)
     _, exact, _, _ = train(
         transformers.Trainer, tmp_path / "c", bf16=False, fp16=False, dtype=torch.float64
     )
     assert len(ours.losses) == len(ref.losses) == STEPS
-    assert_learns(ours.losses)
-    assert_within_torchs_error((ours.losses, ours), (ref.losses, ref), (exact.losses, exact))
+    common.assert_learns(ours.losses)
+    common.assert_within_torchs_error((ours.losses, ours), (ref.losses, ref), (exact.losses, exact))

@@ -17,20 +17,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 
 from fastamp.testing import adam_ref, op_args, sgd_ref
-from tests._fuzz import (
-    DENSE_LAYOUTS,
-    HALF_DTYPES,
-    Guarded,
-    bits,
-    build,
-    compute_devices,
-    expect_error,
-    foreign_devices,
-    shapes,
-    tensor_specs,
-    tiered,
-    ulp,
-)
+from tests import _fuzz as fuzz
 
 EPS32 = 2.0**-24
 OPTIONAL_SCALARS = ("lr_tensor", "inv_scale", "found_inf", "clip_coef")
@@ -62,7 +49,7 @@ DEFECT_KINDS = (
 def step_cases(draw, kind: str):
     """A whole optimizer call: per-param specs for every list, optional device scalars,
     hyperparameters, and at most a few deliberate defects (with the names an error must carry)."""
-    device = draw(st.sampled_from(compute_devices()))
+    device = draw(st.sampled_from(fuzz.compute_devices()))
     n = draw(st.integers(0, 4))
     master = draw(st.booleans())
     if kind == "adam":
@@ -91,16 +78,20 @@ def step_cases(draw, kind: str):
         )
     params, grads, states, masters, steps = [], [], {k: [] for k in state_names}, [], []
     for _ in range(n):
-        shape = draw(shapes(max_dims=3))
-        dtype = draw(st.sampled_from(HALF_DTYPES))
+        shape = draw(fuzz.shapes(max_dims=3))
+        dtype = draw(st.sampled_from(fuzz.HALF_DTYPES))
         p = draw(
-            tensor_specs(
-                device=device, dtypes=(dtype,), layouts=DENSE_LAYOUTS, shape=shape, nonfinite=False
+            fuzz.tensor_specs(
+                device=device,
+                dtypes=(dtype,),
+                layouts=fuzz.DENSE_LAYOUTS,
+                shape=shape,
+                nonfinite=False,
             )
         )
         # Grads are loss-scaled and may hold inf/NaN; state and master share the param's layout.
         g = replace(
-            draw(tensor_specs(device=device, dtypes=(dtype,), shape=shape)),
+            draw(fuzz.tensor_specs(device=device, dtypes=(dtype,), shape=shape)),
             layout=p.layout,
             perm=p.perm,
             steps=p.steps,
@@ -160,15 +151,15 @@ def step_cases(draw, kind: str):
 def _make(case):
     """Builds the tensors of a case, applies its defects; returns (args, names, guarded)."""
     device, n = case["device"], len(case["params"])
-    P = [build(s) for s in case["params"]]
-    G = [build(s) for s in case["grads"]]
-    S = {k: [build(s) for s in v] for k, v in case["states"].items()}
+    P = [fuzz.build(s) for s in case["params"]]
+    G = [fuzz.build(s) for s in case["grads"]]
+    S = {k: [fuzz.build(s) for s in v] for k, v in case["states"].items()}
     for k, lst in S.items():  # second moments are non-negative
         if k != "exp_avgs":
             for t in lst:
                 if t.base.device.type != "meta":
                     t.base.abs_()
-    M = [build(s) for s in case["masters"]]
+    M = [fuzz.build(s) for s in case["masters"]]
     for m, p in zip(M, P):  # master weights: the fp32 values the half params were cast from
         m.view.copy_(p.view.float() + 1e-3 * m.view)
     steps = [torch.tensor(v, device=device) for v in case["steps"]]
@@ -191,7 +182,7 @@ def _make(case):
             elif what == "scalar_numel":
                 scalars[key] = t.reshape(1).expand(2).clone()
             else:
-                scalars[key] = t.to(foreign_devices(device)[0])
+                scalars[key] = t.to(fuzz.foreign_devices(device)[0])
             names.append(key)
             continue
         if what == "momentum_buffers":
@@ -274,10 +265,10 @@ def _make(case):
         elif what == "device":
             k = sorted(lists)[r % len(lists)] if r % 3 else "state_steps"
             if k == "state_steps":
-                steps[i] = steps[i].to(foreign_devices(device)[0])
+                steps[i] = steps[i].to(fuzz.foreign_devices(device)[0])
             else:
                 lists[k][i] = _as_guarded(
-                    lists[k][i].view.to(foreign_devices(device)[0]), lists[k][i]
+                    lists[k][i].view.to(fuzz.foreign_devices(device)[0]), lists[k][i]
                 )
             names.append(f"{k}[{i}]")
     views = {
@@ -285,7 +276,10 @@ def _make(case):
         for k, v in {"params": P, "grads": G, **S, "master_params": M}.items()
     }
     views.update(
-        {k: [t.view if isinstance(t, Guarded) else t for t in v] for k, v in extra_lists.items()}
+        {
+            k: [t.view if isinstance(t, fuzz.Guarded) else t for t in v]
+            for k, v in extra_lists.items()
+        }
     )
     views.update(momentum_lists)
     if n == 0:
@@ -300,11 +294,11 @@ def _make(case):
     return views, steps, scalars, names, guarded, (P, G, S, M)
 
 
-def _as_guarded(t: torch.Tensor, like: Guarded) -> Guarded:
+def _as_guarded(t: torch.Tensor, like: fuzz.Guarded) -> fuzz.Guarded:
     """A replacement argument that is not guarded (a defect: it only has to be left alone)."""
     base = t.detach()
     offsets = torch.zeros(t.shape, dtype=torch.int64)
-    g = Guarded(
+    g = fuzz.Guarded(
         like.spec,
         base.reshape(-1) if base.is_contiguous() else base.clone().reshape(-1),
         t,
@@ -348,7 +342,7 @@ def _assert_bound(
     g, r, b = got.double().reshape(-1)[mask], ref.reshape(-1)[mask], bound.reshape(-1)[mask]
     both_nan = g.isnan() & r.isnan()
     err = (g - r).abs()
-    tol = b + ulp(r, dtype)
+    tol = b + fuzz.ulp(r, dtype)
     overflow = g.isinf() & (g.sign() == r.sign()) & (r.abs() + tol > torch.finfo(dtype).max)
     bad = ~both_nan & ~overflow & ~(err <= tol)
     if bool(bad.any()):
@@ -367,10 +361,10 @@ def _check_step(case):
     call = _call(case, views, steps, scalars)
     if names:
         event("rejected")
-        expect_error(call, names, guarded)
+        fuzz.expect_error(call, names, guarded)
         for s, b in zip(steps, steps_before):
             if s.device.type != "meta":
-                assert torch.equal(bits(s.cpu()), bits(b.cpu())), "a step counter moved"
+                assert torch.equal(fuzz.bits(s.cpu()), fuzz.bits(b.cpu())), "a step counter moved"
         return
     before = {id(g): g.values() for g in guarded}
     call()
@@ -408,24 +402,11 @@ def _check_step(case):
             v0 = before[id(S["exp_avg_sqs"][i])]
             vm0 = before[id(S["max_exp_avg_sqs"][i])] if hp["amsgrad"] else None
             step = float(steps_before[i]) + 1
+            adam_hp = ("beta1", "beta2", "eps", "weight_decay", "amsgrad", "decoupled", "maximize")
             ep, em, ev, evm = adam_ref(
-                p0,
-                g0,
-                m0,
-                v0,
-                vm0,
-                step,
-                lr=lr,
-                beta1=hp["beta1"],
-                beta2=hp["beta2"],
-                eps=hp["eps"],
-                weight_decay=hp["weight_decay"],
-                amsgrad=hp["amsgrad"],
-                decoupled=hp["decoupled"],
-                maximize=hp["maximize"],
-                inv_scale=inv,
-                clip_coef=coef,
-            )
+                p0, g0, m0, v0, vm0, step, lr=lr, inv_scale=inv, clip_coef=coef,
+                **{k: hp[k] for k in adam_hp},
+            )  # fmt: skip
             # fp32 error bound of the kernel: the gradient's and the moments' roundings, the
             # lerp's cancellation, and the update's few operations, each a few units of 2^-24.
             bc1 = 1 - hp["beta1"] ** step
@@ -445,20 +426,11 @@ def _check_step(case):
         else:
             buf0 = before[id(S["momentum_buffers"][i])] if hp["momentum"] else None
             first = float(steps_before[i]) == 0.0
+            sgd_hp = ("momentum", "dampening", "weight_decay", "nesterov", "maximize")
             ep, eb = sgd_ref(
-                p0,
-                g0,
-                buf0,
-                first,
-                lr=lr,
-                momentum=hp["momentum"],
-                dampening=hp["dampening"],
-                weight_decay=hp["weight_decay"],
-                nesterov=hp["nesterov"],
-                maximize=hp["maximize"],
-                inv_scale=inv,
-                clip_coef=coef,
-            )
+                p0, g0, buf0, first, lr=lr, inv_scale=inv, clip_coef=coef,
+                **{k: hp[k] for k in sgd_hp},
+            )  # fmt: skip
             gabs = gu.abs() + hp["weight_decay"] * p0.double().abs()
             babs = gabs + (buf0.double().abs() * hp["momentum"] if buf0 is not None else 0)
             bound_b = 8 * EPS32 * babs
@@ -498,10 +470,10 @@ def _check_sgd_step(case):
     _check_step(case)
 
 
-test_adam_step, test_adam_step_slow = tiered(default=100, slow=4000, case=step_cases("adam"))(
+test_adam_step, test_adam_step_slow = fuzz.tiered(default=100, slow=4000, case=step_cases("adam"))(
     _check_adam_step
 )
-test_sgd_step, test_sgd_step_slow = tiered(default=120, slow=4000, case=step_cases("sgd"))(
+test_sgd_step, test_sgd_step_slow = fuzz.tiered(default=120, slow=4000, case=step_cases("sgd"))(
     _check_sgd_step
 )
 
@@ -515,7 +487,7 @@ def test_empty_step_is_a_no_op():
     torch.ops.fastamp.sgd_step_(*op_args(
         "sgd_step_", params=[], grads=[], momentum_buffers=[], state_steps=[],
         momentum=0.0))  # fmt: skip
-    expect_error(lambda: torch.ops.fastamp.sgd_step_(*op_args(
+    fuzz.expect_error(lambda: torch.ops.fastamp.sgd_step_(*op_args(
         "sgd_step_", params=[], grads=[torch.ones(2)], momentum_buffers=[], state_steps=[],
         momentum=0.0)), ["grads given without params"])  # fmt: skip
 
@@ -535,16 +507,16 @@ def test_meta_tensor_in_any_list_is_rejected():
             lr=args["lr"], lr_tensor=lr_t, beta1=args["beta1"], beta2=args["beta2"],
             weight_decay=args["wd"], eps=args["eps"]))  # fmt: skip
 
-    expect_error(lambda: adam([torch.zeros(4)], [meta], step), ["exp_avg_sqs[0]"])
-    expect_error(
+    fuzz.expect_error(lambda: adam([torch.zeros(4)], [meta], step), ["exp_avg_sqs[0]"])
+    fuzz.expect_error(
         lambda: adam([torch.zeros(4)], [torch.zeros(4)], [torch.zeros((), device="meta")]),
         ["state_steps[0]"],
     )
-    expect_error(
+    fuzz.expect_error(
         lambda: adam([torch.zeros(4)], [torch.zeros(4)], step, torch.tensor(0.1, device="meta")),
         ["lr_tensor"],
     )
-    expect_error(lambda: torch.ops.fastamp.sgd_step_(*op_args(
+    fuzz.expect_error(lambda: torch.ops.fastamp.sgd_step_(*op_args(
         "sgd_step_", params=p, grads=g, momentum_buffers=[meta],
         state_steps=step)), ["momentum_buffers[0]"])  # fmt: skip
     assert torch.equal(p[0], snap) and float(step[0]) == 0.0

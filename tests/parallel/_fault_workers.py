@@ -7,7 +7,6 @@ tests kill or stall a rank on purpose and must watch what the *other* rank does.
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import signal
@@ -19,24 +18,9 @@ from torch import nn
 
 import fastamp
 from fastamp.parallel import DistributedDataParallel as FDDP
+from tests._dist import finish, init_gloo
 
-
-def _init(rank: int, world: int, init_file: str, timeout_s: float) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-
-
-def _finish() -> None:
-    import gc
-
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+_init, _finish = init_gloo, finish
 
 
 class SoakNet(nn.Module):

@@ -79,6 +79,15 @@ def _counted_grad_stats():
         scaler_ops.grad_stats = real
 
 
+def _scaled_sgd(t, f):
+    """Torch's and fastamp's scalers (init_scale 256; fastamp's registered with its DDP ``f``) and
+    an SGD for each of ``t`` and ``f``: (ts, fs, topt, fopt)."""
+    ts = torch.amp.GradScaler("cpu", init_scale=256.0)
+    fs = fastamp.GradScaler("cpu", init_scale=256.0)
+    f.register_grad_scaler(fs)
+    return ts, fs, torch.optim.SGD(t.parameters(), lr=0.1), torch.optim.SGD(f.parameters(), lr=0.1)
+
+
 def _raises(fn):
     """The exception class fn raises (None if it returns)."""
     try:
@@ -103,13 +112,20 @@ class _Boom(torch.autograd.Function):
         return g
 
 
-class FaultNet(nn.Module):
-    """`b`'s grads are ready (and their bucket launched) before backward reaches the bomb."""
+class _Linears(nn.Module):
+    """Linear layers named a, b, c, ... of the (in, out) ``sizes``, made in that order; a subclass
+    gives the forward."""
+
+    sizes: tuple[tuple[int, int], ...] = ((6, 8), (8, 3))
 
     def __init__(self):
         super().__init__()
-        self.a = nn.Linear(6, 8)
-        self.b = nn.Linear(8, 3)
+        for name, (n_in, n_out) in zip("abc", self.sizes):
+            setattr(self, name, nn.Linear(n_in, n_out))
+
+
+class FaultNet(_Linears):
+    """`b`'s grads are ready (and their bucket launched) before backward reaches the bomb."""
 
     def forward(self, x, fail_forward=False):
         if fail_forward:
@@ -202,12 +218,7 @@ def reentrant_backward(rank, world, init_file):
     _init(rank, world, init_file)
     data = _data(rank, 3)
 
-    class Ckpt(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(6, 8)
-            self.b = nn.Linear(8, 3)
-
+    class Ckpt(_Linears):
         def forward(self, x, share=False):
             h = torch.tanh(self.a(x))
             out = checkpoint(self.b, h, use_reentrant=True)
@@ -234,12 +245,7 @@ def reentrant_backward(rank, world, init_file):
         del m
 
     # several outputs of one forward in one loss (a model returning loss and logits): one backward
-    class TwoOut(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a = nn.Linear(6, 8)
-            self.b = nn.Linear(8, 3)
-
+    class TwoOut(_Linears):
         def forward(self, x):
             h = torch.tanh(self.a(x))
             return {"out": self.b(h), "aux": h.square().mean()}
@@ -412,11 +418,7 @@ def stale_statistics(rank, world, init_file):
         ):
             t = TDDP(copy.deepcopy(base))
             f = FDDP(copy.deepcopy(base))
-            ts = torch.amp.GradScaler("cpu", init_scale=256.0)
-            fs = fastamp.GradScaler("cpu", init_scale=256.0)
-            f.register_grad_scaler(fs)
-            topt = torch.optim.SGD(t.parameters(), lr=0.1)
-            fopt = torch.optim.SGD(f.parameters(), lr=0.1)
+            ts, fs, topt, fopt = _scaled_sgd(t, f)
             for step, (x, y) in enumerate(data):
                 norms = []
                 calls.clear()
@@ -735,12 +737,8 @@ def uneven_inputs_join(rank, world, init_file):
     _finish()
 
 
-class _BranchNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.c = nn.Linear(4, 4)
+class _BranchNet(_Linears):
+    sizes = ((4, 4), (4, 4), (4, 4))
 
     def forward(self, x, use_b, use_c):
         y = self.a(x)
@@ -788,12 +786,8 @@ def join_with_unused_parameters(rank, world, init_file):
 
 
 # ------------------------------------------------------------------ 6. bit for bit with 3+ ranks
-class _WideNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 40)
-        self.b = nn.Linear(40, 30)
-        self.c = nn.Linear(30, 3)
+class _WideNet(_Linears):
+    sizes = ((6, 40), (40, 30), (30, 3))
 
     def forward(self, x):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
@@ -956,11 +950,7 @@ def hooks_and_statistics_bitwise(rank, world, init_file):
                     f.register_comm_hook(state_of(), hook)
                 for m in (t, f):
                     m.module.b.weight.register_post_accumulate_grad_hook(inject(step))
-                ts = torch.amp.GradScaler("cpu", init_scale=256.0)
-                fs = fastamp.GradScaler("cpu", init_scale=256.0)
-                f.register_grad_scaler(fs)
-                topt = torch.optim.SGD(t.parameters(), lr=0.1)
-                fopt = torch.optim.SGD(f.parameters(), lr=0.1)
+                ts, fs, topt, fopt = _scaled_sgd(t, f)
                 for i, (x, y) in enumerate(data):
                     step[0] = i
                     for m, s, opt in ((t, ts, topt), (f, fs, fopt)):

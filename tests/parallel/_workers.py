@@ -4,7 +4,6 @@ failure anywhere makes torch.multiprocessing.spawn raise in the test with the tr
 from __future__ import annotations
 
 import copy
-import datetime
 import math
 import os
 
@@ -14,26 +13,24 @@ from torch import Tensor, nn
 
 import fastamp
 from fastamp.parallel import DistributedDataParallel as FDDP
+from tests._dist import finish, init_gloo
+
+_finish = finish
 
 
-def _finish() -> None:
-    # Every rank leaves together: a rank that tears its process group down while a peer is still
-    # finishing the last collective can make gloo abort that peer (SIGABRT at exit).
-    import gc
-
-    gc.collect()  # drop DDP objects (and any Work they hold) before the group goes
-    dist.barrier()
-    dist.destroy_process_group()
+def _refused(fn, words: list[str], otherwise: str) -> None:
+    """``fn()`` raises a RuntimeError whose message has each of ``words``; it failing to raise
+    fails with ``otherwise``."""
+    try:
+        fn()
+    except RuntimeError as e:
+        assert all(w in str(e) for w in words), str(e)
+    else:
+        raise AssertionError(otherwise)
 
 
 def _init(rank: int, world: int, init_file: str, timeout_s: float = 60.0) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    init_gloo(rank, world, init_file, timeout_s)
     torch.manual_seed(0)
 
 
@@ -210,12 +207,11 @@ def unused_parameters(rank, world, init_file):
     _close(m.module, ref.module)
     strict = FDDP(copy.deepcopy(base))
     x, y = mine[0]
-    try:
-        nn.functional.mse_loss(strict(x), y).backward()
-    except RuntimeError as e:
-        assert "unused.weight" in str(e) and "find_unused_parameters=True" in str(e), str(e)
-    else:
-        raise AssertionError("expected an error naming the unused parameters")
+    _refused(
+        lambda: nn.functional.mse_loss(strict(x), y).backward(),
+        ["unused.weight", "find_unused_parameters=True"],
+        "expected an error naming the unused parameters",
+    )
     _finish()
 
 
@@ -263,12 +259,7 @@ def rank_dependent_unused(rank, world, init_file):
 def mismatched_models(rank, world, init_file):
     _init(rank, world, init_file)
     model = nn.Sequential(nn.Linear(4, 8 if rank == 0 else 9), nn.Linear(8 if rank == 0 else 9, 2))
-    try:
-        FDDP(model)
-    except RuntimeError as e:
-        assert "differs across ranks" in str(e) and "0.weight" in str(e), str(e)
-    else:
-        raise AssertionError("expected a mismatch error")
+    _refused(lambda: FDDP(model), ["differs across ranks", "0.weight"], "expected a mismatch error")
     _finish()
 
 
@@ -283,13 +274,12 @@ def dead_rank(rank, world, init_file):
     import time
 
     t0 = time.monotonic()
-    try:
-        nn.functional.mse_loss(m(x), y).backward()
-    except RuntimeError as e:
-        # the forward's buffer broadcast or a bucket's all-reduce notices first
-        assert "peer rank has probably died" in str(e), str(e)
-    else:
-        raise AssertionError("expected an error when a peer died")
+    # the forward's buffer broadcast or a bucket's all-reduce notices first
+    _refused(
+        lambda: nn.functional.mse_loss(m(x), y).backward(),
+        ["peer rank has probably died"],
+        "expected an error when a peer died",
+    )
     assert time.monotonic() - t0 < 60
     os._exit(0)  # the process group is broken; skip its teardown
 
@@ -376,12 +366,11 @@ def flat_buffers_under_ddp(rank, world, init_file):
         vopt.zero_grad()
         nn.functional.mse_loss(v(x), y).backward()
     before = [p.detach().clone() for p in v.parameters()]
-    try:
-        vopt.step()
-    except RuntimeError as e:
-        assert "gradient_as_bucket_view" in str(e), str(e)
-    else:
-        raise AssertionError("flat buffers stepped grads that are DDP's bucket views")
+    _refused(
+        vopt.step,
+        ["gradient_as_bucket_view"],
+        "flat buffers stepped grads that are DDP's bucket views",
+    )
     assert all(torch.equal(a, b) for a, b in zip(before, v.parameters()))
     _finish()
 

@@ -4,18 +4,14 @@ against torch's recipe on the same model: real gloo processes (see _bf16_workers
 from __future__ import annotations
 
 import pytest
-import torch.multiprocessing as mp
 
+from tests._dist import spawn
 from tests.parallel import _bf16_workers
-
-
-def _spawn(fn, world, tmp_path):
-    mp.spawn(fn, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.full)])
 def test_ddp_scaler_free_step_matches_torch_and_reuses_the_hooks_norm(world, tmp_path):
-    _spawn(_bf16_workers.ddp_recipe, world, tmp_path)
+    spawn(_bf16_workers.ddp_recipe, world, tmp_path)
 
 
 # The quick tier runs DDP at 2 ranks; FSDP2 (1, 2 and 4 ranks, 20-60 s of spawned processes on
@@ -23,4 +19,4 @@ def test_ddp_scaler_free_step_matches_torch_and_reuses_the_hooks_norm(world, tmp
 @pytest.mark.full
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_fsdp2_scaler_free_step_matches_torch_with_one_collective(world, tmp_path):
-    _spawn(_bf16_workers.fsdp_recipe, world, tmp_path)
+    spawn(_bf16_workers.fsdp_recipe, world, tmp_path)

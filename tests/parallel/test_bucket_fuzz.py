@@ -16,21 +16,7 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 
-from tests._fuzz import (
-    HALF_DTYPES,
-    Guarded,
-    TensorSpec,
-    assert_within_ulps,
-    bits,
-    build,
-    compute_devices,
-    expect_error,
-    foreign_devices,
-    random_values,
-    shapes,
-    tensor_specs,
-    tiered,
-)
+from tests import _fuzz as fuzz
 
 EPS32 = 2.0**-24
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -39,17 +25,17 @@ BAD_OFFSETS = ("overlap", "past_end", "negative", "huge", "huge2", "count")
 
 @st.composite
 def bucket_cases(draw, op: str):
-    device = draw(st.sampled_from(compute_devices()))
-    dtype = draw(st.sampled_from(HALF_DTYPES))
+    device = draw(st.sampled_from(fuzz.compute_devices()))
+    dtype = draw(st.sampled_from(fuzz.HALF_DTYPES))
     n = draw(st.integers(0, 5))
     grads, offsets, end = [], [], 0
     for _ in range(n):
         spec = draw(
-            tensor_specs(
+            fuzz.tensor_specs(
                 dtypes=(dtype,),
                 layouts=("contiguous",),
                 device=device,
-                shape=draw(shapes(max_dims=3)),
+                shape=draw(fuzz.shapes(max_dims=3)),
             )
         )
         gap = draw(st.sampled_from([0, 0, 1, 3, 16]))
@@ -57,7 +43,7 @@ def bucket_cases(draw, op: str):
         end += gap + spec.numel
         grads.append(spec)
     slack = draw(st.sampled_from([0, 0, 2, 9]))
-    bucket = TensorSpec(
+    bucket = fuzz.TensorSpec(
         shape=(end + slack,),
         dtype=dtype,
         device=device,
@@ -111,7 +97,7 @@ def bucket_cases(draw, op: str):
 
 
 def _build(case):
-    B = build(case["bucket"])
+    B = fuzz.build(case["bucket"])
     offsets = list(case["offsets"])
     if case["poison_gaps"] and B.view.device.type != "meta":
         used = torch.zeros(B.view.numel(), dtype=torch.bool)
@@ -124,13 +110,13 @@ def _build(case):
                 .repeat(gaps.numel())[: gaps.numel()]
                 .to(B.view.device)
             )
-    G = [build(s) for s in case["grads"]]
+    G = [fuzz.build(s) for s in case["grads"]]
     if case["views"] and B.view.device.type != "meta":
         # Grads that are views of their own slots (DDP's gradient_as_bucket_view).
         for i, (o, s) in enumerate(zip(offsets, case["grads"])):
             B.view[o : o + s.numel] = G[i].view.reshape(-1)
             slot = B.view[o : o + s.numel].view(s.shape)
-            G[i] = Guarded(s, B.base, slot, B.offsets[o : o + s.numel].reshape(s.shape))
+            G[i] = fuzz.Guarded(s, B.base, slot, B.offsets[o : o + s.numel].reshape(s.shape))
     return B, G, offsets
 
 
@@ -153,7 +139,7 @@ def _apply_defect(case, B, G, offsets, inv_t):
                 grads[i] = g.reshape(-1)[:1].expand(g.numel())
             assert not grads[i].is_contiguous()
         elif d == "grad_device":
-            grads[i] = g.to(foreign_devices(case["device"])[0])
+            grads[i] = g.to(fuzz.foreign_devices(case["device"])[0])
         else:
             return bucket, grads, offsets, inv_t, names
         names.append(f"grads[{i}]")
@@ -172,7 +158,7 @@ def _apply_defect(case, B, G, offsets, inv_t):
         inv_t = inv_t.double()
         names.append("inv_scale")
     elif d == "inv_device" and case["op"] == "unpack":
-        inv_t = inv_t.to(foreign_devices(case["device"])[0])
+        inv_t = inv_t.to(fuzz.foreign_devices(case["device"])[0])
         names.append("inv_scale")
     elif d in BAD_OFFSETS and n:
         i = pick % n
@@ -219,7 +205,7 @@ def _check_bucket_pack(case):
         names = [f"grads[{i}]" for i, g in enumerate(grads) if g.device != bucket.device]
     if names:
         event("rejected")
-        expect_error(call, names, [B] + G)
+        fuzz.expect_error(call, names, [B] + G)
         return
     call()
     if bucket.device.type == "meta":
@@ -233,7 +219,7 @@ def _check_bucket_pack(case):
         same = (got == exact) | (got.isnan() & exact.isnan())
         assert bool(same.all()), f"slot {i} differs from fp32(g) * fp32(scale)"
         ref64 = (b.reshape(-1).double() * float(s32)).to(case["dtype"]).double()
-        assert_within_ulps(
+        fuzz.assert_within_ulps(
             got, ref64, case["dtype"], 0.0 if case["dtype"] == torch.float32 else 1.0, f"slot {i}"
         )
         if not case["views"]:
@@ -243,7 +229,7 @@ def _check_bucket_pack(case):
     mask = torch.ones(B.base.numel(), dtype=torch.bool)
     mask[B.offsets.reshape(-1)[used]] = False
     mask = mask.repeat_interleave(B.base.element_size())
-    assert torch.equal(bits(B.base.cpu())[mask], bits(B.snapshot)[mask]), (
+    assert torch.equal(fuzz.bits(B.base.cpu())[mask], fuzz.bits(B.snapshot)[mask]), (
         "pack wrote outside the slots"
     )
 
@@ -264,7 +250,7 @@ def _check_bucket_unpack(case):
         names += ["inv_scale"] if inv_t.device != bucket.device else []
     if names:
         event("rejected")
-        expect_error(call, names, [B] + G)
+        fuzz.expect_error(call, names, [B] + G)
         return
     found, pow_sum = call()
     assert found.shape == pow_sum.shape == () and found.dtype == pow_sum.dtype == torch.float32
@@ -275,7 +261,9 @@ def _check_bucket_unpack(case):
     src = B.values()
     slots = [src[o : o + s.numel] for o, s in zip(offsets, case["grads"])]
     for i, (g, slot) in enumerate(zip(G, slots)):
-        assert torch.equal(bits(g.values()), bits(slot.contiguous())), f"grads[{i}] != its slot"
+        assert torch.equal(fuzz.bits(g.values()), fuzz.bits(slot.contiguous())), (
+            f"grads[{i}] != its slot"
+        )
         g.assert_outside_untouched(f"grads[{i}]")
     allv = torch.cat(slots) if slots else torch.zeros(0, dtype=case["dtype"])
     assert float(found) == float(bool((~torch.isfinite(allv)).any()))
@@ -298,10 +286,10 @@ def _check_bucket_unpack(case):
         )
 
 
-test_bucket_pack, test_bucket_pack_slow = tiered(default=100, slow=4000, case=bucket_cases("pack"))(
-    _check_bucket_pack
-)
-test_bucket_unpack, test_bucket_unpack_slow = tiered(
+test_bucket_pack, test_bucket_pack_slow = fuzz.tiered(
+    default=100, slow=4000, case=bucket_cases("pack")
+)(_check_bucket_pack)
+test_bucket_unpack, test_bucket_unpack_slow = fuzz.tiered(
     default=120, slow=4000, case=bucket_cases("unpack")
 )(_check_bucket_unpack)
 
@@ -310,15 +298,15 @@ def test_offset_near_int64_max_is_rejected_without_writing():
     """Regression: offset 2^63 - 2 with 3 elements overflowed offset + numel, passed the bounds
     check and bucket_pack_ wrote far outside the bucket (heap corruption)."""
     gen = torch.Generator().manual_seed(5)
-    base = random_values(16, torch.float32, gen)
+    base = fuzz.random_values(16, torch.float32, gen)
     snap = base.clone()
     bucket = base[3:13]
-    g = random_values(3, torch.float32, gen)
+    g = fuzz.random_values(3, torch.float32, gen)
     for off in (2**63 - 2, 2**63 - 1, 2**63 - 3 - 10):
-        expect_error(
+        fuzz.expect_error(
             lambda o=off: torch.ops.fastamp.bucket_pack_(bucket, [g], [o], 1.0), ["grads[0]"]
         )
-        expect_error(
+        fuzz.expect_error(
             lambda o=off: torch.ops.fastamp.bucket_unpack_(bucket, [g], [o], torch.tensor(1.0)),
             ["grads[0]"],
         )
@@ -333,11 +321,11 @@ def test_meta_grads_are_rejected():
         (torch.ops.fastamp.bucket_pack_, (1.0,)),
         (torch.ops.fastamp.bucket_unpack_, (torch.tensor(1.0),)),
     ):
-        expect_error(
+        fuzz.expect_error(
             lambda op=op, extra=extra: op(bucket, [torch.ones(3, device="meta")], [0], *extra),
             ["grads[0]"],
         )
-    expect_error(
+    fuzz.expect_error(
         lambda: torch.ops.fastamp.bucket_unpack_(
             bucket, [torch.ones(3)], [0], torch.tensor(1.0, device="meta")
         ),

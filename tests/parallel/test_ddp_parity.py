@@ -5,8 +5,8 @@ comm hooks and join. Each worker compares the two on the same inputs; see _parit
 import os
 
 import pytest
-import torch.multiprocessing as mp
 
+from tests._dist import spawn
 from tests.parallel import _parity_workers as W
 
 # The full tier (`make test-all`): 3.5 minutes of spawned process groups on 2 cores. The quick
@@ -14,90 +14,39 @@ from tests.parallel import _parity_workers as W
 pytestmark = pytest.mark.full
 
 
-def _spawn(fn, world, tmp_path):
-    mp.spawn(fn, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
-
-
 # 2 and 3 ranks; the torch matrix in CI (make test-matrix-ci) runs 2 only
 # (FASTAMP_DDP_PARITY_WORLDS=2): the version differences it looks for are not rank counts.
-WORLDS = pytest.mark.parametrize(
-    "world", [int(w) for w in os.environ.get("FASTAMP_DDP_PARITY_WORLDS", "2,3").split(",")]
+_WORLDS = [int(w) for w in os.environ.get("FASTAMP_DDP_PARITY_WORLDS", "2,3").split(",")]
+
+# What each worker shows, the worker (tests/parallel/_parity_workers.py) and the rank counts it
+# runs at.
+CASES = [
+    ("exception_in_backward_raises_at_next_forward_like_torch", W.exception_in_backward, _WORLDS),
+    ("exception_in_forward_on_every_rank_matches_torch", W.exception_in_forward, _WORLDS),
+    ("reentrant_and_repeated_backward", W.reentrant_backward, _WORLDS),
+    (
+        "rank_raising_while_others_are_in_backward_fails_loudly_everywhere",
+        W.rank_raises_in_backward,
+        [2],
+    ),
+    ("unused_parameters_keep_none_grads_like_torch", W.unused_parameters, _WORLDS),
+    ("statistics_reused_only_while_grads_unchanged", W.stale_statistics, _WORLDS),
+    ("mismatched_buffers_named_on_every_rank", W.mismatched_buffers, _WORLDS),
+    ("buffer_broadcasts_follow_torch_under_no_sync", W.buffers_under_no_sync, _WORLDS),
+    ("every_torch_constructor_keyword_same_or_refused", W.constructor_keywords, _WORLDS),
+    ("comm_hooks_match_torch", W.comm_hooks, _WORLDS),
+    ("join_uneven_inputs_matches_torch", W.uneven_inputs_join, _WORLDS),
+    ("join_with_unused_parameters_matches_torch", W.join_with_unused_parameters, _WORLDS),
+    ("grads_bit_for_bit_with_torch_bucket_layouts", W.grads_bitwise, _WORLDS),
+    ("user_grad_hooks_run_before_the_reducer_like_torch", W.user_grad_hooks, _WORLDS),
+    ("deleting_the_wrapper_removes_its_hooks", W.wrapper_deleted, [2]),
+    ("comm_hooks_compose_with_the_statistics_bit_for_bit", W.hooks_and_statistics_bitwise, _WORLDS),
+]
+
+
+@pytest.mark.parametrize(
+    ("worker", "world"),
+    [pytest.param(worker, w, id=f"{what}-{w}") for what, worker, ws in CASES for w in ws],
 )
-
-
-@WORLDS
-def test_exception_in_backward_raises_at_next_forward_like_torch(world, tmp_path):
-    _spawn(W.exception_in_backward, world, tmp_path)
-
-
-@WORLDS
-def test_exception_in_forward_on_every_rank_matches_torch(world, tmp_path):
-    _spawn(W.exception_in_forward, world, tmp_path)
-
-
-@WORLDS
-def test_reentrant_and_repeated_backward(world, tmp_path):
-    _spawn(W.reentrant_backward, world, tmp_path)
-
-
-def test_rank_raising_while_others_are_in_backward_fails_loudly_everywhere(tmp_path):
-    _spawn(W.rank_raises_in_backward, 2, tmp_path)
-
-
-@WORLDS
-def test_unused_parameters_keep_none_grads_like_torch(world, tmp_path):
-    _spawn(W.unused_parameters, world, tmp_path)
-
-
-@WORLDS
-def test_statistics_reused_only_while_grads_unchanged(world, tmp_path):
-    _spawn(W.stale_statistics, world, tmp_path)
-
-
-@WORLDS
-def test_mismatched_buffers_named_on_every_rank(world, tmp_path):
-    _spawn(W.mismatched_buffers, world, tmp_path)
-
-
-@WORLDS
-def test_buffer_broadcasts_follow_torch_under_no_sync(world, tmp_path):
-    _spawn(W.buffers_under_no_sync, world, tmp_path)
-
-
-@WORLDS
-def test_every_torch_constructor_keyword_same_or_refused(world, tmp_path):
-    _spawn(W.constructor_keywords, world, tmp_path)
-
-
-@WORLDS
-def test_comm_hooks_match_torch(world, tmp_path):
-    _spawn(W.comm_hooks, world, tmp_path)
-
-
-@WORLDS
-def test_join_uneven_inputs_matches_torch(world, tmp_path):
-    _spawn(W.uneven_inputs_join, world, tmp_path)
-
-
-@WORLDS
-def test_join_with_unused_parameters_matches_torch(world, tmp_path):
-    _spawn(W.join_with_unused_parameters, world, tmp_path)
-
-
-@WORLDS
-def test_grads_bit_for_bit_with_torch_bucket_layouts(world, tmp_path):
-    _spawn(W.grads_bitwise, world, tmp_path)
-
-
-@WORLDS
-def test_user_grad_hooks_run_before_the_reducer_like_torch(world, tmp_path):
-    _spawn(W.user_grad_hooks, world, tmp_path)
-
-
-def test_deleting_the_wrapper_removes_its_hooks(tmp_path):
-    _spawn(W.wrapper_deleted, 2, tmp_path)
-
-
-@WORLDS
-def test_comm_hooks_compose_with_the_statistics_bit_for_bit(world, tmp_path):
-    _spawn(W.hooks_and_statistics_bitwise, world, tmp_path)
+def test_same_as_torchs_ddp(worker, world, tmp_path):
+    spawn(worker, world, tmp_path)

@@ -6,37 +6,33 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch.multiprocessing as mp
 
+from tests._dist import spawn
 from tests.parallel import _fsdp_workers
-
-
-def _spawn(fn, world, tmp_path):
-    mp.spawn(fn, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
 
 
 # The quick tier (`make test`) runs the 2-rank recipe; 4 ranks, HSDP, checkpoints and master
 # weights (10-40 s of spawned processes each on 2 cores) run in the full tier (`make test-all`).
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.full)])
 def test_recipe_matches_torch_with_one_collective(world, tmp_path):
-    _spawn(_fsdp_workers.recipe_parity, world, tmp_path)
+    spawn(_fsdp_workers.recipe_parity, world, tmp_path)
 
 
 @pytest.mark.full
 def test_hybrid_sharding_reduces_over_the_shard_dimension(tmp_path):
-    _spawn(_fsdp_workers.hybrid_parity, 4, tmp_path)
+    spawn(_fsdp_workers.hybrid_parity, 4, tmp_path)
 
 
 @pytest.mark.full
 def test_checkpoint_round_trip_and_resharded_resume(tmp_path, monkeypatch):
-    _spawn(_fsdp_workers.checkpoint_round_trip, 2, tmp_path)
+    spawn(_fsdp_workers.checkpoint_round_trip, 2, tmp_path)
     os.remove(tmp_path / "init")
-    _spawn(_fsdp_workers.training_state, 2, tmp_path)
+    spawn(_fsdp_workers.training_state, 2, tmp_path)
     os.remove(tmp_path / "init")
     monkeypatch.setenv("FASTAMP_FSDP_CKPT", str(tmp_path))
-    _spawn(_fsdp_workers.resharded_resume, 4, tmp_path)
+    spawn(_fsdp_workers.resharded_resume, 4, tmp_path)
 
 
 @pytest.mark.full
 def test_checkpointing_master_weights_and_accumulation(tmp_path):
-    _spawn(_fsdp_workers.features, 2, tmp_path)
+    spawn(_fsdp_workers.features, 2, tmp_path)

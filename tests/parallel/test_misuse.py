@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests._dist import init_gloo
 from tests._misuse import *  # noqa: F403 (the catalogue's harness and world builders)
 from tests._misuse import Case, check_misuse, make_case
 
@@ -78,13 +79,7 @@ DDP_CASES = [
 
 
 def _ddp_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(rank, world, init_file)
     results = {}
     for cid, build, exc, _, _ in DDP_CASES:
         objects, misuse = build(rank)

@@ -5,7 +5,6 @@ rank and world size checked. One-process cases with hand-written files check the
 
 from __future__ import annotations
 
-import datetime
 import os
 import shutil
 
@@ -19,6 +18,7 @@ import fastamp
 import fastamp.resume.training_state as resume
 from fastamp.resume._checksums import seal
 from fastamp.testing import assert_bitwise_equal
+from tests._dist import init_gloo
 
 
 def _net(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -58,13 +58,7 @@ def _as_format_2(path: str) -> None:
 
 
 def _worker(rank: int, world: int, folder: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{folder}/init",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_gloo(rank, world, f"{folder}/init")
     try:
         net, opt = _net(0)
         torch.manual_seed(10 + rank)  # each rank its own random stream

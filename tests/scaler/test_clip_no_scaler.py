@@ -48,6 +48,20 @@ def _set(model: nn.Module, grads: list[torch.Tensor]) -> None:
         p.grad = g.to(p.dtype, copy=True)
 
 
+def _twins(
+    seed: int, scale: float, poison: tuple[int, float] | None = None
+) -> tuple[nn.Module, nn.Module]:
+    """Two float32 models, the same random grads set on both (``poison``: (i, v) sets the first
+    element of the i-th to v)."""
+    m0, m1 = _model(torch.float32), _model(torch.float32)
+    grads = _grads(m0, torch.Generator().manual_seed(seed), scale)
+    if poison is not None:
+        grads[poison[0]].view(-1)[0] = poison[1]
+    _set(m0, grads)
+    _set(m1, grads)
+    return m0, m1
+
+
 def _ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.abs().clamp_min(torch.finfo(dtype).tiny) * torch.finfo(dtype).eps
 
@@ -202,13 +216,9 @@ def test_skip_nonfinite_writes_nothing_and_the_run_equals_torchs_host_guard(case
 
 def test_default_propagates_nan_as_torch():
     """Without skip_nonfinite a NaN norm makes NaN params, as torch's recipe does."""
-    m0, m1 = _model(torch.float32), _model(torch.float32)
+    m0, m1 = _twins(1, 1.0, poison=(0, math.nan))
     ours = fastamp.optim.AdamW(m0.parameters())
     theirs = torch.optim.AdamW(m1.parameters())
-    grads = _grads(m0, torch.Generator().manual_seed(1), 1.0)
-    grads[0].view(-1)[0] = math.nan
-    _set(m0, grads)
-    _set(m1, grads)
     a = fastamp.clip_grad_norm_(ours, 1.0)
     b = torch.nn.utils.clip_grad_norm_(m1.parameters(), 1.0)
     assert a.isnan() and b.isnan()
@@ -220,12 +230,8 @@ def test_default_propagates_nan_as_torch():
 
 @pytest.mark.parametrize("bad", [math.inf, math.nan])
 def test_error_if_nonfinite_raises_torchs_error_before_anything(bad):
-    m0, m1 = _model(torch.float32), _model(torch.float32)
+    m0, m1 = _twins(1, 1.0, poison=(1, bad))
     ours = fastamp.optim.AdamW(m0.parameters())
-    grads = _grads(m0, torch.Generator().manual_seed(1), 1.0)
-    grads[1].view(-1)[0] = bad
-    _set(m0, grads)
-    _set(m1, grads)
     with pytest.raises(RuntimeError) as theirs:
         torch.nn.utils.clip_grad_norm_(m1.parameters(), 1.0, error_if_nonfinite=True)
     before = [p.grad.clone() for p in m0.parameters()]
@@ -266,12 +272,9 @@ def test_torch_optimizer_gets_grads_clipped_in_place_as_torchs_clip():
 
 
 def test_second_clip_before_step_equals_torchs_double_clip():
-    m0, m1 = _model(torch.float32), _model(torch.float32)
+    m0, m1 = _twins(4, 5.0)
     ours = fastamp.optim.SGD(m0.parameters(), lr=0.1)
     theirs = torch.optim.SGD(m1.parameters(), lr=0.1)
-    grads = _grads(m0, torch.Generator().manual_seed(4), 5.0)
-    _set(m0, grads)
-    _set(m1, grads)
     norms = [fastamp.clip_grad_norm_(ours, 1.0), fastamp.clip_grad_norm_(ours, 0.25)]
     refs = [torch.nn.utils.clip_grad_norm_(m1.parameters(), n) for n in (1.0, 0.25)]
     for a, b in zip(norms, refs):
@@ -354,10 +357,7 @@ def test_bad_arguments_raise_naming_them_with_nothing_changed(call, exc, match):
 
 
 def test_foreach_is_accepted_as_torchs_keyword():
-    m0, m1 = _model(torch.float32), _model(torch.float32)
-    grads = _grads(m0, torch.Generator().manual_seed(1), 3.0)
-    _set(m0, grads)
-    _set(m1, grads)
+    m0, m1 = _twins(1, 3.0)
     a = fastamp.clip_grad_norm_(torch.optim.SGD(m0.parameters(), lr=0.1), 1.0, 2.0, False, False)
     b = torch.nn.utils.clip_grad_norm_(m1.parameters(), 1.0, 2.0, False, False)
     torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
@@ -378,12 +378,9 @@ def test_copies_of_a_clipped_optimizer_step_as_torchs_copies(how):
     """A trainer's snapshot between clip and step: a deep copy (grads copied with the params)
     steps with the clip, as torch's copy steps with clipped grads; a pickle carries no grads,
     and its step does nothing, as torch's."""
-    m0, m1 = _model(torch.float32), _model(torch.float32)
+    m0, m1 = _twins(1, 3.0)
     ours = fastamp.optim.AdamW(m0.parameters(), lr=0.1)
     theirs = torch.optim.AdamW(m1.parameters(), lr=0.1)
-    grads = _grads(m0, torch.Generator().manual_seed(1), 3.0)
-    _set(m0, grads)
-    _set(m1, grads)
     fastamp.clip_grad_norm_(ours, 0.5)
     torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.5)
     dump = copy.deepcopy if how == "deepcopy" else lambda x: pickle.loads(pickle.dumps(x))
@@ -504,10 +501,7 @@ def test_compiles_fullgraph_and_equals_eager(skip):
 def test_a_disabled_scaler_clips_through_the_scaler_free_path(fused, monkeypatch):
     """``GradScaler(enabled=False)`` (a bf16 run written for fp16) clips as torch's recipe, through
     the fused scaler-free clip (no torch clip op runs)."""
-    m0, m1 = _model(torch.float32), _model(torch.float32)
-    grads = _grads(m0, torch.Generator().manual_seed(6), 3.0)
-    _set(m0, grads)
-    _set(m1, grads)
+    m0, m1 = _twins(6, 3.0)
     opt = (fastamp.optim.AdamW if fused else torch.optim.AdamW)(m0.parameters(), lr=1e-2)
     ref = torch.optim.AdamW(m1.parameters(), lr=1e-2)
     scaler = fastamp.GradScaler("cpu", enabled=False)

@@ -26,6 +26,15 @@ def _model(seed=0, dtype=torch.float32):
     ).to(dtype)
 
 
+def _overflowing_step(model, opt, scaler):
+    """One scaled step whose grads hold an inf (the scaler skips it and backs off)."""
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(2, 16)).sum()).backward()
+    model[0].weight.grad[0, 0] = math.inf
+    scaler.step(opt)
+    scaler.update()
+
+
 def _optimizer(kind, model):
     m = list(model.children())
     groups = [
@@ -574,11 +583,7 @@ def test_warns_once_when_scale_drops_below_one():
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for _ in range(4):
-            opt.zero_grad()
-            s.scale(model(torch.randn(2, 16)).sum()).backward()
-            model[0].weight.grad[0, 0] = math.inf
-            s.step(opt)
-            s.update()
+            _overflowing_step(model, opt, s)
     msgs = [x for x in w if "fell to" in str(x.message)]
     assert len(msgs) == 1 and issubclass(msgs[0].category, RuntimeWarning)
 
@@ -591,11 +596,7 @@ def test_hysteresis_and_bounds_in_training():
     )
     scales = []
     for _ in range(6):
-        opt.zero_grad()
-        s.scale(model(torch.randn(2, 16)).sum()).backward()
-        model[0].weight.grad[0, 0] = math.inf
-        s.step(opt)
-        s.update()
+        _overflowing_step(model, opt, s)
         scales.append(s.get_scale())
     # First overflow is absorbed by hysteresis; then backs off each time down to min_scale.
     assert scales == [64.0, 32.0, 16.0, 16.0, 16.0, 16.0]

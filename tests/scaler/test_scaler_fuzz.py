@@ -17,21 +17,7 @@ from hypothesis import strategies as st
 
 from fastamp.scaler import ops
 from fastamp.testing import update_scale_ref
-from tests._fuzz import (
-    GRAD_DTYPES,
-    LAYOUTS,
-    NON_GRAD_DTYPES,
-    Guarded,
-    TensorSpec,
-    assert_within_ulps,
-    bits,
-    build,
-    compute_devices,
-    expect_error,
-    foreign_devices,
-    tensor_specs,
-    tiered,
-)
+from tests import _fuzz as fuzz
 
 INT32_MAX, INT32_MIN = 2**31 - 1, -(2**31)
 F32_MAX = float(torch.finfo(torch.float32).max)
@@ -47,18 +33,18 @@ inv_scales = st.one_of(
 
 
 @st.composite
-def grad_lists(draw, device: str, *, max_len: int = 5, defects: bool = True, layouts=LAYOUTS):
+def grad_lists(draw, device: str, *, max_len: int = 5, defects: bool = True, layouts=fuzz.LAYOUTS):
     """(specs, expected_bad) where expected_bad maps a list index to what is wrong with it."""
     n = draw(st.integers(0, max_len))
     specs, bad = [], {}
     for i in range(n):
-        spec = draw(tensor_specs(device=device, layouts=layouts))
+        spec = draw(fuzz.tensor_specs(device=device, layouts=layouts))
         roll = draw(st.integers(0, 24)) if defects else 99
         if roll == 0:
-            spec = _replace(spec, dtype=draw(st.sampled_from(NON_GRAD_DTYPES)))
+            spec = _replace(spec, dtype=draw(st.sampled_from(fuzz.NON_GRAD_DTYPES)))
             bad[i] = "dtype"
         elif roll == 1:
-            spec = _replace(spec, device=draw(st.sampled_from(foreign_devices(device))))
+            spec = _replace(spec, device=draw(st.sampled_from(fuzz.foreign_devices(device))))
             bad[i] = "device"
         specs.append(spec)
     if n >= 2 and (n - 1) not in bad and defects and draw(st.integers(0, 9)) == 0:
@@ -70,7 +56,7 @@ def _build_grads(specs, bad, *, written: bool):
     """Builds a grad list; returns (guarded, names of entries an error must name). An "alias" last
     entry repeats the first tensor: fine to read twice, refused when written (it would be updated
     twice)."""
-    grads = [build(s) for s in specs]
+    grads = [fuzz.build(s) for s in specs]
     names = []
     if bad.get(len(specs) - 1) == "alias":
         event("first tensor repeated at the end")
@@ -109,7 +95,7 @@ def scalar_arg(draw, values, *, device: str, dtype=torch.float32, defects: bool 
         shape = draw(st.sampled_from([(0,), (2,), (1, 3)]))
         defect = "numel"
     elif roll == 2:
-        device = draw(st.sampled_from(foreign_devices(device)))
+        device = draw(st.sampled_from(fuzz.foreign_devices(device)))
         defect = "device"
     n = math.prod(shape)
     offset = draw(st.sampled_from([0, 3]))
@@ -188,7 +174,7 @@ norm_types = st.one_of(st.sampled_from([2.0, 1.0, math.inf, 3.0]), st.floats(0.2
 
 @st.composite
 def grad_stats_cases(draw):
-    device = draw(st.sampled_from(compute_devices()))
+    device = draw(st.sampled_from(fuzz.compute_devices()))
     specs, bad = draw(grad_lists(device))
     inv = draw(scalar_arg(inv_scales, device=device))
     p = (
@@ -206,7 +192,7 @@ def _check_grad_stats(case):
     device, specs, bad, (inv_t, inv_defect), p, sparse = case
     grads, _ = _build_grads(specs, bad, written=False)
     views = [g.view for g in grads]
-    if sparse and specs[-1].dtype in GRAD_DTYPES and bad.get(len(specs) - 1) != "alias":
+    if sparse and specs[-1].dtype in fuzz.GRAD_DTYPES and bad.get(len(specs) - 1) != "alias":
         views[-1] = (
             views[-1].detach().cpu().to_sparse() if views[-1].device.type != "meta" else views[-1]
         )
@@ -222,7 +208,7 @@ def _check_grad_stats(case):
         names.append(f"grads[{len(views) - 1}]")
     names = _on_meta(inv_t, dev_names, names)
     if names:
-        expect_error(lambda: ops.grad_stats(views, inv_t, p), names, grads)
+        fuzz.expect_error(lambda: ops.grad_stats(views, inv_t, p), names, grads)
         return
     found, pow_sum, flags = ops.grad_stats(views, inv_t, p)
     assert found.shape == () and found.dtype == torch.float32 and found.device == inv_t.device
@@ -242,9 +228,9 @@ def _check_grad_stats(case):
     assert torch.equal(again.view(torch.int32), pow_sum.view(torch.int32))
 
 
-test_grad_stats, test_grad_stats_slow = tiered(default=150, slow=5000, case=grad_stats_cases())(
-    _check_grad_stats
-)
+test_grad_stats, test_grad_stats_slow = fuzz.tiered(
+    default=150, slow=5000, case=grad_stats_cases()
+)(_check_grad_stats)
 
 
 # --- non_finite_check_and_unscale_ ----------------------------------------------------------------
@@ -264,7 +250,7 @@ def unscale_expected(values: torch.Tensor, inv: float, dtype: torch.dtype):
 
 @st.composite
 def unscale_cases(draw):
-    device = draw(st.sampled_from(compute_devices()))
+    device = draw(st.sampled_from(fuzz.compute_devices()))
     specs, bad = draw(grad_lists(device))
     n = len(specs)
     inv = draw(scalar_arg(inv_scales, device=device))
@@ -288,8 +274,19 @@ def _tensor_found_inf(flags0, device, defect):
     elif defect == "2d":
         t = t.reshape(1, n)
     elif defect == "device":
-        device = foreign_devices(device)[0]
+        device = fuzz.foreign_devices(device)[0]
     return t.to(device), defect
+
+
+def _values_then_call(call, inv_t, grads):
+    """Runs ``call``; returns the grads' values from before it, or None where it is a shape-only
+    call (``inv_t`` on meta)."""
+    if inv_t.device.type == "meta":
+        call()
+        return None
+    before = [g.values() for g in grads]
+    call()
+    return before
 
 
 def _check_non_finite_check_and_unscale(case):
@@ -317,18 +314,16 @@ def _check_non_finite_check_and_unscale(case):
     names = _on_meta(inv_t, dev_names, names)
     call = lambda: ops.non_finite_check_and_unscale_(views, found_t, inv_t, tfi)
     if names:
-        expect_error(call, names, grads)
+        fuzz.expect_error(call, names, grads)
         if found_t.device.type != "meta":
             assert torch.equal(found_t.cpu(), found_before.cpu())
         if tfi.device.type != "meta":
             assert torch.equal(tfi.cpu(), tfi_before.cpu())
         return
-    if inv_t.device.type == "meta":  # a shape-only call: nothing to compare
-        call()
+    before = _values_then_call(call, inv_t, grads)
+    if before is None:  # a shape-only call: nothing to compare
         return
-    before = [g.values() for g in grads]
-    call()
-    assert torch.equal(bits(inv_t), bits(inv_before))
+    assert torch.equal(fuzz.bits(inv_t), fuzz.bits(inv_before))
     inv = float(inv_t.reshape(()))
     nonfinite = [bool((~torch.isfinite(b)).any()) for b in before]
     assert tfi.tolist() == [a or b for a, b in zip(flags0, nonfinite)]
@@ -343,11 +338,11 @@ def _check_non_finite_check_and_unscale(case):
             f"grads[{i}] ({g.spec.dtype}) differs from the documented arithmetic"
         )
         ulps = 0.0 if g.spec.dtype in (torch.float32, torch.float64) else 1.0
-        assert_within_ulps(got, ref64.double(), g.spec.dtype, ulps, f"grads[{i}]")
+        fuzz.assert_within_ulps(got, ref64.double(), g.spec.dtype, ulps, f"grads[{i}]")
         g.assert_outside_untouched(f"grads[{i}]")
 
 
-test_non_finite_check_and_unscale, test_non_finite_check_and_unscale_slow = tiered(
+test_non_finite_check_and_unscale, test_non_finite_check_and_unscale_slow = fuzz.tiered(
     default=130, slow=5000, case=unscale_cases()
 )(_check_non_finite_check_and_unscale)
 
@@ -365,7 +360,7 @@ def clip_coef32(total_norm: float, max_norm: float) -> torch.Tensor:
 
 @st.composite
 def clip_cases(draw):
-    device = draw(st.sampled_from(compute_devices()))
+    device = draw(st.sampled_from(fuzz.compute_devices()))
     specs, bad = draw(grad_lists(device))
     inv = draw(scalar_arg(inv_scales, device=device))
     total = draw(
@@ -399,13 +394,11 @@ def _check_clip_unscale(case):
     names = _on_meta(inv_t, dev_names, names)
     call = lambda: ops.clip_unscale_(views, inv_t, tot_t, max_norm)
     if names:
-        expect_error(call, names, grads)
+        fuzz.expect_error(call, names, grads)
         return
-    if inv_t.device.type == "meta":  # a shape-only call: nothing to compare
-        call()
+    before = _values_then_call(call, inv_t, grads)
+    if before is None:  # a shape-only call: nothing to compare
         return
-    before = [g.values() for g in grads]
-    call()
     inv = float(inv_t.reshape(()))
     coef = clip_coef32(float(tot_t.reshape(())), max_norm)
     inv32 = torch.tensor(inv, dtype=torch.float32)
@@ -422,13 +415,13 @@ def _check_clip_unscale(case):
         got = g.values()
         same = (got == exact) | (got.isnan() & exact.isnan())
         assert bool(same.all()), f"grads[{i}] ({dt}) differs from the documented arithmetic"
-        assert_within_ulps(
+        fuzz.assert_within_ulps(
             got, ref64, dt, 2.0 if dt in (torch.float32, torch.float64) else 1.0, f"grads[{i}]"
         )
         g.assert_outside_untouched(f"grads[{i}]")
 
 
-test_clip_unscale, test_clip_unscale_slow = tiered(default=120, slow=4000, case=clip_cases())(
+test_clip_unscale, test_clip_unscale_slow = fuzz.tiered(default=120, slow=4000, case=clip_cases())(
     _check_clip_unscale
 )
 
@@ -444,7 +437,7 @@ scales = st.one_of(
 
 @st.composite
 def update_cases(draw):
-    device = draw(st.sampled_from(compute_devices()))
+    device = draw(st.sampled_from(fuzz.compute_devices()))
     interval = draw(st.one_of(st.integers(1, 5), st.sampled_from([2000, INT32_MAX])))
     hyst = draw(st.one_of(st.integers(1, 4), st.sampled_from([INT32_MAX])))
     gt = draw(
@@ -504,18 +497,24 @@ def update_cases(draw):
     return device, scale, gt_t, ht_t, found, args, bad_value, alias
 
 
+# update_scale_'s scalar arguments after its four tensors, in its order.
+_UPDATE_ARGS = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+)
+
+
 def _update_reference(scale, gt, ht, found, a):
     s, g, h = update_scale_ref(
         scale,
         gt,
         ht,
         found != 0,
-        a["growth_factor"],
-        a["backoff_factor"],
-        a["growth_interval"],
-        a["hysteresis"],
-        a["min_scale"],
-        a["max_scale"],
+        *(a[k] for k in _UPDATE_ARGS),
     )
     return s, min(g, INT32_MAX), h  # the int32 tracker saturates instead of overflowing
 
@@ -552,15 +551,10 @@ def _check_update_scale(case):
         gt,
         ht,
         found,
-        a["growth_factor"],
-        a["backoff_factor"],
-        a["growth_interval"],
-        a["hysteresis"],
-        a["min_scale"],
-        a["max_scale"],
+        *(a[k] for k in _UPDATE_ARGS),
     )
     if names:
-        expect_error(call, names)
+        fuzz.expect_error(call, names)
         for t, b in zip((scale, gt, ht, found), before):
             if t.device.type != "meta":
                 assert torch.equal(
@@ -581,9 +575,9 @@ def _check_update_scale(case):
         assert math.isfinite(got[0]) or math.isnan(got[0]), "the scale grew to inf"
 
 
-test_update_scale, test_update_scale_slow = tiered(default=300, slow=10000, case=update_cases())(
-    _check_update_scale
-)
+test_update_scale, test_update_scale_slow = fuzz.tiered(
+    default=300, slow=10000, case=update_cases()
+)(_check_update_scale)
 
 
 # --- regressions and fixed cases ----------------------------------------------------------------
@@ -594,15 +588,15 @@ def test_overlapping_as_strided_grads_are_rejected():
     "too hard") must be rejected like an expanded one, before anything is written."""
     base = torch.randn(64)
     v = base.as_strided((4, 4), (1, 2))  # element (0, 2) and (2, 1) share memory... and others
-    g = Guarded(
-        TensorSpec((4, 4), torch.float32), base, v, torch.arange(64).as_strided((4, 4), (1, 2))
+    g = fuzz.Guarded(
+        fuzz.TensorSpec((4, 4), torch.float32), base, v, torch.arange(64).as_strided((4, 4), (1, 2))
     ).freeze()
     assert g.overlapping
     found = torch.zeros(())
-    expect_error(
+    fuzz.expect_error(
         lambda: ops.non_finite_check_and_unscale_([v], found, torch.tensor(0.5)), ["grads[0]"], [g]
     )
-    expect_error(
+    fuzz.expect_error(
         lambda: ops.clip_unscale_([v], torch.tensor(0.5), torch.tensor(1.0), 1.0), ["grads[0]"], [g]
     )
     assert float(found) == 0.0
@@ -628,16 +622,16 @@ def test_mixed_device_scalars_are_rejected():
     snap = g[0].clone()
     inv = torch.tensor(0.5)
     meta = torch.zeros((), device="meta")
-    expect_error(lambda: ops.non_finite_check_and_unscale_(g, meta, inv), ["found_inf"])
-    expect_error(
+    fuzz.expect_error(lambda: ops.non_finite_check_and_unscale_(g, meta, inv), ["found_inf"])
+    fuzz.expect_error(
         lambda: ops.non_finite_check_and_unscale_(
             g, torch.zeros(()), inv, torch.zeros(1, dtype=torch.bool, device="meta")
         ),
         ["tensor_found_inf"],
     )
-    expect_error(lambda: ops.clip_unscale_(g, inv, meta, 1.0), ["total_norm"])
+    fuzz.expect_error(lambda: ops.clip_unscale_(g, inv, meta, 1.0), ["total_norm"])
     i32 = torch.zeros((), dtype=torch.int32)
-    expect_error(
+    fuzz.expect_error(
         lambda: ops.update_scale_(torch.ones(()), i32, i32.clone() + 1, meta, 2.0, 0.5, 1),
         ["found_inf"],
     )
