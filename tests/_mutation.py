@@ -39,6 +39,13 @@ def run_tests(root: Path, files: list[str], timeout: int) -> tuple[str, str]:
         )
     except subprocess.TimeoutExpired:
         return "killed", f"timed out after {timeout}s"
+    if r.returncode in (3, 4, 5):
+        # pytest's internal error, usage error (a test id that no longer exists) and "no tests
+        # collected" say nothing about the mutant: a kill counted from them would be false.
+        raise RuntimeError(
+            f"the mutant's test run could not run ({' '.join(files)}): pytest exited "
+            f"{r.returncode}\n{r.stdout[-1500:]}{r.stderr[-1500:]}"
+        )
     if r.returncode != 0:
         first = next((ln for ln in r.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))), "")
         return "killed", first[:200] or f"pytest exited {r.returncode}"
