@@ -92,9 +92,12 @@ ARGCOV_QUICK := build/argcov-quick.json
 # the controller (tests/conftest.py). OMP_WAIT_POLICY=passive: each worker keeps torch's intra-op
 # threads (the kernels' threaded paths stay tested), which then sleep rather than spin while they
 # wait, so two workers' thread pools share the cores instead of burning them.
+# (A venv made before pytest-xdist joined the .deps list runs one process: `rm $(VENV)/.deps`
+# reinstalls.)
 TEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 1)
-XDIST = $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,-p no:xdist)
-TEST_ENV = $(if $(filter-out 0 1,$(TEST_WORKERS)),OMP_WAIT_POLICY=passive,)
+PARALLEL = $(and $(filter-out 0 1,$(TEST_WORKERS)),$(shell $(PY) -c 'import xdist' 2>/dev/null && echo yes))
+XDIST = $(if $(PARALLEL),-n $(TEST_WORKERS) --dist loadfile,-p no:xdist)
+TEST_ENV = $(if $(PARALLEL),OMP_WAIT_POLICY=passive,)
 
 test: emu
 	$(PY) .ci/check_fp_contract.py build/$(notdir $(VENV))
@@ -121,8 +124,8 @@ test-capabilities: $(VENV)/.built
 	echo "CPU capability of this machine: $$native; the differential tests under: $${caps:-none below it}"; \
 	for c in $$caps; do \
 	  echo "=== FASTAMP_CPU_CAPABILITY=$$c ATEN_CPU_CAPABILITY=$$c ==="; \
-	  FASTAMP_CPU_CAPABILITY=$$c ATEN_CPU_CAPABILITY=$$c $(PY) -m pytest $(QUICK_TIER) -q -p no:cacheprovider \
-	    $(CAPABILITY_TESTS) $(PYTEST_ARGS) || exit 1; \
+	  FASTAMP_CPU_CAPABILITY=$$c ATEN_CPU_CAPABILITY=$$c $(TEST_ENV) $(PY) -m pytest $(QUICK_TIER) -q -p no:cacheprovider \
+	    $(XDIST) $(CAPABILITY_TESTS) $(PYTEST_ARGS) || exit 1; \
 	done
 
 # Planted faults (a removed barrier, a wrong chunk index, a divergent shuffle, a misaligned 16-byte
@@ -177,7 +180,7 @@ test-matrix-ci: $(VENV)/.built
 	  [ -f .venv-torch$$v/.deps ] || PIP_CONSTRAINT=/dev/null $(MAKE) --no-print-directory .venv-torch$$v/.deps \
 	    VENV=.venv-torch$$v TORCH_SPEC=torch==$$v || exit 1; \
 	  $(PY) .ci/share_build.py .venv-torch$$v/bin/python || exit 1; \
-	  FASTAMP_DDP_PARITY_WORLDS=2 .venv-torch$$v/bin/python -m pytest -q -p no:cacheprovider $(MATRIX_CI_TESTS) $(PYTEST_ARGS) || exit 1; \
+	  FASTAMP_DDP_PARITY_WORLDS=2 $(TEST_ENV) .venv-torch$$v/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(MATRIX_CI_TESTS) $(PYTEST_ARGS) || exit 1; \
 	done
 
 # Release artefacts, in dist/: a CPU wheel (built in .venv), a CUDA wheel (built in .venv-cuda with
@@ -314,7 +317,7 @@ ASAN_PY := $(ASAN_VENV)/bin/python
 $(ASAN_VENV)/.deps:
 	$(PYTHON) -m venv $(ASAN_VENV)
 	$(ASAN_PY) -m pip install -q --upgrade pip
-	$(ASAN_PY) -m pip install -q "$(TORCH_SPEC)" $(BUILD_TOOLS) numpy pytest expecttest hypothesis
+	$(ASAN_PY) -m pip install -q "$(TORCH_SPEC)" $(BUILD_TOOLS) numpy pytest pytest-xdist==3.8.0 expecttest hypothesis
 	touch $@
 
 # Non-editable, so the Python sources are inputs too (and this Makefile: it holds the sanitizer list).

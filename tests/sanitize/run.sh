@@ -127,6 +127,16 @@ export FASTAMP_EMU_LIB=$emu_lib
 EMU_TESTS=(tests/cuda_emu/test_emulator.py tests/cuda_emu/test_emulated_ops.py tests/cuda_emu/test_emulated_lowbit.py
   -k "(lowbit and (fp16 or found_inf)) or (sgd_lowbit and bf16) or test_emulator or (grad_stats and 2.0) or non_finite or (clip_unscale and 10.0) or split or many or update_scale or (bucket and dtype0) or (digest and dtype0) or (adam_step and fp16) or (sgd_step and bf16) or found_inf")
 
+# One pytest-xdist worker per core (SANITIZE_WORKERS; 1: one process), each test file in one
+# worker, torch's waiting threads asleep rather than spinning (as make test runs its tiers). Each
+# process writes its own sanitizer logs (log_path takes the pid), all read below.
+WORKERS=${SANITIZE_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+XDIST=(-p no:xdist)
+if [ "$WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then
+  XDIST=(-n "$WORKERS" --dist loadfile)
+  export OMP_WAIT_POLICY=passive
+fi
+
 rc=0
 passes=()
 run_pass() {  # name [VAR=value...] -- pytest args...
@@ -137,7 +147,7 @@ run_pass() {  # name [VAR=value...] -- pytest args...
   echo "sanitize: pass '$name': ${envs[*]} pytest $*"
   set +e
   env "${envs[@]}" "$PY" -m pytest -v -p no:cacheprovider -p no:faulthandler --capture=sys \
-    --junitxml="$LOG_DIR/$name.junit.xml" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+    "${XDIST[@]}" --junitxml="$LOG_DIR/$name.junit.xml" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
   r=${PIPESTATUS[0]}
   set -e
   [ "$r" -eq 0 ] || rc=$r
