@@ -39,6 +39,8 @@ _SCALER = [
     "tests/scaler/test_grad_scaler.py",
     "tests/scaler/test_scaler_fidelity.py",
     "tests/scaler/test_clip_no_scaler.py",
+    # the steady state's direct kernel calls against the dispatcher's (bits, write counters)
+    "tests/optim/test_direct_calls.py",
     "tests/scaler",
     "tests/optim/test_optimizers.py",
     "tests/parallel/test_ddp_parity.py::test_same_as_torchs_ddp[statistics_reused_only_while_grads_unchanged-2]",

@@ -271,6 +271,48 @@ def test_torch_optimizer_gets_grads_clipped_in_place_as_torchs_clip():
     assert [p.grad._version for p in m2.parameters()] == versions  # private-ok
 
 
+@pytest.mark.parametrize("grad_scale", [1e-8, 1e-7, 1e-6])
+@pytest.mark.parametrize("scaled", [False, True], ids=["scaler_free", "grad_scaler"])
+@pytest.mark.parametrize("norm_type", [2.0, 3.0])  # fastamp::clip_coef; torch's ops in Python
+def test_norms_near_torchs_epsilon_clip_as_torch(grad_scale, scaled, norm_type):
+    """Total norms near torch's 1e-6 in ``max_norm / (norm + 1e-6)``, where the epsilon's sign and
+    size decide the coefficient: fastamp's clip handed to fastamp's SGD (the coefficient applied in
+    its step), scaler-free and GradScaler's (grads scaled by 1024), against torch's unscale_, clip
+    and SGD. Params start at zero, so each step's update is the clipped grad itself."""
+    m0, m1 = _model(torch.float32), _model(torch.float32)
+    grads = _grads(m0, torch.Generator().manual_seed(7), grad_scale)
+    with torch.no_grad():
+        for p in (*m0.parameters(), *m1.parameters()):
+            p.zero_()
+    max_norm = 1e-7
+    ours = fastamp.optim.SGD(m0.parameters(), lr=1.0)
+    theirs = torch.optim.SGD(m1.parameters(), lr=1.0)
+    if scaled:
+        _set(m0, [g * 1024 for g in grads])
+        _set(m1, [g * 1024 for g in grads])
+        scalers = fastamp.GradScaler("cpu", 1024.0), torch.amp.GradScaler("cpu", 1024.0)
+        for s in scalers:
+            s.scale(torch.ones(()))
+        a = scalers[0].clip_grad_norm_(ours, max_norm, norm_type)
+        scalers[0].step(ours)
+        scalers[1].unscale_(theirs)
+        b = torch.nn.utils.clip_grad_norm_(m1.parameters(), max_norm, norm_type)
+        scalers[1].step(theirs)
+    else:
+        _set(m0, grads)
+        _set(m1, grads)
+        a = fastamp.clip_grad_norm_(ours, max_norm, norm_type)
+        ours.step()
+        b = torch.nn.utils.clip_grad_norm_(m1.parameters(), max_norm, norm_type)
+        theirs.step()
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+    coef = max_norm / (float(b) + 1e-6)
+    assert 0 < coef < 1  # the clip is active, and its coefficient is positive
+    for p, q in zip(m0.parameters(), m1.parameters()):
+        assert bool(q.ne(0).any())
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=0)
+
+
 def test_second_clip_before_step_equals_torchs_double_clip():
     m0, m1 = _twins(4, 5.0)
     ours = fastamp.optim.SGD(m0.parameters(), lr=0.1)
