@@ -127,12 +127,14 @@ _ONE_DEVICE = (
     "tests have one (two GPUs in one process would reach it)"
 )
 EQUIVALENT: dict[str, str] = {
-    "scaler/grad_scaler.py:388:total - v": _ONE_DEVICE,
+    "scaler/grad_scaler.py:390:total - v": _ONE_DEVICE,
     "scaler/_clip.py:81:2": _ONE_DEVICE,
     "scaler/_clip.py:82:total - p": _ONE_DEVICE,
     "optim/optimizers.py:245:pid <= len(params)": "equivalent: the state_dict torch builds numbers "
     "its state by parameter position, so every key is below len(params); the guard is for keys "
     "no state_dict of this optimizer has",
+    "optim/_state_dict.py:268:pid <= len(counts)": "equivalent: as above, the keys of the "
+    "state_dict torch builds number params by position, each below len(counts) (one per param)",
     "optim/lowbit.py:266:True": "equivalent: the default of Int8Format.check's any_device is "
     "never used; its one caller (check_any) always passes it",
     "optim/optimizers.py:515:1": "equivalent: the default seed of the stochastic-rounding stream "

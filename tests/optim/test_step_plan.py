@@ -193,6 +193,10 @@ def test_two_launch_plan_sees_each_change(name, change):
     models, opts = _pair(name, _two_groups)
     _steps(models, opts, 3)
     assert _planned(opts[1]) and len(opts[1]._stepper.replay.launches) == 2
+    # unchanged, the replay serves the next step's grads (one list per launch)
+    _grads(models, 99)
+    served = opts[1]._stepper.replay.grads(opts[1].param_groups, opts[1].state)
+    assert served is not None and len(served) == 2
     CHANGES[change](models, opts)
     _steps(models, opts, 3, seed=10)
     _same(models, opts)
