@@ -274,6 +274,8 @@ mutate: emu
 # and a cache of outcomes in build/ (a mutant is re-run when its file or its tests change).
 MUTATE_CPU_PER_FILE ?= 6
 MUTATE_PY_PER_FILE ?= 3
+# MUTATE_PY_MINUTES=N: start no mutant after N minutes (the report says how many have no outcome)
+MUTATE_PY_MINUTES ?=
 define mutate_worktree
 	git worktree remove --force $(1) 2>/dev/null || rm -rf $(1)
 	git worktree prune
@@ -287,6 +289,7 @@ mutate-cpu: $(VENV)/.built
 mutate-python: $(VENV)/.built
 	$(call mutate_worktree,build/mutate-python-wt)
 	cd build/mutate-python-wt && $(abspath $(PY)) tests/mutate_python.py --per-file $(MUTATE_PY_PER_FILE) \
+	  $(if $(MUTATE_PY_MINUTES),--minutes $(MUTATE_PY_MINUTES),) \
 	  --state $(CURDIR)/build/mutate_python_state.json --out $(CURDIR)/benchmarks/results/mutation_python.md
 
 # CI's fixed sample: one killed mutant of each .cu file (seconds each; all must stay killed).
