@@ -6,6 +6,7 @@ tensor lr that never reaches a CUDA kernel, maximize=True that never reaches a C
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -131,3 +132,76 @@ def test_classes_follow_the_schema():
     assert _argcov._classes("adam_step_", adam["master_params"], []) == {"empty"}
     assert _argcov._classes("adam_step_", adam["maximize"], True) == {"True"}
     assert set(_argcov.required("adam_step_")["maximize"]) == {"True", "False"}
+
+
+class _FakeConfig:
+    """What tests/conftest.py's xdist controller reads of a pytest config."""
+
+    def __init__(self, root) -> None:
+        import types
+
+        self.option = types.SimpleNamespace(numprocesses=2)
+        self.args_source = pytest.Config.ArgsSource.TESTPATHS
+        self.rootpath = root
+        self.pluginmanager = types.SimpleNamespace(getplugin=lambda name: None)
+
+    def getoption(self, name, default=None):
+        return {"markexpr": "full", "keyword": ""}.get(name, default)
+
+
+@pytest.mark.parametrize("planted", ["class_missing", "stale_quick_tier", "none"])
+def test_the_xdist_controller_judges_the_workers_records(tmp_path, monkeypatch, planted):
+    """The full tier in pytest-xdist workers: the controller adds up the workers' records and the
+    quick tier's, then fails the session on a value class no kernel saw or on a stale quick
+    tier, and passes one that has them all (planted on copies of this session's records)."""
+    import types
+
+    from tests import conftest
+
+    saved = {k: {a: set(c) for a, c in v.items()} for k, v in _argcov.SEEN.items()}
+    monkeypatch.delenv("FASTAMP_ARGCOV_SAVE", raising=False)
+    (tmp_path / "build").mkdir()
+    parts = tmp_path / "build" / "argcov-full-parts"
+    try:
+        # every class every op argument must take, on both backends
+        everything: dict = {}
+        for op in _argcov.cuda_ops():
+            for arg, need in _argcov.required(op).items():
+                for b in _argcov.BACKENDS:
+                    everything.setdefault((b, op), {})[arg] = set(need)
+        if planted == "class_missing":
+            everything[("emu", "adam_step_")]["maximize"] = {"False"}
+        suites = [f"{s}test_x.py::t" for s in SUITES]
+        quick = ["tests/scaler/test_q.py::q"]
+        for w, half in enumerate((list(everything.items())[::2], list(everything.items())[1::2])):
+            _argcov.SEEN.clear()
+            for (b, op), args in half:
+                for a, c in args.items():
+                    _argcov.SEEN[(b, op)][a] |= set(c)
+            _argcov.save(
+                f"{parts}.gw{w}",
+                suites,
+                extra={
+                    "passed": True,
+                    "whole_quick": False,
+                    "deselected_not_slow": quick
+                    + (["tests/optim/test_new.py::n"] * (planted == "stale_quick_tier")),
+                },
+            )
+        _argcov.SEEN.clear()
+        monkeypatch.setattr(sys.modules[__name__], "_PRIOR", quick)
+        session = types.SimpleNamespace(config=_FakeConfig(tmp_path), exitstatus=0)
+        conftest._add_worker_parts(session)
+        failed = session.exitstatus == pytest.ExitCode.TESTS_FAILED
+        assert failed == (planted != "none")
+        if planted == "class_missing":
+            assert (
+                "adam_step_.maximize: True never reached the emulated CUDA kernel"
+                in _argcov.missing(["adam_step_"])
+            )
+        assert not list(tmp_path.glob("build/argcov-full-parts.gw*"))  # the parts are consumed
+    finally:
+        _argcov.SEEN.clear()
+        for k, v in saved.items():
+            for a, c in v.items():
+                _argcov.SEEN[k][a] |= c
