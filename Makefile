@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - build fastamp in .venv and train fastamp vs torch side by side
-#   make test   - build fastamp in .venv and run the quick test tier (tests: about 3 min on 2 idle cores, 10 shared)
+#   make test   - build fastamp in .venv and run the quick test tier (tests: under 3 min on 2 idle cores)
 #   make test-all - make test, then the tests marked full (CI runs the two as make test, make test-full)
 # TORCH_SPEC picks the torch to build against (default: the CPU 2.13.0 wheel; use torch==2.14.1 for CUDA).
 # A bare `make` (or `make help`) lists every target.
@@ -24,7 +24,7 @@ BUILD_TOOLS := "scikit-build-core==1.1.2" "cmake==4.4.5" "ninja==1.13.2"
 help:
 	@echo "fastamp's make targets (each builds what it needs first, in .venv unless said):"
 	@echo "  make demo          build, then train fastamp vs torch side by side (examples/demo.py)"
-	@echo "  make test          build, build the CUDA emulator library, run the quick test tier (tests: ~3 min on 2 idle cores, ~10 shared)"
+	@echo "  make test          build, build the CUDA emulator library, run the quick test tier (tests: under 3 min on 2 idle cores)"
 	@echo "  make test-full     the tests marked full only (the rest of the suite after make test; CI runs both)"
 	@echo "  make test-all      make test, then make test-full: the whole suite, each test once"
 	@echo "  make test-capabilities  the differential tests vs torch under each CPU capability below this machine's (CI runs it)"
@@ -145,7 +145,7 @@ test-clients: $(VENV)/.built
 	$(MAKE) $(CLIENTS_VENV)/.deps VENV=$(CLIENTS_VENV) EXTRA_DEPS="-r requirements/clients.txt"
 	$(CLIENTS_VENV)/bin/python -c "import torch; assert torch.__version__.split('+')[0] == '$(patsubst torch==%,%,$(TORCH_SPEC))', torch.__version__"
 	$(PY) .ci/share_build.py $(CLIENTS_VENV)/bin/python
-	FASTAMP_REQUIRE_CLIENTS=1 $(CLIENTS_VENV)/bin/python -m pytest -q -m clients $(PYTEST_ARGS)
+	FASTAMP_REQUIRE_CLIENTS=1 $(TEST_ENV) $(CLIENTS_VENV)/bin/python -m pytest -q -m clients $(XDIST) $(PYTEST_ARGS)
 
 # The torch version matrix: the CPU wheel of `make wheel` (one file, compiled once against the
 # stable ABI of torch 2.11) installed beside each release in MATRIX (PyPI's CUDA wheels, run on the

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -198,7 +199,11 @@ def build(
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"compiling {rel} for the CUDA emulator failed:\n{r.stderr}")
-            shutil.move(str(tmp_obj), obj)
+            # Into the cache in one rename: several builds (make emu-faults runs mutants side by
+            # side) may look for the same object while it is written.
+            staged = objdir / f".{obj.name}.{os.getpid()}.{threading.get_ident()}"
+            shutil.move(str(tmp_obj), staged)
+            os.replace(staged, obj)
         return obj
 
     units = HOST_SOURCES + cuda_sources()
