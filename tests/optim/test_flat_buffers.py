@@ -212,6 +212,26 @@ def test_a_grad_or_param_that_stops_being_its_view_steps_right(hook, clip):
     assert len({p.untyped_storage().data_ptr() for p in flat.parameters()}) == 1
 
 
+def _reset_state(s, model, opt):
+    if s == 2:  # a fresh state dict, as code that resets an optimizer's state assigns one
+        import collections
+
+        opt.state = collections.defaultdict(dict)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_state_dict_replaced_steps_from_a_fresh_state_as_torch(clip):
+    """``opt.state = defaultdict(dict)`` between steps: the next step starts the moments and step
+    counts afresh, as the per-parameter path and torch's fused AdamW do; the flat buffers must
+    not keep stepping the state they held."""
+    ref, _, _ = _run("torch", hook=_reset_state, clip=clip)
+    per_param, _, _ = _run("fastamp", hook=_reset_state, clip=clip)
+    flat, opt, _ = _run("flat", hook=_reset_state, clip=clip)
+    _assert_params(flat, per_param, exact=clip is None)
+    _assert_params(flat, ref, exact=False)
+    assert all(float(opt.state[p]["step"]) == STEPS - 2 for p in flat.parameters())
+
+
 def _halve_grads(s, model, opt):
     if s == 2:
         for p in model.parameters():
