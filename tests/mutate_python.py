@@ -139,6 +139,14 @@ EQUIVALENT: dict[str, str] = {
     "no state_dict of this optimizer has",
     "optim/_state_dict.py:268:pid <= len(counts)": "equivalent: as above, the keys of the "
     "state_dict torch builds number params by position, each below len(counts) (one per param)",
+    "checkpoint/_ops.py:75:j == 0 and previous[j].numel() > 0": "unreachable without CUDA: "
+    "states[j] for j > 0 are CUDA generators' states, and on a CPU-only machine only the CPU "
+    "generator's (j == 0) is restored",
+    "checkpoint/_ops.py:122:1": "unreachable without CUDA: the fake kernel's CUDA generators' "
+    "sizes (torch.cuda.is_available() is False here)",
+    "scaler/_ops.py:129:t.requires_grad": "equivalent: only the scaler passes a keyset to "
+    "record_overflow_, with its own five tensors, none of which requires grad (the guard keeps "
+    "a direct call from skipping autograd's checks for other callers)",
     "optim/lowbit.py:266:True": "equivalent: the default of Int8Format.check's any_device is "
     "never used; its one caller (check_any) always passes it",
     "optim/optimizers.py:515:1": "equivalent: the default seed of the stochastic-rounding stream "
@@ -247,6 +255,11 @@ def run(m: Mutant, timeout: int) -> tuple[str, str]:
         path.write_text(original)
 
 
+def _argued(m: Mutant) -> str | None:
+    """Why ``m`` is equivalent or unreachable here (EQUIVALENT), or None."""
+    return EQUIVALENT.get(f"{m.file}:{m.line}:{mutated_source(m)[1]}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = mutation_parser(__doc__, per_file=6)
     ap.add_argument(
@@ -295,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         # Tests only grow: a killed mutant stays killed; a survivor runs again every time.
         if a.report_only and k not in state:
             raise SystemExit(f"--report-only: {m.file}:{m.line} {m.what} has no cached outcome")
-        cached = state.get(k, [""])[0] == "killed" or a.report_only
+        # A survivor argued equivalent below is not run again: no test is expected to kill it.
+        argued = state.get(k, [""])[0] == "survived" and _argued(m)
+        cached = state.get(k, [""])[0] == "killed" or a.report_only or argued
         if a.only is not None and m.file not in a.only and not cached:
             cached = k in state  # not run now: its last outcome, if any
         if not cached and (
@@ -314,8 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         results.append((m, status, detail))
 
-    def why(m: Mutant) -> str | None:
-        return EQUIVALENT.get(f"{m.file}:{m.line}:{mutated_source(m)[1]}")
+    why = _argued
 
     results = [(m, "equivalent" if s == "survived" and why(m) else s, d) for m, s, d in results]
     counted = [r for r in results if r[1] != "equivalent"]

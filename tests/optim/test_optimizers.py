@@ -509,3 +509,24 @@ def test_tensor_lr_matches_torch(kind):
     assert isinstance(fo.param_groups[0]["lr"], torch.Tensor)
     for a, b in zip(fm.parameters(), tm.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_torch_state_dict_with_tensor_betas_loads_and_steps_as_torch():
+    """torch's AdamW takes betas as 1-element tensors; its state_dict keeps them so, and fastamp's
+    AdamW loads it and steps as torch's does from it."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(6))
+    ours_p = torch.nn.Parameter(p.detach().clone())
+    theirs = torch.optim.AdamW([p], lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    p.grad = torch.randn(6)
+    theirs.step()
+    ours = fastamp.optim.AdamW([ours_p], lr=1e-2)
+    with torch.no_grad():
+        ours_p.copy_(p)
+    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))  # (torch's load shares tensors)
+    assert all(isinstance(b, torch.Tensor) for b in ours.param_groups[0]["betas"])
+    g = torch.randn(6)
+    p.grad, ours_p.grad = g.clone(), g.clone()
+    theirs.step()
+    ours.step()
+    torch.testing.assert_close(ours_p, p, rtol=1e-6, atol=1e-7)
